@@ -1,0 +1,59 @@
+"""BaseAlgorithmProcessor: pulls complete batches from the trajectory pool, fits them, queues them for training."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.types import Batch
+
+logger = logging.getLogger(__name__)
+
+
+class BaseAlgorithmProcessor(NexRLModule):
+    UPDATE_FN = "update_actor"
+
+    def __init__(self, config: RLTrainConfig):
+        super().__init__()
+        self._config = config
+        self._idle_wait_s = config["algorithm"]["idle_wait_s"]
+        self._trajectory_pool: Any = None
+        self._train_batch_pool: Any = None
+
+    def set_module_references(self, trajectory_pool: Any, train_batch_pool: Any) -> None:
+        self._trajectory_pool = trajectory_pool
+        self._train_batch_pool = train_batch_pool
+
+    def run(self) -> None:
+        self._start_thread(self._loop)
+
+    def stop(self) -> None:
+        self._stop_thread(timeout=10)
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            batch = self._get_batch()
+            if batch is None:
+                time.sleep(self._idle_wait_s)
+                continue
+            assert self._activity_tracker is not None
+            with self._activity_tracker.track(self._module_name, "fit"):
+                self._fit(batch, self.UPDATE_FN)
+
+    def _fit(self, batch: Batch, update_fn: str) -> None:
+        raise NotImplementedError
+
+    def _get_batch(self, batch_size: int | None = None) -> Batch | None:
+        return execute(self._trajectory_pool.get_batch_any, batch_size)
+
+    def _put_batch(self, batch: Batch, update_fn: str) -> bool:
+        """Queue for training; waits (without busy spinning) while the train batch queue is full."""
+        while not self.stopped:
+            if execute(self._train_batch_pool.put_batch, batch, update_fn):
+                return True
+            time.sleep(self._idle_wait_s)
+        return False

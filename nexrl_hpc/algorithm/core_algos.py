@@ -1,0 +1,102 @@
+"""Pure tensor functions of the RL objective: advantages, KL estimators, the clipped policy loss."""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def group_index(keys: list) -> torch.Tensor:
+    """Map each row's group key to a dense index 0..G-1 (first-seen order)."""
+    seen: dict = {}
+    return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Outcome advantage per sequence: (r - mean_group) / (std_group + eps), std unbiased.
+
+    With ``norm_by_std=False`` only the group mean is subtracted (Dr. GRPO). A group of one sample
+    has mean = its reward and std 0, so its advantage is 0.
+    """
+    rewards = rewards.to(torch.float32)
+    n_groups = int(groups.max()) + 1 if groups.numel() else 0
+    counts = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(rewards))
+    sums = torch.zeros(n_groups).index_add_(0, groups, rewards)
+    means = sums / counts
+    centered = rewards - means[groups]
+    sq = torch.zeros(n_groups).index_add_(0, groups, centered**2)
+    std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(counts))
+    if norm_by_std:
+        adv = centered / (std[groups] + epsilon)
+    else:
+        adv = centered
+    stats = {
+        "zero_std_group_frac": float((std == 0).float().mean()) if n_groups else 0.0,
+        "group_reward_std_mean": float(std.mean()) if n_groups else 0.0,
+    }
+    return adv, stats
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
+    log_ratio = log_prob - ref_log_prob
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        # k3 = r - 1 - log r with r = pi_ref / pi; clamped as the low-variance form is in practice
+        neg = (-log_ratio).clamp(min=-20.0, max=20.0)
+        return (neg.exp() - 1.0 - neg).clamp(min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
+
+
+def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float | None = None) -> torch.Tensor:
+    """Reduce [B, T] token values to a scalar.
+
+    token-mean: sum over all masked tokens / ``normalizer`` (the token count of the whole mini-batch
+    when gradients are accumulated over micro-batches, so every token weighs the same).
+    seq-mean-token-sum / seq-mean-token-mean: per-sequence sum or mean, then mean over sequences
+    (``normalizer`` = number of sequences in the mini-batch).
+    """
+    mask = mask.to(token_values.dtype)
+    if mode == "token-mean":
+        denom = normalizer if normalizer is not None else mask.sum().clamp(min=1.0)
+        return (token_values * mask).sum() / denom
+    per_seq = (token_values * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    denom = normalizer if normalizer is not None else float(per_seq.numel())
+    return per_seq.sum() / denom
+
+
+def ppo_clip_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    agg_mode: str,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level PPO-clip surrogate: -min(r A, clip(r, 1-lo, 1+hi) A), aggregated by ``agg_mode``."""
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    loss = aggregate(token_loss, mask, agg_mode, normalizer)
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        stats = {
+            "clipfrac_sum": ((clipped > unclipped).float() * m).sum(),
+            "ppo_kl_sum": (-log_ratio * m).sum(),
+            "tokens": m.sum(),
+        }
+    return loss, stats

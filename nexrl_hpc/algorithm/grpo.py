@@ -1,0 +1,57 @@
+"""GRPO: group-normalised outcome advantages, broadcast over each response's trained tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
+from nexrl_hpc.algorithm.batching import pack_trajectories
+from nexrl_hpc.algorithm.core_algos import group_index, grpo_advantages
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.types import Batch
+
+
+class GRPOProcessor(BaseAlgorithmProcessor):
+    def __init__(self, config: RLTrainConfig, pad_token_id: int):
+        super().__init__(config)
+        algo = config["algorithm"]
+        self._norm_by_std = algo["norm_adv_by_std"]
+        self._epsilon = algo["adv_epsilon"]
+        self._group_key = (config["trajectory_pool"]["key_list"] or ["group_id"])[0]
+        self._pad_token_id = pad_token_id
+
+    def compute(self, batch: Batch) -> Batch:
+        """The training batch for ``batch`` of trajectories (exposed for tests and benchmarks)."""
+        rewards = torch.tensor([float(r) for r in batch.values["reward"]], dtype=torch.float32)
+        keys = batch.values.get(self._group_key) or list(range(len(batch)))
+        groups = group_index(keys)
+        adv, adv_stats = grpo_advantages(rewards, groups, self._norm_by_std, self._epsilon)
+        tensors = pack_trajectories(batch, self._pad_token_id)
+        mask = tensors["response_mask"]
+        tensors["advantages"] = adv[:, None] * mask
+        tensors["rewards"] = rewards
+        versions = [v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))]
+        tensors["weight_version"] = torch.tensor(versions, dtype=torch.long)
+        resp_len = mask.sum(-1)
+        metrics = {
+            "train/reward_mean": float(rewards.mean()),
+            "train/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "train/reward_max": float(rewards.max()),
+            "train/reward_min": float(rewards.min()),
+            "train/advantage_mean": float(adv.mean()),
+            "train/advantage_abs_mean": float(adv.abs().mean()),
+            "train/response_length_mean": float(resp_len.mean()),
+            "train/num_groups": int(groups.max()) + 1,
+            "train/zero_std_group_frac": adv_stats["zero_std_group_frac"],
+        }
+        metadata = dict(batch.metadata)
+        metadata.update(
+            metrics=metrics,
+            global_token_num=int(tensors["attention_mask"].sum()),
+            uid=list(batch.values.get("uid", [])),
+            epoch=list(batch.values.get("epoch", [])),
+        )
+        return Batch(values=tensors, metadata=metadata)
+
+    def _fit(self, batch: Batch, update_fn: str) -> None:
+        self._put_batch(self.compute(batch), update_fn)

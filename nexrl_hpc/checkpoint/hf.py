@@ -1,0 +1,126 @@
+"""Write HF-layout model directories (config + safetensors + tokenizer) atomically.
+
+What transformers, vLLM and SGLang load: ``config.json``, ``model.safetensors`` (or shards with
+``model.safetensors.index.json`` above ``max_shard_bytes``), tokenizer files. Shared tensors (tied
+embeddings) are written out as separate copies so a reloading engine never keeps a stale lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen: dict[tuple[int, int], str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        t = tensor.detach().to("cpu")
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            t = t.clone()
+        else:
+            seen[key] = name
+        out[name] = t.contiguous()
+    return out
+
+
+def write_safetensors(state_dict: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> list[str]:
+    """Write one file or shards + index; returns the written file paths."""
+    tensors = _untie(state_dict)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if total <= max_shard_bytes:
+        path = os.path.join(out_dir, "model.safetensors")
+        save_file(tensors, path, metadata={"format": "pt"})
+        return [path]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        paths.append(os.path.join(out_dir, fname))
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    paths.append(index)
+    return paths
+
+
+def write_hf_model_dir(
+    state_dict: dict[str, torch.Tensor],
+    source_model_dir: str,
+    out_dir: str,
+    max_shard_bytes: int,
+    fsync: bool = True,
+) -> None:
+    """Write weights + the source model's config/tokenizer files to ``out_dir`` (temp dir, then rename)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    written = write_safetensors(state_dict, tmp, max_shard_bytes)
+    for name in HF_SIDE_FILES:
+        src = os.path.join(source_model_dir, name)
+        if os.path.exists(src):
+            shutil.copyfile(src, os.path.join(tmp, name))
+            written.append(os.path.join(tmp, name))
+    if fsync:
+        for path in written:
+            fsync_path(path)
+        fsync_path(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    if fsync:
+        fsync_path(parent)
+
+
+def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF-layout directory (single file or index + shards)."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(model_path, name)))
+    return state

@@ -1,0 +1,170 @@
+"""Atomic checkpoints on the (parallel) filesystem.
+
+``checkpoints/global_step_<N>/`` holds ``model/`` (HF layout), ``optimizer/`` (per-rank engine
+state) and ``state.h5`` (step, data loader position, RNG states, weight versions). It is written
+in a temp dir, fsynced, renamed into place; ``COMPLETE`` is written last and ``latest`` is then
+replaced atomically. A directory without ``COMPLETE`` is never resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from nexrl_hpc.checkpoint.hf import fsync_path
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+STATE_FILE = "state.h5"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": json.dumps(random.getstate()),
+        "numpy": {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "torch": torch.get_rng_state().numpy(),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    py = json.loads(state["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"], n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+
+
+def write_state_h5(path: str, state: dict[str, Any]) -> None:
+    """``state``: global_step, weight_version (dict), dataloader (JSON-able), rng (capture_rng_state())."""
+    with h5py.File(path, "w") as f:
+        f.attrs["global_step"] = int(state["global_step"])
+        f.attrs["format_version"] = 1
+        f.attrs["created_unix"] = time.time()
+        f.attrs["weight_version"] = json.dumps(state["weight_version"])
+        f.create_dataset("dataloader", data=json.dumps(state["dataloader"]))
+        if "extra" in state:
+            f.create_dataset("extra", data=json.dumps(state["extra"]))
+        rng = f.create_group("rng")
+        rng.create_dataset("python", data=state["rng"]["python"])
+        rng.create_dataset("torch", data=state["rng"]["torch"])
+        npg = rng.create_group("numpy")
+        npg.create_dataset("keys", data=state["rng"]["numpy"]["keys"])
+        for k in ("name", "pos", "has_gauss", "cached"):
+            npg.attrs[k] = state["rng"]["numpy"][k]
+
+
+def read_state_h5(path: str) -> dict[str, Any]:
+    with h5py.File(path, "r") as f:
+        rng = f["rng"]
+        npg = rng["numpy"]
+        out = {
+            "global_step": int(f.attrs["global_step"]),
+            "weight_version": json.loads(f.attrs["weight_version"]),
+            "dataloader": json.loads(f["dataloader"][()]),
+            "rng": {
+                "python": rng["python"][()].decode() if isinstance(rng["python"][()], bytes) else rng["python"][()],
+                "torch": rng["torch"][()],
+                "numpy": {
+                    "name": str(npg.attrs["name"]),
+                    "keys": npg["keys"][()],
+                    "pos": int(npg.attrs["pos"]),
+                    "has_gauss": int(npg.attrs["has_gauss"]),
+                    "cached": float(npg.attrs["cached"]),
+                },
+            },
+        }
+        if "extra" in f:
+            out["extra"] = json.loads(f["extra"][()])
+    return out
+
+
+def step_dir_name(step: int) -> str:
+    return f"global_step_{step}"
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE))
+
+
+def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
+    """Newest complete ``global_step_*`` (the ``latest`` pointer is a hint, the scan is the truth)."""
+    if not os.path.isdir(checkpoint_folder):
+        return None
+    best: tuple[int, str] | None = None
+    for name in os.listdir(checkpoint_folder):
+        m = STEP_DIR.match(name)
+        path = os.path.join(checkpoint_folder, name)
+        if m and is_complete(path) and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), path)
+    return best[1] if best else None
+
+
+class CheckpointManager:
+    def __init__(self, checkpoint_folder: str, max_to_keep: int | None):
+        self.folder = checkpoint_folder
+        self.max_to_keep = max_to_keep
+
+    def save(self, step: int, save_model: Any, state: dict[str, Any]) -> str:
+        """``save_model(dir)`` writes model/ and optimizer/ into ``dir``; then state.h5, rename, COMPLETE, latest."""
+        os.makedirs(self.folder, exist_ok=True)
+        final = os.path.join(self.folder, step_dir_name(step))
+        tmp = os.path.join(self.folder, f".tmp-{step_dir_name(step)}-{os.getpid()}")
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        save_model(tmp)
+        state_path = os.path.join(tmp, STATE_FILE)
+        write_state_h5(state_path, state)
+        fsync_path(state_path)
+        fsync_path(tmp)
+        if os.path.exists(final):  # an incomplete leftover of an interrupted save of this step
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(self.folder)
+        marker = os.path.join(final, COMPLETE)
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(final)
+        self._point_latest(step)
+        self._prune(step)
+        return final
+
+    def _point_latest(self, step: int) -> None:
+        tmp = os.path.join(self.folder, f".{LATEST}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(step_dir_name(step) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.folder, LATEST))
+        fsync_path(self.folder)
+
+    def _prune(self, current: int) -> None:
+        if self.max_to_keep is None:
+            return
+        steps = sorted(
+            int(m.group(1))
+            for name in os.listdir(self.folder)
+            if (m := STEP_DIR.match(name)) and is_complete(os.path.join(self.folder, name))
+        )
+        for s in steps[: -self.max_to_keep]:
+            if s != current:
+                shutil.rmtree(os.path.join(self.folder, step_dir_name(s)), ignore_errors=True)
+
+    def latest(self) -> str | None:
+        return find_latest_checkpoint(self.folder)

@@ -1,0 +1,91 @@
+"""Config: Hydra composition, OmegaConf resolvers, schema validation with one error listing every problem."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nexrl_hpc.config.checks import semantic_problems
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, check_against_schema
+
+__all__ = ["ConfigError", "ConfigProblem", "register_resolvers", "resolve_config", "validate_config"]
+
+
+def register_resolvers() -> None:
+    """``${mul:a,b}`` for derived sizes (e.g. trajectories per batch = prompts x samples)."""
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b))
+
+
+def resolve_config(cfg: DictConfig | Mapping) -> tuple[dict[str, Any], list[ConfigProblem], dict[str, str]]:
+    """Plain dict with interpolations resolved; an unresolvable interpolation is a problem at its key.
+
+    Also returns the raw interpolation string of every interpolated key (to trace follow-on errors).
+    """
+    interpolations: dict[str, str] = {}
+    if not isinstance(cfg, DictConfig):
+        return dict(cfg), [], interpolations
+    problems: list[ConfigProblem] = []
+    cfg = cfg.copy()
+    OmegaConf.set_readonly(cfg, False)
+
+    def walk(node: Any, prefix: str) -> None:
+        keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+        for key in keys:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, key):
+                interpolations[path] = str(node._get_node(key)._value())
+            if isinstance(node, DictConfig) and OmegaConf.is_missing(node, key):
+                problems.append(ConfigProblem(path, "missing required value (???)"))
+                node[key] = None
+                continue
+            try:
+                value = node[key]
+            except Exception as exc:  # InterpolationResolutionError and friends
+                problems.append(ConfigProblem(path, f"cannot resolve: {exc}".split("\n")[0]))
+                node[key] = None
+                continue
+            if isinstance(value, (DictConfig,)) or OmegaConf.is_list(value):
+                walk(value, path)
+
+    walk(cfg, "")
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    return container, problems, interpolations
+
+
+def _drop_follow_on(problems: list[ConfigProblem], interpolations: dict[str, str]) -> list[ConfigProblem]:
+    """Keep a problem at a key only if it is not just a copy (by interpolation) of a problem elsewhere."""
+    bad = {p.path for p in problems}
+    tainted: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for path, raw in interpolations.items():
+            if path not in tainted and any("${" + b + "}" in raw or "${" + b + "," in raw or "," + b + "}" in raw for b in bad | tainted if b != path):
+                tainted.add(path)
+                changed = True
+    out: list[ConfigProblem] = []
+    seen: set[tuple[str, str]] = set()
+    for p in problems:
+        if p.path in tainted or (p.path, p.message) in seen:
+            continue
+        seen.add((p.path, p.message))
+        out.append(p)
+    return out
+
+
+def validate_config(cfg: DictConfig | Mapping) -> RLTrainConfig:
+    """Resolve and check ``cfg``; raise ``ConfigError`` listing every problem (exit code 2)."""
+    register_resolvers()
+    container, problems, interpolations = resolve_config(cfg)
+    problems += check_against_schema(container, RLTrainConfig)
+    problems += semantic_problems(container)
+    problems = _drop_follow_on(problems, interpolations)
+    if problems:
+        raise ConfigError(problems)
+    return container  # type: ignore[return-value]

@@ -1,0 +1,140 @@
+"""Cross-field checks of a config that already has the right shape (each problem names its key)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from nexrl_hpc.config.validate import ConfigProblem
+from nexrl_hpc.core.imports import load_object
+
+
+def _get(cfg: Mapping, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise KeyError(path)
+        node = node[part]
+    return node
+
+
+def _check_callable(cfg: Mapping, path: str, n_args: int | None, problems: list[ConfigProblem]) -> None:
+    try:
+        spec = _get(cfg, path)
+    except KeyError:
+        return
+    if spec is None or not isinstance(spec, str):
+        return
+    try:
+        obj = load_object(spec)
+    except Exception as exc:  # ImportError, AttributeError, or an error raised while importing
+        problems.append(ConfigProblem(path, f"cannot import {spec!r}: {type(exc).__name__}: {exc}"))
+        return
+    if not callable(obj):
+        problems.append(ConfigProblem(path, f"{spec!r} is not callable"))
+        return
+    if n_args is None:
+        return
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*([None] * n_args))
+    except TypeError:
+        problems.append(ConfigProblem(path, f"{spec!r} must accept {n_args} positional arguments, its signature is {spec.split(':')[-1]}{sig}"))
+
+
+def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """Problems that the schema cannot express; every check tolerates missing/mistyped keys."""
+    problems: list[ConfigProblem] = []
+
+    def check(cond_fn: Any, path: str, message: str) -> None:
+        try:
+            if not cond_fn():
+                problems.append(ConfigProblem(path, message))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            pass  # the schema check reports the underlying problem
+
+    g = lambda p: _get(cfg, p)  # noqa: E731
+
+    _check_callable(cfg, "rollout_worker.reward_fn", 2, problems)
+    _check_callable(cfg, "task.reward_fn", 2, problems)
+    if g_safe(cfg, "data.type") == "task" or g_safe(cfg, "validate.data.type") == "task":
+        if g_safe(cfg, "task.generator") is None:
+            problems.append(ConfigProblem("task.generator", "data.type=task needs a generator ('module:function')"))
+        else:
+            _check_callable(cfg, "task.generator", 2, problems)
+    rule = g_safe(cfg, "trajectory_pool.check_batch_ready_function")
+    if isinstance(rule, str) and ":" in rule:
+        _check_callable(cfg, "trajectory_pool.check_batch_ready_function", None, problems)
+    elif isinstance(rule, str) and rule not in ("batch_size", "loaded_batch_finished"):
+        problems.append(
+            ConfigProblem(
+                "trajectory_pool.check_batch_ready_function",
+                f"{rule!r} is not 'batch_size', 'loaded_batch_finished' or a 'module:function' path",
+            )
+        )
+
+    check(lambda: g("data.type") != "jsonl" or len(g("data.data_files")) > 0, "data.data_files", "data.type=jsonl needs at least one file")
+    check(
+        lambda: g("validate.data.type") != "jsonl" or len(g("validate.data.data_files")) > 0,
+        "validate.data.data_files",
+        "validate.data.type=jsonl needs at least one file",
+    )
+    check(
+        lambda: g("resume.mode") != "from_path" or bool(g("resume.resume_path")),
+        "resume.resume_path",
+        "resume.mode=from_path needs resume.resume_path",
+    )
+    check(
+        lambda: not g("trajectory_pool.key_list") or g("trajectory_pool.batch_size") % g("trajectory_pool.group_size") == 0,
+        "trajectory_pool.batch_size",
+        "must be a multiple of trajectory_pool.group_size so a batch never splits a group",
+    )
+    check(
+        lambda: not g("trajectory_pool.key_list") or g("trajectory_pool.group_size") == g("data.rollout_repeat_n"),
+        "trajectory_pool.group_size",
+        "must equal data.rollout_repeat_n (the samples of one prompt form one group)",
+    )
+    check(
+        lambda: g("service.train_service.actor.ppo_mini_batch_size") <= g("trajectory_pool.batch_size"),
+        "service.train_service.actor.ppo_mini_batch_size",
+        "must not exceed trajectory_pool.batch_size",
+    )
+    check(
+        lambda: g("trajectory_pool.batch_size") % g("service.train_service.actor.ppo_mini_batch_size") == 0,
+        "service.train_service.actor.ppo_mini_batch_size",
+        "must divide trajectory_pool.batch_size",
+    )
+    check(
+        lambda: g("service.train_service.model_tag") == g("service.inference_service.model_tag"),
+        "service.inference_service.model_tag",
+        "must equal service.train_service.model_tag (one policy model)",
+    )
+    if g_safe(cfg, "model.path") is None:
+        check(
+            lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,
+            "model.tiny.num_attention_heads",
+            "must divide model.tiny.hidden_size",
+        )
+        check(
+            lambda: g("model.tiny.num_attention_heads") % g("model.tiny.num_key_value_heads") == 0,
+            "model.tiny.num_key_value_heads",
+            "must divide model.tiny.num_attention_heads",
+        )
+        check(
+            lambda: g("rollout_worker.max_prompt_length") + g("rollout_worker.max_response_length") <= g("model.tiny.max_position_embeddings"),
+            "rollout_worker.max_response_length",
+            "max_prompt_length + max_response_length must fit model.tiny.max_position_embeddings",
+        )
+        check(lambda: len(g("model.tiny.tokenizer.alphabet")) > 0, "model.tiny.tokenizer.alphabet", "must not be empty")
+    return problems
+
+
+def g_safe(cfg: Mapping, path: str) -> Any:
+    try:
+        return _get(cfg, path)
+    except KeyError:
+        return None

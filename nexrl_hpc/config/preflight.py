@@ -1,0 +1,126 @@
+"""Check command-line overrides and the composed config BEFORE Hydra runs (or a job is submitted).
+
+Hydra itself rejects an override of an unknown key with its own message and exit code 1; here
+every problem — unknown keys (with the closest valid name), unknown group options, bad values,
+wrong types, missing keys — is collected into one ``ConfigError`` (exit code 2). With ``-m``
+each point of the sweep is checked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+
+_PASSTHROUGH_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--shell-completion", "-sc", "--version"}
+
+
+def _groups(config_dir: str) -> set[str]:
+    return {d for d in os.listdir(config_dir) if os.path.isdir(os.path.join(config_dir, d))}
+
+
+def _compose(config_dir: str, config_name: str, overrides: list[str]) -> DictConfig:
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="preflight"):
+        return compose(config_name, overrides=overrides)
+
+
+def _suggest(base: DictConfig, key: str) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(base, parent) if parent else base
+    if isinstance(node, DictConfig):
+        close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {(parent + '.' if parent else '') + close[0]!r}?)"
+        return f" (valid keys under {parent or '<root>'}: {', '.join(sorted(str(k) for k in node.keys()))})"
+    return ""
+
+
+def _key_exists(cfg: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(node, DictConfig) and leaf in node
+
+
+def check_point(config_dir: str, config_name: str, overrides: list[Override]) -> list[ConfigProblem]:
+    """Every problem of one override set (one run)."""
+    register_resolvers()
+    groups = _groups(config_dir)
+    group_ovr = [o for o in overrides if o.key_or_group.split("/")[0] in groups | {"hydra"} or o.key_or_group.startswith("hydra.")]
+    value_ovr = [o for o in overrides if o not in group_ovr]
+    problems: list[ConfigProblem] = []
+    good_groups = []
+    for o in group_ovr:
+        group = o.key_or_group
+        value = o.value() if not o.is_delete() else None
+        if group in groups and isinstance(value, str):
+            options = sorted(f[:-5] for f in os.listdir(os.path.join(config_dir, group)) if f.endswith(".yaml"))
+            if value not in options:
+                problems.append(ConfigProblem(group, f"no option {value!r} in config group {group!r} (available: {', '.join(options)})"))
+                continue
+        good_groups.append(o)
+    group_ovr = good_groups
+    try:
+        base = _compose(config_dir, config_name, [o.input_line for o in group_ovr if o.input_line])
+    except HydraException as exc:
+        return problems + [ConfigProblem("<overrides>", str(exc).split("\n")[0])]
+    kept = []
+    for o in value_ovr:
+        if o.is_add() or o.is_force_add() or o.is_delete():
+            kept.append(o)
+        elif _key_exists(base, o.key_or_group):
+            kept.append(o)
+        else:
+            problems.append(ConfigProblem(o.key_or_group, f"unknown key{_suggest(base, o.key_or_group)}"))
+    try:
+        cfg = _compose(config_dir, config_name, [o.input_line for o in group_ovr + kept if o.input_line])
+    except HydraException as exc:
+        return problems + [ConfigProblem("<overrides>", str(exc).split("\n")[0])]
+    try:
+        validate_config(cfg)
+    except ConfigError as err:
+        problems += err.problems
+    return problems
+
+
+def _sweep_points(overrides: list[Override]) -> list[list[Override]]:
+    parser = OverridesParser.create()
+    choices: list[list[Override]] = []
+    for o in overrides:
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            key = o.get_key_element()
+            choices.append(parser.parse_overrides([f"{key}={v}" for v in values]))
+        else:
+            choices.append([o])
+    return [list(p) for p in itertools.product(*choices)]
+
+
+def preflight(config_dir: str, config_name: str, argv: list[str]) -> None:
+    """Raise ``ConfigError`` if any run the command line describes has a config problem."""
+    if any(a.split("=")[0] in _PASSTHROUGH_FLAGS for a in argv):
+        return
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    args = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(args)
+    except HydraException as exc:
+        raise ConfigError([ConfigProblem("<overrides>", str(exc).split("\n")[0])]) from None
+    points = _sweep_points(parsed) if multirun else [parsed]
+    problems: list[ConfigProblem] = []
+    for point in points:
+        for p in check_point(config_dir, config_name, point):
+            if p not in problems:
+                problems.append(p)
+    GlobalHydra.instance().clear()
+    if problems:
+        raise ConfigError(problems)

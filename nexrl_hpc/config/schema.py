@@ -1,0 +1,251 @@
+"""TypedDict schemas of the whole config tree (seed 001: YAML holds defaults, TypedDicts type them).
+
+Every key the code reads is declared here; ``nexrl_hpc.config.validate`` checks a composed config
+against these before anything is built or submitted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypedDict
+
+from nexrl_hpc.config.constraints import Ge, Gt, Le
+
+
+class TokenizerConfig(TypedDict):
+    alphabet: str  # characters of the char-level tokenizer (special tokens are added)
+
+
+class TinyModelConfig(TypedDict):
+    architecture: Literal["llama"]
+    hidden_size: Annotated[int, Ge(1)]
+    intermediate_size: Annotated[int, Ge(1)]
+    num_hidden_layers: Annotated[int, Ge(1)]
+    num_attention_heads: Annotated[int, Ge(1)]
+    num_key_value_heads: Annotated[int, Ge(1)]
+    max_position_embeddings: Annotated[int, Ge(2)]
+    tie_word_embeddings: bool
+    init_seed: int
+    tokenizer: TokenizerConfig
+
+
+class ModelConfig(TypedDict):
+    path: str | None  # HF-layout model directory; null builds the tiny model below
+    tiny: TinyModelConfig
+
+
+class TaskConfig(TypedDict):
+    name: str
+    generator: str | None  # "module:function" building {"train": rows, "validation": rows}
+    reward_fn: str  # "module:function"(task_row, response_text) -> float | dict
+    alphabet: str
+    params: dict
+
+
+class DataConfig(TypedDict):
+    type: Literal["task", "jsonl"]
+    split: Literal["train", "validation"]
+    data_files: list[str]
+    prompt_key: str
+    answer_key: str
+    id_key: str | None
+    batch_size: Annotated[int, Ge(1)]
+    rollout_repeat_n: Annotated[int, Ge(1)]
+    shuffle: bool
+    seed: int
+    max_epochs: Annotated[int, Ge(1)] | None
+
+
+class ValKwargs(TypedDict):
+    temperature: Annotated[float, Ge(0.0)]
+    top_p: Annotated[float, Gt(0.0), Le(1.0)]
+
+
+class RolloutWorkerConfig(TypedDict):
+    type: Literal["simple", "single_turn"]
+    num_workers: Annotated[int, Ge(1)]
+    max_concurrency: Annotated[int, Ge(1)]
+    temperature: Annotated[float, Ge(0.0)]
+    top_p: Annotated[float, Gt(0.0), Le(1.0)]
+    max_prompt_length: Annotated[int, Ge(1)]
+    max_response_length: Annotated[int, Ge(1)]
+    reward_fn: str
+    val_kwargs: ValKwargs
+    idle_wait_s: Annotated[float, Ge(0.0)]
+
+
+class TrajectoryPoolConfig(TypedDict):
+    type: Literal["default"]
+    batch_size: Annotated[int, Ge(1)]
+    group_size: Annotated[int, Ge(1)]
+    key_list: list[str]
+    check_batch_ready_function: str  # batch_size | loaded_batch_finished | "module:function"
+
+
+class AlgorithmConfig(TypedDict):
+    type: Literal["grpo"]
+    norm_adv_by_std: bool
+    adv_epsilon: Annotated[float, Ge(0.0)]
+    recompute_old_log_prob: bool
+    kl_loss_coef: Annotated[float, Ge(0.0)]
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
+    idle_wait_s: Annotated[float, Ge(0.0)]
+
+
+class TrainBatchPoolConfig(TypedDict):
+    type: Literal["default"]
+    max_queue_size: Annotated[int, Ge(1)]
+
+
+class TrainWorkerConfig(TypedDict):
+    type: Literal["default"]
+    total_train_steps: Annotated[int, Ge(1)]
+    num_workers: Annotated[int, Ge(1), Le(1)]
+    save_freq: Annotated[int, Ge(0)]
+    checkpoint_path: str
+    sync_weight_path: str
+    remove_previous_ckpt: bool
+    max_ckpt_to_keep: Annotated[int, Ge(1)] | None
+    idle_wait_s: Annotated[float, Ge(0.0)]
+
+
+class WeightConfig(TypedDict):
+    type: Literal["default"]
+    sync_mode: Literal["sync"]  # fully-async and batch-async: see weight_sync/controller.py
+    staleness_threshold: Annotated[int, Ge(0)]
+    sync_method: Literal["disk"]
+    sync_weight_path: str
+    validate_freq: Annotated[int, Ge(0)]
+    keep_versions: Annotated[int, Ge(1)]
+
+
+class OptimConfig(TypedDict):
+    lr: Annotated[float, Gt(0.0)]
+    betas: list[float]
+    eps: Annotated[float, Gt(0.0)]
+    weight_decay: Annotated[float, Ge(0.0)]
+    lr_warmup_steps: Annotated[int, Ge(0)]
+    lr_scheduler: Literal["constant", "cosine"]
+    min_lr_ratio: Annotated[float, Ge(0.0), Le(1.0)]
+
+
+class ActorConfig(TypedDict):
+    ppo_epochs: Annotated[int, Ge(1)]
+    ppo_mini_batch_size: Annotated[int, Ge(1)]
+    ppo_micro_batch_size: Annotated[int, Ge(1)]
+    grad_clip: Annotated[float, Gt(0.0)]
+    clip_ratio_low: Annotated[float, Ge(0.0), Le(1.0)]
+    clip_ratio_high: Annotated[float, Ge(0.0)]
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+    optim: OptimConfig
+
+
+class TrainServiceConfig(TypedDict):
+    backend: Literal["local"]
+    model_tag: str
+    identifier: str
+    world_size: Annotated[int, Ge(1), Le(1)]
+    num_threads: Annotated[int, Ge(1)]
+    device: Literal["cpu", "cuda"]
+    dtype: Literal["float32", "bfloat16"]
+    export_max_shard_mb: Annotated[int, Ge(1)]
+    actor: ActorConfig
+
+
+class LocalInferenceConfig(TypedDict):
+    host: str
+    port: Annotated[int, Ge(0), Le(65535)]
+    max_batch_size: Annotated[int, Ge(1)]
+    batch_wait_ms: Annotated[float, Ge(0.0)]
+    num_threads: Annotated[int, Ge(1)]
+    startup_timeout_s: Annotated[float, Gt(0.0)]
+    seed: int
+
+
+class InferenceServiceConfig(TypedDict):
+    backend: Literal["local", "fake"]
+    model_tag: str
+    model: str
+    base_url: str | None
+    api_key: str | None
+    max_retries: Annotated[int, Ge(0)]
+    retry_backoff_s: Annotated[float, Ge(0.0)]
+    request_timeout_s: Annotated[float, Gt(0.0)]
+    freeze_for_weight_sync: bool
+    coalesce_wait_ms: Annotated[float, Ge(0.0)]
+    max_coalesce: Annotated[int, Ge(1)]
+    local: LocalInferenceConfig
+
+
+class ServiceConfig(TypedDict):
+    train_service: TrainServiceConfig
+    inference_service: InferenceServiceConfig
+
+
+class EvalConfig(TypedDict):
+    type: Literal["default"]
+    validate_freq: int
+
+
+class ValidateConfig(TypedDict):
+    validate_before_train: bool
+    validate_at_end: bool
+    data: DataConfig
+    eval: EvalConfig
+
+
+class ResumeConfig(TypedDict):
+    mode: Literal["disable", "auto", "from_path"]
+    resume_path: str | None
+
+
+class WandbConfig(TypedDict):
+    mode: Literal["online", "offline", "disabled"]
+    project: str
+    entity: str | None
+    name: str
+
+
+class LoggerConfig(TypedDict):
+    backend: list[Literal["console", "wandb"]]
+    wandb: WandbConfig
+    dump_rollouts: bool
+
+
+class ExceptionHandlingConfig(TypedDict):
+    enabled: bool
+    check_interval: Annotated[float, Gt(0.0)]
+    policy: Literal["stop_on_error", "continue", "stop_on_critical"]
+
+
+class HealthCheckConfig(TypedDict):
+    enabled: bool
+    check_interval: Annotated[float, Gt(0.0)]
+    timeout: Annotated[float, Gt(0.0)]
+
+
+class RuntimeMonitorConfig(TypedDict):
+    exception_handling: ExceptionHandlingConfig
+    health_check: HealthCheckConfig
+    stop_timeout_s: Annotated[float, Gt(0.0)]
+
+
+class RLTrainConfig(TypedDict):
+    launch_mode: Literal["local"]
+    project_name: str
+    experiment_name: str
+    run_dir: str
+    seed: int
+    task: TaskConfig
+    model: ModelConfig
+    data: DataConfig
+    rollout_worker: RolloutWorkerConfig
+    trajectory_pool: TrajectoryPoolConfig
+    algorithm: AlgorithmConfig
+    train_batch_pool: TrainBatchPoolConfig
+    train_worker: TrainWorkerConfig
+    weight: WeightConfig
+    service: ServiceConfig
+    validate: ValidateConfig
+    resume: ResumeConfig
+    logger: LoggerConfig
+    runtime_monitor: RuntimeMonitorConfig

@@ -1,0 +1,199 @@
+"""Check a composed config against the TypedDict schema and report EVERY problem at once.
+
+Problems carry the dotted key path; the caller turns a non-empty list into one error and exit code 2,
+before anything is built, started or submitted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from typing_extensions import NotRequired, Required, is_typeddict
+
+from nexrl_hpc.config.constraints import Ge, Gt, Le
+
+CONFIG_ERROR_EXIT_CODE = 2
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A config that must not run; lists every problem with its dotted path."""
+
+    exit_code = CONFIG_ERROR_EXIT_CODE
+
+    def __init__(self, problems: list[ConfigProblem]):
+        self.problems = list(problems)
+        lines = [f"invalid config ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
+        lines += [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type):
+        return {"str": "string", "int": "int", "float": "float", "bool": "bool", "list": "list", "dict": "mapping"}.get(
+            tp.__name__, tp.__name__
+        )
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(item)}"
+    if is_typeddict(tp):
+        return "mapping"
+    return str(tp)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}" if not isinstance(value, (dict, list)) else type(value).__name__
+
+
+def _unwrap_required(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Required, NotRequired):
+        return typing.get_args(tp)[0]
+    return tp
+
+
+def _check(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    """Check ``value`` against ``tp``; append problems; return True if the value has the right type."""
+    tp = _unwrap_required(tp)
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is typing.Annotated:
+        base, *marks = typing.get_args(tp)
+        if not _check(value, base, path, problems):
+            return False
+        for mark in marks:
+            if isinstance(mark, (Ge, Gt, Le)) and value is not None:
+                msg = mark.check(value)
+                if msg:
+                    problems.append(ConfigProblem(path, msg))
+                    return False
+        return True
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        for option in options:
+            trial: list[ConfigProblem] = []
+            if _matches_type(value, option):
+                _check(value, option, path, trial)
+                problems.extend(trial)
+                return not trial
+        problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+        return False
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return True
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(ConfigProblem(path, f"{value!r} is not one of {list(allowed)}{hint}"))
+        return False
+    if is_typeddict(tp):
+        if not isinstance(value, Mapping):
+            problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
+            return False
+        _check_typeddict(value, tp, path, problems)
+        return True
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+            return False
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        ok = True
+        for i, item in enumerate(value):
+            ok = _check(item, item_tp, f"{path}[{i}]", problems) and ok
+        return ok
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
+            return False
+        return True
+    if not _matches_type(value, tp):
+        problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+        return False
+    return True
+
+
+def _matches_type(value: Any, tp: Any) -> bool:
+    """Shallow type test used to pick the branch of a union."""
+    tp = _unwrap_required(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _matches_type(value, typing.get_args(tp)[0])
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is Literal:
+        return value is not None and any(value == a and type(value) is type(a) for a in typing.get_args(tp))
+    if origin is list:
+        return isinstance(value, list)
+    if origin is dict or tp is dict or is_typeddict(tp):
+        return isinstance(value, Mapping)
+    if origin in (Union, types.UnionType):
+        return any(_matches_type(value, a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigProblem]) -> None:
+    hints = typing.get_type_hints(td, include_extras=True)
+    required = set(getattr(td, "__required_keys__", set(hints)))
+    prefix = f"{path}." if path else ""
+    for key in value:
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(hints))})"
+            problems.append(ConfigProblem(f"{prefix}{key}", f"unknown key{hint}"))
+    for key, tp in hints.items():
+        if key not in value:
+            if key in required:
+                problems.append(ConfigProblem(f"{prefix}{key}", f"missing required key (expected {_type_name(tp)})"))
+            continue
+        _check(value[key], tp, f"{prefix}{key}", problems)
+
+
+def check_against_schema(config: Mapping, schema: type) -> list[ConfigProblem]:
+    """All type / key / enum / range problems of ``config`` against a TypedDict ``schema``."""
+    problems: list[ConfigProblem] = []
+    _check_typeddict(config, schema, "", problems)
+    return problems
+
+
+SemanticCheck = Callable[[Mapping], list[ConfigProblem]]
+
+
+def raise_if_problems(problems: list[ConfigProblem]) -> None:
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,212 @@
+"""In-flight work, module liveness, errors and metrics, seen from one central place.
+
+Modules hold an ``ActivityTrackerProxy``; the proxy forwards to the central ``ActivityTracker``
+(an object in this process, or a handle to one on another rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
+from nexrl_hpc.core.execute import execute, execute_async
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Work:
+    module: str
+    work: str
+    started: float
+
+
+class ActivityTracker:
+    """Counts in-flight work per module, keeps module references for liveness, routes errors and metrics."""
+
+    def __init__(self, config: dict[str, Any] | None = None, max_errors: int = 1000, experiment_logger: Any = None):
+        self._config = config
+        self._lock = threading.Condition()
+        self._inflight: dict[int, _Work] = {}
+        self._tokens = itertools.count(1)
+        self._modules: dict[str, Any] = {}
+        self._rollout_modules: set[str] = set()
+        self._rollout_inflight = 0
+        self._training_step = 0
+        self.error_reporter = ErrorReporter(max_errors=max_errors)
+        self.experiment_logger = experiment_logger
+
+    # --- in-flight work -------------------------------------------------------------------------
+    def start(self, module: str, work: str) -> int:
+        with self._lock:
+            token = next(self._tokens)
+            self._inflight[token] = _Work(module, work, time.monotonic())
+            if module in self._rollout_modules:
+                self._rollout_inflight += 1
+            return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            item = self._inflight.pop(token, None)
+            if item is not None and item.module in self._rollout_modules:
+                self._rollout_inflight -= 1
+            if not self._inflight or self._rollout_inflight == 0:
+                self._lock.notify_all()
+
+    def is_quiescent(self) -> bool:
+        with self._lock:
+            return not self._inflight
+
+    def wait_quiescent(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._inflight, timeout=timeout)
+
+    def is_rollout_worker_quiescent(self) -> bool:
+        with self._lock:
+            return self._rollout_inflight == 0
+
+    def get_running_status_summary(self) -> str:
+        with self._lock:
+            items = list(self._inflight.values())
+        if not items:
+            return "idle"
+        now = time.monotonic()
+        by_key: dict[tuple[str, str], list[float]] = {}
+        for item in items:
+            by_key.setdefault((item.module, item.work), []).append(now - item.started)
+        parts = [f"{m}/{w} x{len(ages)} (oldest {max(ages):.1f}s)" for (m, w), ages in sorted(by_key.items())]
+        return "; ".join(parts)
+
+    # --- modules --------------------------------------------------------------------------------
+    def register_module(self, module_name: str, module_ref: Any, is_rollout_worker: bool = False) -> None:
+        with self._lock:
+            self._modules[module_name] = module_ref
+            if is_rollout_worker:
+                self._rollout_modules.add(module_name)
+
+    def check_module_liveness(self, timeout: float = 5.0) -> bool:
+        return not self.dead_modules(timeout)
+
+    def dead_modules(self, timeout: float = 5.0) -> list[str]:
+        """Names of registered modules whose ``health_check`` fails or does not answer in ``timeout``."""
+        with self._lock:
+            modules = dict(self._modules)
+        dead = []
+        for name, ref in modules.items():
+            try:
+                if not execute_async(ref.health_check).result(timeout=timeout):
+                    dead.append(name)
+            except Exception as exc:  # a dead or unreachable module
+                logger.warning("health check of %s failed: %s", name, exc)
+                dead.append(name)
+        return dead
+
+    # --- errors ---------------------------------------------------------------------------------
+    def report_exception(
+        self,
+        module: str,
+        work: str,
+        exception: BaseException,
+        severity: ErrorSeverity | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        severity = severity or ErrorSeverity.ERROR
+        logger.log(
+            logging.ERROR if severity == ErrorSeverity.ERROR else logging.WARNING,
+            "%s [%s]: %s: %s",
+            module,
+            work,
+            type(exception).__name__,
+            exception,
+            exc_info=severity == ErrorSeverity.ERROR,
+        )
+        return self.error_reporter.report_exception(module, work, exception, severity, details)
+
+    def report_error(
+        self,
+        module: str,
+        work: str,
+        message: str,
+        severity: ErrorSeverity = ErrorSeverity.ERROR,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        logger.log(logging.ERROR if severity == ErrorSeverity.ERROR else logging.WARNING, "%s [%s]: %s", module, work, message)
+        return self.error_reporter.report_error(module, work, message, severity, details)
+
+    def get_error_health_status(self) -> dict[str, Any]:
+        return self.error_reporter.get_health_status()
+
+    # --- training step and metrics --------------------------------------------------------------
+    def set_training_step(self, step: int) -> None:
+        self._training_step = step
+
+    def get_training_step(self) -> int:
+        return self._training_step
+
+    def experiment_logger_post(self, backend: str = "all", **kwargs: Any) -> None:
+        if self.experiment_logger is not None:
+            self.experiment_logger.post(backend, **kwargs)
+
+
+class ActivityTrackerProxy:
+    """What a module holds: forwards to the central tracker (local object or remote handle)."""
+
+    def __init__(self, central_tracker: Any):
+        self._central = central_tracker
+
+    @contextmanager
+    def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
+        token = execute(self._central.start, module, work)
+        try:
+            yield
+        except Exception as exc:
+            if auto_report_errors:
+                execute(self._central.report_exception, module, work, exc)
+            raise
+        finally:
+            execute(self._central.end, token)
+
+    def start(self, module: str, work: str) -> int:
+        return execute(self._central.start, module, work)
+
+    def end(self, token: int) -> None:
+        execute(self._central.end, token)
+
+    def report_exception(
+        self,
+        module: str,
+        work: str,
+        exception: BaseException,
+        severity: ErrorSeverity | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        return execute(self._central.report_exception, module, work, exception, severity, details)
+
+    def report_error(
+        self,
+        module: str,
+        work: str,
+        message: str,
+        severity: ErrorSeverity = ErrorSeverity.ERROR,
+        details: dict[str, Any] | None = None,
+    ) -> str:
+        return execute(self._central.report_error, module, work, message, severity, details)
+
+    def is_rollout_worker_quiescent(self) -> bool:
+        return execute(self._central.is_rollout_worker_quiescent)
+
+    def set_training_step(self, step: int) -> None:
+        execute(self._central.set_training_step, step)
+
+    def get_training_step(self) -> int:
+        return execute(self._central.get_training_step)
+
+    def experiment_logger_post(self, backend: str = "all", **kwargs: Any) -> None:
+        execute(self._central.experiment_logger_post, backend, **kwargs)

@@ -1,0 +1,32 @@
+"""Call a module method the same way whether the module lives in this process or on another rank.
+
+A method of a local object runs here. A method of a remote handle (anything with ``call_async``,
+provided by the distributed runtimes) is sent over the wire. ``execute_async`` returns a
+``concurrent.futures.Future`` in both cases, so calling code never branches on the launch mode.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+
+def execute(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``func(*args, **kwargs)`` and return its result."""
+    call_async = getattr(func, "call_async", None)
+    if call_async is not None:
+        return call_async(*args, **kwargs).result()
+    return func(*args, **kwargs)
+
+
+def execute_async(func: Any, *args: Any, **kwargs: Any) -> Future:
+    """Start ``func(*args, **kwargs)``; a local call has completed when this returns."""
+    call_async = getattr(func, "call_async", None)
+    if call_async is not None:
+        return call_async(*args, **kwargs)
+    future: Future = Future()
+    try:
+        future.set_result(func(*args, **kwargs))
+    except BaseException as exc:  # delivered through the future, like a remote error
+        future.set_exception(exc)
+    return future

@@ -1,0 +1,76 @@
+"""Base class of every module: a name, an activity tracker, a health check, an optional loop thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from nexrl_hpc.core.activity import ActivityTrackerProxy
+
+logger = logging.getLogger(__name__)
+
+
+class NexRLModule:
+    """Modules are plain objects; the runtime decides whether callers reach them in-process or by RPC."""
+
+    def __init__(self) -> None:
+        self._module_name: str = "invalid"
+        self._activity_tracker: ActivityTrackerProxy | None = None
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
+        self._activity_tracker = tracker
+
+    def set_module_name(self, module_name: str) -> None:
+        self._module_name = module_name
+
+    def get_module_name(self) -> str:
+        return self._module_name
+
+    def health_check(self) -> bool:
+        """Alive: answers, and its loop thread (if started and not stopped) is running."""
+        if self._thread is None or self._stop_event.is_set():
+            return True
+        return self._thread.is_alive()
+
+    def easy_dump(self, value: Any, keys: list[str] | None = None, value_formatter: Callable[[Any], str] | None = None) -> None:
+        """Log a value tagged with this module's name (debugging aid)."""
+        if keys is not None and isinstance(value, dict):
+            value = {k: value.get(k) for k in keys}
+        text = value_formatter(value) if value_formatter else json.dumps(value, default=str)[:2000]
+        logger.info("[%s] %s", self._module_name, text)
+
+    # --- loop thread helpers for modules that run continuously ---------------------------------
+    def _start_thread(self, target: Callable[[], None]) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"{self._module_name} is already running")
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._guarded(target), name=self._module_name, daemon=True)
+        self._thread.start()
+
+    def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except Exception as exc:  # a crashed loop is reported, then seen dead by health_check
+                if self._activity_tracker is not None:
+                    self._activity_tracker.report_exception(
+                        self._module_name, "main_loop", exc, details={"critical": True}
+                    )
+                else:
+                    logger.exception("%s main loop crashed", self._module_name)
+
+        return run
+
+    def _stop_thread(self, timeout: float | None = None) -> None:
+        self._stop_event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop_event.is_set()

@@ -1,0 +1,262 @@
+"""Data loaders: rows from jsonl files, handed out one rollout task at a time.
+
+Each dataset row becomes ``rollout_repeat_n`` consecutive tasks sharing a ``group_id`` (one GRPO
+group). Every task carries the row's stable ``uid``, its ``epoch`` and ``sample_index`` so a sample
+can be traced, deduplicated and re-issued across restarts. Returned tasks (``add_item_front``) are
+handed out again before fresh ones. A dispatch budget lets the weight sync controller cap how many
+fresh tasks go out per policy version (sync mode: exactly one training batch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+from collections import deque
+from typing import Any
+
+from nexrl_hpc.config.schema import DataConfig
+from nexrl_hpc.core.module import NexRLModule
+
+logger = logging.getLogger(__name__)
+
+
+class BaseDataLoader(NexRLModule):
+    """Seed 000's data loader contract."""
+
+    def __init__(self, config: DataConfig, is_validate: bool = False):
+        super().__init__()
+        self._config = config
+        self._is_validate = is_validate
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def get_next_item(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def is_finished(self) -> bool:
+        raise NotImplementedError
+
+    def can_return_item(self) -> bool:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def add_item(self, item: dict[str, Any]) -> None:
+        self.add_item_back(item)
+
+    def add_item_front(self, item: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def add_item_back(self, item: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class JsonlDataLoader(BaseDataLoader):
+    """Rows from jsonl files; bad rows (undecodable, not JSON, no prompt) are skipped and counted."""
+
+    def __init__(self, config: DataConfig, is_validate: bool = False, data_files: list[str] | None = None):
+        super().__init__(config, is_validate)
+        self._prompt_key = config["prompt_key"]
+        self._id_key = config["id_key"]
+        self._repeat = config["rollout_repeat_n"]
+        self._shuffle = config["shuffle"]
+        self._seed = config["seed"]
+        self._max_epochs = config["max_epochs"]
+        self._split = "validation" if is_validate else "train"
+        self.skipped_rows = 0
+        self._rows = self._read(data_files if data_files is not None else config["data_files"])
+        if not self._rows:
+            raise ValueError(f"no usable rows in {data_files or config['data_files']} ({self.skipped_rows} skipped)")
+        self._lock = threading.Lock()
+        self._returned: deque[dict[str, Any]] = deque()
+        self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
+        self._budget: int | None = None
+        self._epoch = 0
+        self._order: list[int] = []
+        self._cursor = 0  # position in _order (rows)
+        self._repeat_index = 0  # next sample_index of the current row
+        self._issued_fresh = 0
+        self._start_epoch(0)
+
+    # --- reading --------------------------------------------------------------------------------
+    def _read(self, files: list[str]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for path in files:
+            with open(path, "rb") as f:
+                for line_no, raw in enumerate(f, start=1):
+                    if not raw.strip():
+                        continue
+                    row = self._parse(raw, path, line_no)
+                    if row is None:
+                        self.skipped_rows += 1
+                        continue
+                    uid = row[self._id_key] if self._id_key and self._id_key in row else f"{self._split}-{len(rows)}"
+                    row["uid"] = str(uid)
+                    rows.append(row)
+        if self.skipped_rows:
+            logger.warning("%s data: skipped %d bad row(s) in %s", self._split, self.skipped_rows, files)
+        return rows
+
+    def _parse(self, raw: bytes, path: str, line_no: int) -> dict[str, Any] | None:
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            logger.warning("%s:%d: not valid UTF-8; row skipped", path, line_no)
+            return None
+        except json.JSONDecodeError as exc:
+            logger.warning("%s:%d: not valid JSON (%s); row skipped", path, line_no, exc)
+            return None
+        if not isinstance(row, dict):
+            logger.warning("%s:%d: not a JSON object; row skipped", path, line_no)
+            return None
+        prompt = row.get(self._prompt_key)
+        if not isinstance(prompt, str) or not prompt:
+            logger.warning("%s:%d: no %r string; row skipped", path, line_no, self._prompt_key)
+            return None
+        if self._prompt_key != "prompt":
+            row["prompt"] = prompt
+        return row
+
+    # --- epochs ---------------------------------------------------------------------------------
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._order = list(range(len(self._rows)))
+        if self._shuffle:
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(self._order)
+        self._cursor = 0
+        self._repeat_index = 0
+
+    def _fresh_exhausted(self) -> bool:
+        return self._cursor >= len(self._order) and (self._max_epochs is not None and self._epoch + 1 >= self._max_epochs)
+
+    def _next_fresh(self) -> dict[str, Any] | None:
+        if self._cursor >= len(self._order):
+            if self._max_epochs is not None and self._epoch + 1 >= self._max_epochs:
+                return None
+            self._start_epoch(self._epoch + 1)
+        row = self._rows[self._order[self._cursor]]
+        item = dict(row)
+        item["epoch"] = self._epoch
+        item["sample_index"] = self._repeat_index
+        item["group_id"] = f"{row['uid']}@{self._epoch}"
+        self._repeat_index += 1
+        if self._repeat_index >= self._repeat:
+            self._repeat_index = 0
+            self._cursor += 1
+        return item
+
+    # --- seed 000 API ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Tasks still to hand out in this epoch (returned items included)."""
+        with self._lock:
+            remaining_rows = len(self._order) - self._cursor
+            return remaining_rows * self._repeat - self._repeat_index + len(self._returned) + len(self._extra)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return dict(self._rows[index])
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    def total_tasks(self) -> int:
+        """Tasks one epoch hands out (rows x rollout_repeat_n)."""
+        return len(self._rows) * self._repeat
+
+    def get_next_item(self) -> dict[str, Any] | None:
+        with self._lock:
+            if self._returned:
+                return self._returned.popleft()
+            if self._extra:
+                return self._extra.popleft()
+            if self._budget is not None and self._budget <= 0:
+                return None
+            item = self._next_fresh()
+            if item is not None:
+                self._issued_fresh += 1
+                if self._budget is not None:
+                    self._budget -= 1
+            return item
+
+    def get_next_items(self, max_items: int) -> list[dict[str, Any]]:
+        """Up to ``max_items`` tasks in one call (saves round trips when the loader is remote)."""
+        items = []
+        for _ in range(max_items):
+            item = self.get_next_item()
+            if item is None:
+                break
+            items.append(item)
+        return items
+
+    def is_finished(self) -> bool:
+        with self._lock:
+            return not self._returned and not self._extra and self._fresh_exhausted()
+
+    def can_return_item(self) -> bool:
+        with self._lock:
+            if self._returned or self._extra:
+                return True
+            if self._budget is not None and self._budget <= 0:
+                return False
+            return not self._fresh_exhausted()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._returned.clear()
+            self._extra.clear()
+            self._issued_fresh = 0
+            self._start_epoch(0)
+
+    def add_item_front(self, item: dict[str, Any]) -> None:
+        with self._lock:
+            self._returned.appendleft(item)
+
+    def add_item_back(self, item: dict[str, Any]) -> None:
+        with self._lock:
+            self._extra.append(item)
+
+    # --- dispatch budget (set by the weight sync controller) ------------------------------------
+    def set_dispatch_budget(self, budget: int | None) -> None:
+        """Allow ``budget`` more fresh tasks (None: unlimited). Returned tasks are never held back."""
+        with self._lock:
+            self._budget = budget
+
+    def get_dispatch_budget(self) -> int | None:
+        with self._lock:
+            return self._budget
+
+    def get_skipped_rows(self) -> int:
+        return self.skipped_rows
+
+    # --- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "epoch": self._epoch,
+                "cursor": self._cursor,
+                "repeat_index": self._repeat_index,
+                "issued_fresh": self._issued_fresh,
+                "num_rows": len(self._rows),
+                "returned": list(self._returned),
+                "extra": list(self._extra),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != len(self._rows):
+            raise ValueError(
+                f"data loader state was saved for {state['num_rows']} rows but the data now has {len(self._rows)}"
+            )
+        with self._lock:
+            self._start_epoch(int(state["epoch"]))
+            self._cursor = int(state["cursor"])
+            self._repeat_index = int(state["repeat_index"])
+            self._issued_fresh = int(state["issued_fresh"])
+            self._returned = deque(state["returned"])
+            self._extra = deque(state["extra"])

@@ -1,0 +1,54 @@
+"""Materialise the run's datasets as jsonl under ``<run_dir>/data/`` before any module is built.
+
+``data.type=task`` writes the task generator's splits (``train.jsonl``, ``validation.jsonl``);
+``data.type=jsonl`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
+ends up holding the validation set the run uses, with ``prompt`` and ``answer`` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.imports import load_object
+
+
+def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], list[str]]:
+    """Return (train files, validation files) and write ``<run_dir>/data/validation.jsonl``."""
+    data_dir = os.path.join(run_dir, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    val_copy = os.path.join(data_dir, "validation.jsonl")
+    if config["data"]["type"] == "task":
+        generator = load_object(config["task"]["generator"])
+        splits = generator(config["task"]["params"], config["data"]["seed"])
+        train_path = os.path.join(data_dir, "train.jsonl")
+        _write_jsonl(train_path, splits["train"])
+        _write_jsonl(val_copy, splits["validation"])
+        return [train_path], [val_copy]
+    train_files = list(config["data"]["data_files"])
+    val_files = list(config["validate"]["data"]["data_files"])
+    if val_files and [os.path.abspath(f) for f in val_files] != [os.path.abspath(val_copy)]:
+        prompt_key = config["validate"]["data"]["prompt_key"]
+        answer_key = config["validate"]["data"]["answer_key"]
+        rows = []
+        for path in val_files:
+            with open(path, "rb") as f:
+                for raw in f:
+                    try:
+                        row = json.loads(raw.decode("utf-8"))
+                    except (UnicodeDecodeError, json.JSONDecodeError):
+                        continue
+                    if isinstance(row, dict) and isinstance(row.get(prompt_key), str) and row[prompt_key]:
+                        rows.append({"prompt": row[prompt_key], "answer": row.get(answer_key)})
+        _write_jsonl(val_copy, rows)
+    return train_files, val_files

@@ -1,0 +1,306 @@
+"""LLMServiceClient: the rollout side's only way to an inference server, built on the ``openai`` package.
+
+It asks for what training needs in vLLM's request fields (``return_token_ids``, ``logprobs``) and
+returns the engine's token ids and behaviour log-probs (text is never re-tokenised). Concurrent
+async calls with the same sampling parameters are coalesced into one ``/v1/completions`` request
+with a list of prompts, which is what makes hundreds of in-flight rollouts cheap. Failed calls are
+retried with exponential backoff; after ``max_retries`` the error names the server URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from nexrl_hpc.config.schema import InferenceServiceConfig
+from nexrl_hpc.core.execute import execute
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError, openai.RateLimitError)
+
+
+@dataclass
+class _Bucket:
+    """Calls waiting to be sent together: same kwargs, a list of (prompt, future)."""
+
+    kwargs: dict[str, Any]
+    items: list[tuple[Any, asyncio.Future]] = field(default_factory=list)
+
+
+class InferenceServiceError(RuntimeError):
+    """The inference service failed or could not be reached; the message names its URL."""
+
+
+class MissingTokenIdsError(InferenceServiceError):
+    pass
+
+
+def _sampling_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split caller kwargs into OpenAI request parameters and extra (vLLM) body fields."""
+    standard = {"max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty"}
+    request = {k: v for k, v in kwargs.items() if k in standard}
+    extra = {k: v for k, v in kwargs.items() if k not in standard}
+    return request, extra
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class LLMServiceClient:
+    """One client per rollout worker. ``completion``/``generate`` block; ``acompletion``/``agenerate`` coalesce."""
+
+    def __init__(self, config: InferenceServiceConfig, base_url: str | None = None, api_key: str | None = None):
+        self._config = config
+        self._model_tag = config["model_tag"]
+        self._model = config["model"]
+        url = base_url or config["base_url"]
+        if not url:
+            raise ValueError("service.inference_service.base_url is not set and no server was started")
+        self._base_url = url.rstrip("/")
+        if not self._base_url.endswith("/v1"):
+            self._base_url += "/v1"
+        self._api_key = api_key or config["api_key"] or "EMPTY"
+        self._max_retries = config["max_retries"]
+        self._backoff = config["retry_backoff_s"]
+        self._timeout = config["request_timeout_s"]
+        self._freeze_for_weight_sync = config["freeze_for_weight_sync"]
+        self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
+        self._max_coalesce = config["max_coalesce"]
+        self._weight_sync_controller: Any = None
+        self._client = openai.OpenAI(base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout)
+        self._aclient: openai.AsyncOpenAI | None = None
+        self._pending: dict[Any, _Bucket] = {}
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def set_weight_sync_controller(self, controller: Any) -> None:
+        self._weight_sync_controller = controller
+
+    # --- blocking API (seed 000) ----------------------------------------------------------------
+    def completion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
+        """One completion of ``prompt``: text, finish reason, prompt/response token ids, logprobs, version."""
+        self._wait_for_weight_sync()
+        version = self._rollout_version()
+        body = self._completion_body([prompt], kwargs)
+        payload = self._with_retries(lambda: self._post_sync("completions", body))
+        return self._completion_result(prompt, payload["choices"][0], payload, version, kwargs)
+
+    def generate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """One chat completion: response text, tool calls, token ids, logprobs, version."""
+        self._wait_for_weight_sync()
+        version = self._rollout_version()
+        body = self._chat_body(messages, kwargs)
+        payload = self._with_retries(lambda: self._post_sync("chat/completions", body))
+        return self._chat_result(messages, payload, version, kwargs)
+
+    # --- async API ------------------------------------------------------------------------------
+    async def acompletion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
+        """Like ``completion``; concurrent calls with equal kwargs share one HTTP request."""
+        key = (isinstance(prompt, str), _freeze(kwargs))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        bucket = self._pending.get(key)
+        if bucket is None:
+            bucket = self._pending[key] = _Bucket(kwargs=dict(kwargs))
+            loop.call_later(self._coalesce_wait_s, self._flush, key, bucket)
+        bucket.items.append((prompt, future))
+        if len(bucket.items) >= self._max_coalesce:
+            self._flush(key, bucket)
+        return await future
+
+    async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        await self._await_weight_sync()
+        version = self._rollout_version()
+        body = self._chat_body(messages, kwargs)
+        payload = await self._with_retries_async(lambda: self._post_async("chat/completions", body))
+        return self._chat_result(messages, payload, version, kwargs)
+
+    def _flush(self, key: Any, bucket: _Bucket) -> None:
+        if self._pending.get(key) is not bucket:
+            return  # already sent (size trigger) — this is the stale timer
+        del self._pending[key]
+        asyncio.ensure_future(self._send_bucket(bucket))
+
+    async def _send_bucket(self, bucket: _Bucket) -> None:
+        prompts = [p for p, _ in bucket.items]
+        kwargs = bucket.kwargs
+        try:
+            await self._await_weight_sync()
+            version = self._rollout_version()
+            body = self._completion_body(prompts, kwargs)
+            payload = await self._with_retries_async(lambda: self._post_async("completions", body))
+            n = kwargs.get("n", 1)
+            choices = sorted(payload["choices"], key=lambda c: c["index"])
+            if len(choices) != len(prompts) * n:
+                raise InferenceServiceError(
+                    f"{self._base_url}: asked for {len(prompts) * n} choices, got {len(choices)}"
+                )
+            for i, (prompt, future) in enumerate(bucket.items):
+                if future.done():
+                    continue
+                if n == 1:
+                    future.set_result(self._completion_result(prompt, choices[i], payload, version, kwargs))
+                else:
+                    group = choices[i * n : (i + 1) * n]
+                    future.set_result([self._completion_result(prompt, c, payload, version, kwargs) for c in group])
+        except Exception as exc:
+            for _, future in bucket.items:
+                if not future.done():
+                    future.set_exception(exc)
+
+    # --- request bodies and results -------------------------------------------------------------
+    def _completion_body(self, prompts: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        request, extra = _sampling_kwargs(kwargs)
+        body: dict[str, Any] = {"model": self._model, "prompt": prompts if len(prompts) > 1 else prompts[0]}
+        body.update(request)
+        body["logprobs"] = 1
+        body["return_token_ids"] = True
+        body.update(extra)
+        return body
+
+    def _chat_body(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
+        request, extra = _sampling_kwargs(kwargs)
+        body: dict[str, Any] = {"model": self._model, "messages": messages}
+        body.update(request)
+        body["logprobs"] = True
+        body["return_token_ids"] = True
+        body.update(extra)
+        return body
+
+    def _completion_result(
+        self, prompt: Any, choice: dict[str, Any], payload: dict[str, Any], version: int | None, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+            raise MissingTokenIdsError(
+                f"{self._base_url} returned no token ids; the server must support 'return_token_ids' (vLLM >= 0.10.2 or nexrl_hpc's server)"
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(choice["token_ids"]):
+            raise InferenceServiceError(f"{self._base_url} returned no per-token logprobs for the completion")
+        result = dict(kwargs)
+        result.update(
+            prompt=prompt,
+            response=choice["text"],
+            finish_reason=choice["finish_reason"],
+            prompt_ids=list(choice["prompt_token_ids"]),
+            response_ids=list(choice["token_ids"]),
+            logprobs=[float(x) for x in logprobs],
+            weight_version=payload.get("weight_version", version),
+            model_tag=self._model_tag,
+        )
+        return result
+
+    def _chat_result(
+        self, messages: list[dict[str, Any]], payload: dict[str, Any], version: int | None, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        choice = payload["choices"][0]
+        prompt_ids = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        if choice.get("token_ids") is None or prompt_ids is None:
+            raise MissingTokenIdsError(
+                f"{self._base_url} returned no token ids; the server must support 'return_token_ids'"
+            )
+        content = (choice.get("logprobs") or {}).get("content") or []
+        result = dict(kwargs)
+        message = choice["message"]
+        result.update(
+            messages=messages,
+            response=message.get("content") or "",
+            reasoning=message.get("reasoning_content") or message.get("reasoning"),
+            tool_calls=message.get("tool_calls") or [],
+            finish_reason=choice["finish_reason"],
+            prompt_ids=list(prompt_ids),
+            response_ids=list(choice["token_ids"]),
+            logprobs=[float(c["logprob"]) for c in content],
+            weight_version=payload.get("weight_version", version),
+            model_tag=self._model_tag,
+        )
+        return result
+
+    # --- transport ------------------------------------------------------------------------------
+    def _post_sync(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        raw = self._client.post(f"/{path}", body=body, cast_to=httpx.Response)
+        return json.loads(raw.content)
+
+    async def _post_async(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._aclient is None:
+            self._aclient = openai.AsyncOpenAI(
+                base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout
+            )
+        raw = await self._aclient.post(f"/{path}", body=body, cast_to=httpx.Response)
+        return json.loads(raw.content)
+
+    def _with_retries(self, call: Any) -> dict[str, Any]:
+        last: Exception | None = None
+        for attempt in range(self._max_retries + 1):
+            try:
+                return call()
+            except _RETRYABLE as exc:
+                last = exc
+                if attempt < self._max_retries:
+                    delay = self._backoff * (2**attempt)
+                    logger.warning("inference call to %s failed (%s); retry %d/%d in %.2fs", self._base_url, exc, attempt + 1, self._max_retries, delay)
+                    time.sleep(delay)
+            except openai.APIStatusError as exc:
+                raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
+        raise InferenceServiceError(
+            f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {last}"
+        ) from last
+
+    async def _with_retries_async(self, call: Any) -> dict[str, Any]:
+        last: Exception | None = None
+        for attempt in range(self._max_retries + 1):
+            try:
+                return await call()
+            except _RETRYABLE as exc:
+                last = exc
+                if attempt < self._max_retries:
+                    delay = self._backoff * (2**attempt)
+                    logger.warning("inference call to %s failed (%s); retry %d/%d in %.2fs", self._base_url, exc, attempt + 1, self._max_retries, delay)
+                    await asyncio.sleep(delay)
+            except openai.APIStatusError as exc:
+                raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
+        raise InferenceServiceError(
+            f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {last}"
+        ) from last
+
+    # --- weight sync coordination ---------------------------------------------------------------
+    def _rollout_version(self) -> int | None:
+        if self._weight_sync_controller is None:
+            return None
+        return execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
+
+    def _sync_in_progress(self) -> bool:
+        if not self._freeze_for_weight_sync or self._weight_sync_controller is None:
+            return False
+        return execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block"
+
+    def _wait_for_weight_sync(self) -> None:
+        while self._sync_in_progress():
+            time.sleep(0.005)
+
+    async def _await_weight_sync(self) -> None:
+        while self._sync_in_progress():
+            await asyncio.sleep(0.005)
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.close()
+            self._aclient = None
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,271 @@
+"""A small HF-transformers generation engine that batches concurrent requests into one decode loop.
+
+Requests arrive from the HTTP server's handlers; one engine thread gathers whatever is queued
+(up to ``max_batch_size`` sequences, waiting at most ``batch_wait_ms`` for more), runs a single
+KV-cached sampling loop over all of them, and resolves each request's future. Log-probabilities are
+the model's raw (temperature-1) log-softmax of the sampled token, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from nexrl_hpc.checkpoint.hf import read_safetensors_dir
+from nexrl_hpc.models.tiny import load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerationRequest:
+    prompts: list[list[int]]  # token ids per prompt
+    params: SamplingParams
+    future: Future = field(default_factory=Future)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    weight_version: int
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class HFEngine:
+    """Owns the model; the only thread that runs it is the engine loop (reloads take the same lock)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        max_batch_size: int,
+        batch_wait_ms: float,
+        seed: int,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.device = torch.device(device)
+        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.max_model_len = int(self.model.config.max_position_embeddings)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.weight_version = 0
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._queue: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self._model_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    # --- public API -----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Future:
+        if self._stopped:
+            raise EngineError("engine is stopped")
+        for ids in request.prompts:
+            if len(ids) + request.params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{len(ids) + request.params.max_tokens} tokens ({len(ids)} in the prompt, "
+                    f"{request.params.max_tokens} for the completion)."
+                )
+            if not ids:
+                raise ValueError("prompt is empty")
+        self._queue.put(request)
+        return request.future
+
+    def load_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> str:
+        """Swap in weights from an HF-layout directory between two batches; returns a message."""
+        state = read_safetensors_dir(model_path)
+        with self._model_lock:
+            current = self.model.state_dict()
+            unknown = sorted(set(state) - set(current))
+            if unknown:
+                raise EngineError(f"{model_path}: unexpected weights {unknown[:5]}")
+            missing = sorted(set(current) - set(state))
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            if set(missing) - tied:
+                raise EngineError(f"{model_path}: missing weights {sorted(set(missing) - tied)[:5]}")
+            for name, tensor in state.items():
+                if current[name].shape != tensor.shape:
+                    raise EngineError(f"{model_path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(current[name].shape)}")
+            self.model.load_state_dict(state, strict=False)
+            self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+        return f"loaded {len(state)} tensors from {model_path} as version {self.weight_version}"
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    # --- engine loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        pending: GenerationRequest | None = None
+        while True:
+            first = pending or self._queue.get()
+            pending = None
+            if first is None:
+                return
+            batch = [first]
+            size = first.num_sequences
+            deadline = time.monotonic() + self.batch_wait_s
+            while size < self.max_batch_size:
+                timeout = deadline - time.monotonic()
+                try:
+                    nxt = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                if size + nxt.num_sequences > self.max_batch_size:
+                    pending = nxt
+                    break
+                batch.append(nxt)
+                size += nxt.num_sequences
+            try:
+                with self._model_lock:
+                    outputs = self._generate(batch)
+                for req, outs in zip(batch, outputs):
+                    req.future.set_result(outs)
+            except Exception as exc:  # fail the requests, keep serving
+                logger.exception("generation failed")
+                for req in batch:
+                    if not req.future.done():
+                        req.future.set_exception(exc)
+
+    @torch.no_grad()
+    def _generate(self, batch: list[GenerationRequest]) -> list[list[GenerationOutput]]:
+        prompts: list[list[int]] = []
+        temps: list[float] = []
+        top_ps: list[float] = []
+        max_new: list[int] = []
+        stops: list[tuple[int, ...]] = []
+        for req in batch:
+            p = req.params
+            for ids in req.prompts:
+                for _ in range(p.n):
+                    prompts.append(ids)
+                    temps.append(p.temperature)
+                    top_ps.append(p.top_p)
+                    max_new.append(p.max_tokens)
+                    stops.append(p.stop_token_ids or (self.eos_token_id,))
+        rows = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        for i, ids in enumerate(prompts):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            attention[i, width - len(ids) :] = 1
+        input_ids = input_ids.to(self.device)
+        attention = attention.to(self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        temperature = torch.tensor(temps, dtype=torch.float32, device=self.device)
+        top_p = torch.tensor(top_ps, dtype=torch.float32, device=self.device)
+        limit = torch.tensor(max_new, device=self.device)
+        stop_sets = [set(s) for s in stops]
+        uniform_stop = all(s == {self.eos_token_id} for s in stop_sets)
+
+        tokens: list[torch.Tensor] = []
+        logps: list[torch.Tensor] = []
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        finished_by_stop = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        cache = None
+        step_ids, step_pos = input_ids, positions
+        for _ in range(int(limit.max())):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            logprobs_all = torch.log_softmax(logits, dim=-1)
+            chosen = self._sample(logits, temperature, top_p)
+            chosen = torch.where(done, torch.full_like(chosen, self.pad_token_id), chosen)
+            tokens.append(chosen)
+            logps.append(logprobs_all.gather(-1, chosen[:, None]).squeeze(-1))
+            active = ~done
+            lengths += active.long()
+            if uniform_stop:
+                hit = chosen == self.eos_token_id
+            else:
+                hit = torch.tensor([int(t) in s for t, s in zip(chosen.tolist(), stop_sets)], device=self.device)
+            finished_by_stop |= active & hit
+            done |= active & (hit | (lengths >= limit))
+            if bool(done.all()):
+                break
+            step_ids = chosen[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1)
+
+        token_mat = torch.stack(tokens, dim=1).tolist()
+        logp_mat = torch.stack(logps, dim=1).tolist()
+        lengths_list = lengths.tolist()
+        stop_list = finished_by_stop.tolist()
+        results: list[list[GenerationOutput]] = []
+        row = 0
+        for req in batch:
+            outs: list[GenerationOutput] = []
+            for ids in req.prompts:
+                for _ in range(req.params.n):
+                    n_tok = lengths_list[row]
+                    outs.append(
+                        GenerationOutput(
+                            prompt_token_ids=list(ids),
+                            token_ids=token_mat[row][:n_tok],
+                            logprobs=logp_mat[row][:n_tok],
+                            finish_reason="stop" if stop_list[row] else "length",
+                            weight_version=self.weight_version,
+                        )
+                    )
+                    row += 1
+            results.append(outs)
+        return results
+
+    def _sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = temperature > 0
+        if not bool(sampled_rows.any()):
+            return greedy
+        scaled = logits / temperature.clamp(min=1e-6)[:, None]
+        probs = torch.softmax(scaled, dim=-1)
+        if bool((top_p < 1.0).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            drop = (cumulative - sorted_probs) > top_p[:, None]
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        return torch.where(sampled_rows, sampled, greedy)

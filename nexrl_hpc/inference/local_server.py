@@ -1,0 +1,142 @@
+"""Start and stop the local inference server as a child process of the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import httpx
+
+from nexrl_hpc.config.schema import LocalInferenceConfig
+from nexrl_hpc.inference.server import API_KEY_ENV
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceServerStartError(RuntimeError):
+    pass
+
+
+class LocalInferenceServer:
+    """One ``nexrl_hpc.inference.server`` process bound to ``config.host``; a fresh API key per start."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: LocalInferenceConfig,
+        log_dir: str,
+        served_model_name: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        weight_version: int = 0,
+    ):
+        self.model_dir = model_dir
+        self.config = config
+        self.log_dir = log_dir
+        self.served_model_name = served_model_name
+        self.device = device
+        self.dtype = dtype
+        self.weight_version = weight_version
+        self.api_key = secrets.token_urlsafe(24)
+        self.process: subprocess.Popen | None = None
+        self._ready_file = ""
+        self._deadline = 0.0
+        self.base_url: str | None = None
+        self.log_path = os.path.join(log_dir, "inference_server.log")
+
+    def start(self) -> str:
+        """Launch, wait until it answers /health, return its base URL."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting (start-up overlaps with the trainer's)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        ready_file = self._ready_file = os.path.join(self.log_dir, f"inference_server.{os.getpid()}.ready")
+        if os.path.exists(ready_file):
+            os.remove(ready_file)
+        cmd = [
+            sys.executable,
+            "-m",
+            "nexrl_hpc.inference.server",
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--host", self.config["host"],
+            "--port", str(self.config["port"]),
+            "--ready-file", ready_file,
+            "--max-batch-size", str(self.config["max_batch_size"]),
+            "--batch-wait-ms", str(self.config["batch_wait_ms"]),
+            "--num-threads", str(self.config["num_threads"]),
+            "--seed", str(self.config["seed"]),
+            "--device", self.device,
+            "--dtype", self.dtype,
+            "--weight-version", str(self.weight_version),
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env[API_KEY_ENV] = self.api_key
+        env.setdefault("OMP_NUM_THREADS", str(self.config["num_threads"]))
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._deadline = time.monotonic() + self.config["startup_timeout_s"]
+
+    def wait_ready(self) -> str:
+        """Block until the launched server answers /health; return its base URL."""
+        assert self.process is not None, "launch() first"
+        ready_file, deadline = self._ready_file, self._deadline
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InferenceServerStartError(
+                    f"local inference server exited with code {self.process.returncode} during start-up; "
+                    f"last lines of {self.log_path}:\n{self._log_tail()}"
+                )
+            if os.path.exists(ready_file):
+                with open(ready_file) as f:
+                    info = json.load(f)
+                os.remove(ready_file)
+                host = info["host"]
+                host = f"[{host}]" if ":" in host else host
+                self.base_url = f"http://{host}:{info['port']}"
+                self._wait_healthy(deadline)
+                logger.info("local inference server up at %s (pid %d)", self.base_url, self.process.pid)
+                return self.base_url
+            time.sleep(0.05)
+        self.stop()
+        raise InferenceServerStartError(
+            f"local inference server not ready after {self.config['startup_timeout_s']}s "
+            f"(service.inference_service.local.startup_timeout_s); see {self.log_path}"
+        )
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise InferenceServerStartError(f"{self.base_url}/health did not answer; see {self.log_path}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=timeout)

@@ -1,0 +1,75 @@
+"""Build the policy model: a tiny Llama from the config (random init, local) or an HF directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
+from nexrl_hpc.models.tokenizer import build_char_tokenizer
+
+
+def build_tiny_model(cfg: TinyModelConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """Random-init Llama with untied input/output embeddings (so inference engines reload lm_head)."""
+    tokenizer = build_char_tokenizer(cfg["tokenizer"]["alphabet"])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        attention_dropout=0.0,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg["init_seed"])
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
+    """Return an HF-layout directory holding the initial policy: ``cfg.path`` or the tiny model saved to ``out_dir``."""
+    if cfg["path"] is not None:
+        return cfg["path"]
+    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    model, tokenizer = build_tiny_model(cfg["tiny"])
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):  # an earlier, interrupted attempt
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Any:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device)
+
+
+def model_config(model_dir: str) -> Any:
+    return AutoConfig.from_pretrained(model_dir)

@@ -1,0 +1,178 @@
+"""Trajectory stores: where a pool instance keeps trajectories until they are released as a batch.
+
+- ``SimpleTrajectoryStore``: no grouping; every trajectory is releasable at once.
+- ``GroupedTrajectoryStore``: grouped by one key; a group becomes releasable when it has ``group_size``.
+- ``HierarchicalTrajectoryStore``: nested by several keys; a leaf group is released when complete.
+Released trajectories keep their group together, so a batch never splits a GRPO group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from nexrl_hpc.types import Trajectory
+
+
+class TrajectoryStore:
+    """Interface: ``add`` returns "success" or "fail"; ``take`` pops up to n released trajectories."""
+
+    def add(self, trajectory: Trajectory) -> str:
+        raise NotImplementedError
+
+    def num_ready(self) -> int:
+        raise NotImplementedError
+
+    def num_pending(self) -> int:
+        """Trajectories held in incomplete groups."""
+        raise NotImplementedError
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        raise NotImplementedError
+
+    def is_empty(self) -> bool:
+        return self.num_ready() == 0 and self.num_pending() == 0
+
+    def pending_groups(self) -> dict[Any, int]:
+        return {}
+
+
+class _ReleasedGroups:
+    """Complete groups waiting for a batch; ``take`` hands out whole groups only."""
+
+    def __init__(self) -> None:
+        self._groups: deque[list[Trajectory]] = deque()
+        self._count = 0
+
+    def push(self, group: list[Trajectory]) -> None:
+        self._groups.append(group)
+        self._count += len(group)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        while self._groups and len(out) + len(self._groups[0]) <= max_items:
+            group = self._groups.popleft()
+            self._count -= len(group)
+            out.extend(group)
+        return out
+
+
+class SimpleTrajectoryStore(TrajectoryStore):
+    def __init__(self) -> None:
+        self._ready: deque[Trajectory] = deque()
+
+    def add(self, trajectory: Trajectory) -> str:
+        self._ready.append(trajectory)
+        return "success"
+
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    def num_pending(self) -> int:
+        return 0
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        n = min(max_items, len(self._ready))
+        return [self._ready.popleft() for _ in range(n)]
+
+
+class GroupedTrajectoryStore(TrajectoryStore):
+    def __init__(self, key: str, group_size: int) -> None:
+        self._key = key
+        self._group_size = group_size
+        self._open: dict[Any, list[Trajectory]] = {}
+        self._released = _ReleasedGroups()
+        self._pending = 0
+
+    def add(self, trajectory: Trajectory) -> str:
+        if self._key not in trajectory:
+            return "fail"
+        value = trajectory[self._key]
+        group = self._open.setdefault(value, [])
+        group.append(trajectory)
+        self._pending += 1
+        if len(group) >= self._group_size:
+            del self._open[value]
+            self._pending -= len(group)
+            self._released.push(group)
+        return "success"
+
+    def num_ready(self) -> int:
+        return len(self._released)
+
+    def num_pending(self) -> int:
+        return self._pending
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        return self._released.take(max_items)
+
+    def pending_groups(self) -> dict[Any, int]:
+        return {k: len(v) for k, v in self._open.items()}
+
+
+class HierarchicalTrajectoryStore(TrajectoryStore):
+    """Nested dicts keyed by ``key_list[0]``, then ``key_list[1]``, ...; leaves are groups."""
+
+    def __init__(self, key_list: list[str], group_size: int) -> None:
+        self._keys = list(key_list)
+        self._group_size = group_size
+        self._root: dict[Any, Any] = {}
+        self._released = _ReleasedGroups()
+        self._pending = 0
+
+    def add(self, trajectory: Trajectory) -> str:
+        if any(k not in trajectory for k in self._keys):
+            return "fail"
+        path = [trajectory[k] for k in self._keys]
+        parents = [self._root]
+        node = self._root
+        for value in path[:-1]:
+            node = node.setdefault(value, {})
+            parents.append(node)
+        leaf = node.setdefault(path[-1], [])
+        leaf.append(trajectory)
+        self._pending += 1
+        if len(leaf) >= self._group_size:
+            del node[path[-1]]
+            self._pending -= len(leaf)
+            self._released.push(leaf)
+            # prune empty parents so the hierarchy does not grow without bound
+            for depth in range(len(path) - 2, -1, -1):
+                if parents[depth + 1]:
+                    break
+                del parents[depth][path[depth]]
+        return "success"
+
+    def num_ready(self) -> int:
+        return len(self._released)
+
+    def num_pending(self) -> int:
+        return self._pending
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        return self._released.take(max_items)
+
+    def pending_groups(self) -> dict[Any, int]:
+        out: dict[Any, int] = {}
+
+        def walk(node: dict[Any, Any], prefix: tuple[Any, ...]) -> None:
+            for key, child in node.items():
+                if isinstance(child, list):
+                    out[prefix + (key,)] = len(child)
+                else:
+                    walk(child, prefix + (key,))
+
+        walk(self._root, ())
+        return out
+
+
+def create_store(key_list: list[str], group_size: int) -> TrajectoryStore:
+    """Store type from the config: no keys -> simple, one key -> grouped, several -> hierarchical."""
+    if not key_list:
+        return SimpleTrajectoryStore()
+    if len(key_list) == 1:
+        return GroupedTrajectoryStore(key_list[0], group_size)
+    return HierarchicalTrajectoryStore(key_list, group_size)

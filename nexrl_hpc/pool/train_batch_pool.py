@@ -1,0 +1,48 @@
+"""TrainBatchPool: processed batches waiting for the train worker, one FIFO queue per model tag."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, ModelTag
+
+
+class TrainBatchPool(NexRLModule):
+    def __init__(self, config: RLTrainConfig):
+        super().__init__()
+        self._max_queue_size = config["train_batch_pool"]["max_queue_size"]
+        self._queues: dict[ModelTag, deque[tuple[Batch, str]]] = {}
+        self._lock = threading.Lock()
+
+    def put_batch(self, batch: Batch, update_fn: str) -> bool:
+        """Queue ``batch`` for its model (metadata ``model_tag``); False when that queue is full."""
+        tag = batch.metadata.get("model_tag") or DEFAULT_MODEL_TAG
+        with self._lock:
+            queue = self._queues.setdefault(tag, deque())
+            if len(queue) >= self._max_queue_size:
+                return False
+            batch.metadata["update_fn"] = update_fn
+            queue.append((batch, update_fn))
+            return True
+
+    def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG) -> Batch | None:
+        with self._lock:
+            tags = [model] if model is not None else list(self._queues)
+            for tag in tags:
+                queue = self._queues.get(tag)
+                if queue:
+                    return queue.popleft()[0]
+        return None
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return all(not q for q in self._queues.values())
+
+    def size(self, model: ModelTag | None = None) -> int:
+        with self._lock:
+            if model is not None:
+                return len(self._queues.get(model, ()))
+            return sum(len(q) for q in self._queues.values())

@@ -1,0 +1,202 @@
+"""TrajectoryPool: one TrajectoryPoolInstance per model tag, each with its own store and batch rule."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig, TrajectoryPoolConfig
+from nexrl_hpc.core.activity import ActivityTrackerProxy
+from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.pool.stores import TrajectoryStore, create_store
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_READY_RULES = ("batch_size", "loaded_batch_finished")
+
+
+class TrajectoryPoolInstance:
+    """Trajectories of one model; blocks additions while that model's weights are being synced."""
+
+    def __init__(self, model_tag: ModelTag, config: TrajectoryPoolConfig):
+        self.model_tag = model_tag
+        self._batch_size = config["batch_size"]
+        self._store: TrajectoryStore = create_store(config["key_list"], config["group_size"])
+        rule = config["check_batch_ready_function"]
+        self._rule_name = rule
+        self._custom_rule: Callable[..., bool] | None = None if rule in BUILTIN_READY_RULES else load_object(rule)
+        self._lock = threading.Lock()
+        self._sync_blocked = False
+        self._notified_ready = False
+        self._dataloader: Any = None
+        self._weight_sync_controller: Any = None
+        self._activity_tracker: ActivityTrackerProxy | None = None
+        self.accepted = 0
+        self.rejected = 0
+
+    def set_module_references(self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None) -> None:
+        self._dataloader = dataloader
+        self._weight_sync_controller = weight_sync_controller
+        self._activity_tracker = activity_tracker
+
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        with self._lock:
+            if self._sync_blocked:
+                return "re-rollout"
+            result = self._store.add(trajectory)
+            if result == "success":
+                self.accepted += 1
+            else:
+                self.rejected += 1
+            ready_now = self._rule_name == "batch_size" and not self._notified_ready and self._store.num_ready() >= self._batch_size
+            if ready_now:
+                self._notified_ready = True
+        if ready_now:
+            self._notify_ready()
+        return result
+
+    def _notify_ready(self) -> None:
+        if self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.trajectory_pool_notify_batch_ready, self.model_tag)
+
+    def is_batch_ready(self) -> bool:
+        with self._lock:
+            ready = self._store.num_ready()
+            pending = self._store.num_pending()
+        if ready == 0:
+            return False
+        if self._rule_name == "batch_size":
+            return ready >= self._batch_size
+        if self._rule_name == "loaded_batch_finished":
+            return self._loaded_batch_finished(pending)
+        assert self._custom_rule is not None
+        return bool(self._custom_rule(num_ready=ready, num_pending=pending, batch_size=self._batch_size))
+
+    def _loaded_batch_finished(self, pending: int) -> bool:
+        """Everything the data loader handed out for this batch has come back."""
+        if pending:
+            return False
+        if self._dataloader is not None and execute(self._dataloader.can_return_item):
+            return False
+        return self._activity_tracker is None or self._activity_tracker.is_rollout_worker_quiescent()
+
+    def get_batch(self, batch_size: int | None = None) -> Batch | None:
+        if not self.is_batch_ready():
+            return None
+        size = batch_size or self._batch_size
+        if self._rule_name == "loaded_batch_finished":
+            size = max(size, self.num_ready())
+        with self._lock:
+            items = self._store.take(size)
+            self._notified_ready = False
+        if not items:
+            return None
+        if self._rule_name != "batch_size":
+            self._notify_ready()
+        return Batch.from_trajectories(items, metadata={"model_tag": self.model_tag})
+
+    def num_ready(self) -> int:
+        with self._lock:
+            return self._store.num_ready()
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return self._store.is_empty()
+
+    def notify_weight_sync_starting(self) -> None:
+        with self._lock:
+            self._sync_blocked = True
+
+    def unlock_for_weight_sync(self) -> None:
+        with self._lock:
+            self._sync_blocked = False
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "ready": self._store.num_ready(),
+                "pending": self._store.num_pending(),
+                "accepted": self.accepted,
+                "rejected": self.rejected,
+            }
+
+
+class TrajectoryPool(NexRLModule):
+    """Routes trajectories to the instance of their ``model_tag`` (default "default")."""
+
+    def __init__(self, config: RLTrainConfig):
+        super().__init__()
+        self._config = config["trajectory_pool"]
+        self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
+        self._lock = threading.Lock()
+        self._dataloader: Any = None
+        self._weight_sync_controller: Any = None
+
+    def set_module_references(self, dataloader: Any, weight_sync_controller: Any) -> None:
+        self._dataloader = dataloader
+        self._weight_sync_controller = weight_sync_controller
+        with self._lock:
+            for instance in self._instances.values():
+                instance.set_module_references(dataloader, weight_sync_controller, self._activity_tracker)
+
+    def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
+        super().set_activity_tracker(tracker)
+        with self._lock:
+            for instance in self._instances.values():
+                instance.set_module_references(self._dataloader, self._weight_sync_controller, tracker)
+
+    def _instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
+        instance = self._instances.get(model_tag)
+        if instance is None:
+            with self._lock:
+                instance = self._instances.get(model_tag)
+                if instance is None:
+                    instance = TrajectoryPoolInstance(model_tag, self._config)
+                    instance.set_module_references(self._dataloader, self._weight_sync_controller, self._activity_tracker)
+                    self._instances[model_tag] = instance
+        return instance
+
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        """"success" | "fail" (the store refused it) | "re-rollout" (weights of its model are syncing)."""
+        return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
+
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        """Many at once (one round trip when the pool is remote)."""
+        return [self.put_trajectory(t) for t in trajectories]
+
+    def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None) -> Batch | None:
+        if model_tag is None:
+            return self.get_batch_any(batch_size)
+        instance = self._instances.get(model_tag)
+        return instance.get_batch(batch_size) if instance is not None else None
+
+    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
+        for tag in self.get_model_tags():
+            batch = self._instances[tag].get_batch(batch_size)
+            if batch is not None:
+                return batch
+        return None
+
+    def is_empty(self, model_tag: ModelTag | None = None) -> bool:
+        if model_tag is not None:
+            instance = self._instances.get(model_tag)
+            return instance is None or instance.is_empty()
+        return all(instance.is_empty() for instance in list(self._instances.values()))
+
+    def get_model_tags(self) -> list[ModelTag]:
+        with self._lock:
+            return list(self._instances)
+
+    def notify_weight_sync_starting(self, model_tag: ModelTag) -> None:
+        self._instance(model_tag).notify_weight_sync_starting()
+
+    def unlock_for_weight_sync(self, model_tag: ModelTag) -> None:
+        self._instance(model_tag).unlock_for_weight_sync()
+
+    def stats(self) -> dict[ModelTag, dict[str, int]]:
+        return {tag: inst.stats() for tag, inst in list(self._instances.items())}

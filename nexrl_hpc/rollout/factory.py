@@ -1,0 +1,19 @@
+"""Rollout worker class for ``rollout_worker.type``."""
+
+from __future__ import annotations
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.rollout.base import BaseRolloutWorker
+
+
+def create_rollout_worker(config: RLTrainConfig) -> BaseRolloutWorker:
+    kind = config["rollout_worker"]["type"]
+    if kind == "single_turn":
+        from nexrl_hpc.rollout.single_turn import SingleTurnRolloutWorker
+
+        return SingleTurnRolloutWorker(config)
+    if kind == "simple":
+        from nexrl_hpc.rollout.simple import SimpleRolloutWorker
+
+        return SimpleRolloutWorker(config)
+    raise ValueError(f"rollout_worker.type={kind!r} is not a known worker")

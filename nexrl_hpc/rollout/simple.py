@@ -1,0 +1,17 @@
+"""SimpleRolloutWorker: one completion per task; the trajectory carries the task's own reward, if any."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nexrl_hpc.rollout.base import BaseRolloutWorker
+
+
+class SimpleRolloutWorker(BaseRolloutWorker):
+    async def step(self, task: dict[str, Any]) -> str | None:
+        prompt = task.get("prompt")
+        if not prompt:
+            return None
+        result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
+        reward = float(task.get("reward", 0.0))
+        return self._put_trajectory(self.make_trajectory(task, result, {"reward": reward}))

@@ -1,0 +1,1 @@
+"""Tasks: a data generator (train + held-out validation rows) and a reward function, chosen by ``task=<name>``."""

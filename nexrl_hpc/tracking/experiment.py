@@ -1,0 +1,153 @@
+"""Metrics to ``metrics.jsonl`` and TensorBoard (always), wandb (when configured), a console progress bar.
+
+On resume the jsonl is truncated to the resumed step and TensorBoard purges later events, so a
+step never appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+def truncate_metrics(path: str, keep_through_step: int) -> None:
+    """Drop lines with ``step`` > ``keep_through_step`` (a resumed run redoes those steps)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= keep_through_step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a crash
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return rows
+
+
+class ConsoleProgress:
+    """A tqdm bar over training steps showing reward, validation accuracy and rate."""
+
+    def __init__(self, total_steps: int, initial_step: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        self._postfix: dict[str, str] = {}
+
+    def update(self, data: dict[str, Any], step: int) -> None:
+        if "train/reward_mean" in data:
+            self._postfix["reward"] = f"{data['train/reward_mean']:.3f}"
+            if step > self._bar.n:
+                self._bar.update(step - self._bar.n)
+        for key in ("val/accuracy", "val/reward"):
+            if key in data:
+                self._postfix[key.split("/")[1]] = f"{data[key]:.3f}"
+                break
+        self._bar.set_postfix(self._postfix, refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class ExperimentLogger:
+    def __init__(self, config: RLTrainConfig, run_dir: str, resume_step: int | None):
+        self._lock = threading.Lock()
+        self._config = config
+        backends = set(config["logger"]["backend"])
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None:
+            truncate_metrics(self.metrics_path, resume_step)
+        elif os.path.exists(self.metrics_path):
+            os.replace(self.metrics_path, f"{self.metrics_path}.{int(time.time())}.old")
+        self._jsonl = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=(resume_step + 1) if resume_step is not None else None)
+        self._console = (
+            ConsoleProgress(config["train_worker"]["total_train_steps"], resume_step or 0) if "console" in backends else None
+        )
+        self._wandb: Any = None
+        if "wandb" in backends:
+            self._wandb = self._init_wandb(run_dir)
+
+    def _init_wandb(self, run_dir: str) -> Any:
+        import wandb
+
+        wcfg = self._config["logger"]["wandb"]
+        id_path = os.path.join(run_dir, "wandb_run_id")
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = wandb.util.generate_id()
+            with open(id_path, "w") as f:
+                f.write(run_id)
+        return wandb.init(
+            project=wcfg["project"],
+            entity=wcfg["entity"],
+            name=wcfg["name"],
+            mode=wcfg["mode"],
+            dir=run_dir,
+            id=run_id,
+            resume="allow",
+            config=self._config,  # type: ignore[arg-type]
+        )
+
+    def post(self, backend: str = "all", data: dict[str, Any] | None = None, step: int | None = None, **_: Any) -> None:
+        """Log ``data`` at ``step`` to ``backend`` ("all", "jsonl", "tensorboard", "wandb" or "console")."""
+        if not data:
+            return
+        step = int(step or 0)
+        with self._lock:
+            if backend in ("all", "jsonl"):
+                row = {"step": step, **{k: _clean(v) for k, v in data.items()}, "time": round(time.time(), 3)}
+                self._jsonl.write(json.dumps(row) + "\n")
+            if backend in ("all", "tensorboard"):
+                for key, value in data.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        self._tb.add_scalar(key, value, step)
+            if self._wandb is not None and backend in ("all", "wandb"):
+                self._wandb.log({k: v for k, v in data.items() if isinstance(v, (int, float))}, step=step)
+            if self._console is not None and backend in ("all", "console"):
+                self._console.update(data, step)
+
+    def close(self) -> None:
+        with self._lock:
+            self._jsonl.close()
+            self._tb.flush()
+            self._tb.close()
+            if self._console is not None:
+                self._console.close()
+            if self._wandb is not None:
+                self._wandb.finish()

@@ -1,0 +1,177 @@
+"""TrainWorker: takes processed batches, trains through a TrainServiceClient, exports, checkpoints, notifies.
+
+One training step: (optionally) recompute old log-probs -> ``update_actor`` -> export the new
+weights to ``sync_weight_path/version_<step>`` -> checkpoint every ``save_freq`` steps and at
+the last step -> one metrics line -> tell the weight sync controller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.errors import ErrorSeverity
+from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.types import Batch
+from nexrl_hpc.weight_sync.controller import sync_weight_dir
+
+logger = logging.getLogger(__name__)
+
+
+class TrainWorker(NexRLModule):
+    def __init__(self, config: RLTrainConfig, client: TrainServiceClient):
+        super().__init__()
+        tw = config["train_worker"]
+        self._config = config
+        self._client = client
+        self._total_steps = tw["total_train_steps"]
+        self._save_freq = tw["save_freq"]
+        self._idle_wait_s = tw["idle_wait_s"]
+        self._sync_path = tw["sync_weight_path"]
+        self._model_tag = config["service"]["train_service"]["model_tag"]
+        self._recompute = config["algorithm"]["recompute_old_log_prob"]
+        keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
+        self._checkpoints = CheckpointManager(tw["checkpoint_path"], keep)
+        self._train_step = 0
+        self._in_step = False
+        self._last_step_end: float | None = None
+        self._train_batch_pool: Any = None
+        self._weight_sync_controller: Any = None
+        self._dataloader: Any = None
+
+    # --- setup ----------------------------------------------------------------------------------
+    def set_module_references(self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None) -> None:
+        self._train_batch_pool = train_batch_pool
+        self._weight_sync_controller = weight_sync_controller
+        self._dataloader = dataloader
+
+    def train_service_config(self) -> dict[str, Any]:
+        """What the train service workers need (seed 002's ``initialize_worker`` payload)."""
+        ts = self._config["service"]["train_service"]
+        return {
+            "actor": ts["actor"],
+            "algorithm": {k: self._config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
+            "device": ts["device"],
+            "dtype": ts["dtype"],
+            "num_threads": ts["num_threads"],
+            "export_max_shard_mb": ts["export_max_shard_mb"],
+            "total_training_steps": self._total_steps,
+        }
+
+    def initialize_workers(self) -> None:
+        ts = self._config["service"]["train_service"]
+        self._client.initialize_worker(self.train_service_config(), role="actor", world_size=ts["world_size"])
+        self._client.init_model()
+
+    def get_train_step(self) -> int:
+        return self._train_step
+
+    def set_train_step(self, step: int) -> None:
+        self._train_step = step
+
+    def is_done(self) -> bool:
+        """All planned steps trained, exported and handed to the weight sync controller."""
+        return self._train_step >= self._total_steps and not self._in_step
+
+    # --- weights / checkpoints used by the controller -------------------------------------------
+    def export_weights(self, version: int) -> str:
+        path = sync_weight_dir(self._sync_path, version)
+        self._client.export_weights(path)
+        return path
+
+    def load_checkpoint(self, path: str) -> None:
+        self._client.load_checkpoint(path, load_optimizer=True)
+
+    def save_checkpoint(self) -> str:
+        step = self._train_step
+        state = {
+            "global_step": step,
+            "weight_version": {self._model_tag: step},
+            "dataloader": execute(self._dataloader.state_dict) if self._dataloader is not None else {},
+            "rng": capture_rng_state(),
+        }
+        path = self._checkpoints.save(step, lambda d: self._client.save_checkpoint(d, step), state)
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    # --- loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        self._last_step_end = time.monotonic()
+        self._start_thread(self._loop)
+
+    def stop(self) -> None:
+        self._stop_thread(timeout=120)
+
+    def _loop(self) -> None:
+        while not self.stopped and self._train_step < self._total_steps:
+            batch = self._get_batch()
+            if batch is None:
+                time.sleep(self._idle_wait_s)
+                continue
+            assert self._activity_tracker is not None
+            self._in_step = True
+            try:
+                with self._activity_tracker.track(self._module_name, "train_step"):
+                    self._step(batch)
+            finally:
+                self._in_step = False
+
+    def _get_batch(self) -> Batch | None:
+        return execute(self._train_batch_pool.get_batch, self._model_tag)
+
+    def _step(self, batch: Batch) -> None:
+        assert self._activity_tracker is not None
+        t0 = time.monotonic()
+        tensors = dict(batch.values)
+        tensors["old_log_probs"] = tensors["behaviour_log_probs"]
+        metrics: dict[str, Any] = dict(batch.metadata.get("metrics", {}))
+        if self._recompute:
+            recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"]["old_log_probs"]
+            mask = tensors["response_mask"]
+            metrics["train/logprob_mismatch_max"] = float(((recomputed - tensors["behaviour_log_probs"]).abs() * mask).max())
+            tensors["old_log_probs"] = recomputed
+        t1 = time.monotonic()
+        result = self._client.update_actor({"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}})
+        actor = result["meta_info"]["metrics"]
+        t2 = time.monotonic()
+        self._train_step += 1
+        step = self._train_step
+        self._activity_tracker.set_training_step(step)
+        self.export_weights(step)
+        t3 = time.monotonic()
+        if actor.get("actor/nan_skipped"):
+            self._activity_tracker.report_error(
+                self._module_name,
+                "update_actor",
+                f"step {step}: non-finite loss or gradient, {actor['actor/nan_skipped']} optimizer step(s) skipped",
+                ErrorSeverity.WARNING,
+            )
+        if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps:
+            self.save_checkpoint()
+        t4 = time.monotonic()
+        metrics.update(actor)
+        metrics["train/loss"] = actor["actor/loss"]
+        metrics["train/grad_norm"] = actor["actor/grad_norm"]
+        metrics.setdefault("train/logprob_mismatch_max", actor.get("actor/logprob_mismatch_max"))
+        metrics["train/nan_skipped"] = actor["actor/nan_skipped"]
+        versions = batch.values.get("weight_version")
+        if isinstance(versions, torch.Tensor) and versions.numel():
+            metrics["train/staleness_max"] = float((step - 1 - versions).max())
+        if self._dataloader is not None:
+            metrics["data/skipped_rows"] = execute(self._dataloader.get_skipped_rows)
+        now = time.monotonic()
+        metrics["timing/step_s"] = now - (self._last_step_end or t0)
+        metrics["timing/old_log_prob_s"] = t1 - t0
+        metrics["timing/update_s"] = t2 - t1
+        metrics["timing/export_s"] = t3 - t2
+        metrics["timing/checkpoint_s"] = t4 - t3
+        self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
+        execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag, step)
+        self._last_step_end = time.monotonic()

@@ -1,0 +1,71 @@
+"""Validator: collects validation trajectories and reports the mean of each score as ``val/<score>``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.types import Trajectory
+
+
+class Validator(NexRLModule):
+    def __init__(self, config: RLTrainConfig):
+        super().__init__()
+        self._config = config
+        self._lock = threading.Lock()
+        self._trajectories: list[Trajectory] = []
+        self._validate_dataloader: Any = None
+
+    def set_module_references(self, validate_dataloader: Any) -> None:
+        self._validate_dataloader = validate_dataloader
+
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        with self._lock:
+            self._trajectories.append(trajectory)
+        return "success"
+
+    def num_collected(self) -> int:
+        with self._lock:
+            return len(self._trajectories)
+
+    def is_complete(self) -> bool:
+        """Every validation task came back (or the loader is drained and no rollout is in flight)."""
+        expected = execute(self._validate_dataloader.total_tasks)
+        if self.num_collected() >= expected:
+            return True
+        if not execute(self._validate_dataloader.is_finished):
+            return False
+        return self._activity_tracker is None or self._activity_tracker.is_rollout_worker_quiescent()
+
+    def compute_metrics(self) -> dict[str, float]:
+        with self._lock:
+            trajectories = list(self._trajectories)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for traj in trajectories:
+            for key, value in (traj.get("scores") or {"reward": traj.get("reward", 0.0)}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                    counts[key] = counts.get(key, 0) + 1
+        metrics = {f"val/{k}": sums[k] / counts[k] for k in sums}
+        metrics["val/num_samples"] = len(trajectories)
+        return metrics
+
+    def compute_and_log_metrics(self, step: int | None = None) -> dict[str, float]:
+        metrics = self.compute_metrics()
+        if self._activity_tracker is not None:
+            if step is None:
+                step = self._activity_tracker.get_training_step()
+            self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
+        return metrics
+
+    def get_trajectories(self) -> list[Trajectory]:
+        with self._lock:
+            return list(self._trajectories)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._trajectories.clear()

@@ -1,0 +1,154 @@
+"""WeightSyncController: decides when rollouts may run and moves new weights to the inference service.
+
+``sync`` mode (seed 000): one training batch of fresh tasks is dispatched per policy version
+(the data loader's dispatch budget); when the batch is complete, rollouts block, the trainer
+updates and exports, the inference service reloads (``publish``), the version is bumped, an
+optional validation runs, and the next batch is released. Every trajectory records the version
+that produced it. (fully-async / batch-async are not implemented yet; the config schema refuses them.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from typing import Any, Literal
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
+from nexrl_hpc.weight_sync.transport import WeightTransport
+
+logger = logging.getLogger(__name__)
+
+
+def sync_weight_dir(base: str, version: int) -> str:
+    """Where version ``version`` of the weights is exported for the inference service."""
+    return os.path.join(base, f"version_{version}")
+
+
+class WeightSyncController(NexRLModule):
+    def __init__(self, config: RLTrainConfig, transport: WeightTransport):
+        super().__init__()
+        weight = config["weight"]
+        self._mode = weight["sync_mode"]
+        self._sync_path = weight["sync_weight_path"]
+        self._validate_freq = weight["validate_freq"]
+        self._keep_versions = weight["keep_versions"]
+        self._validate_at_end = config["validate"]["validate_at_end"]
+        self._total_steps = config["train_worker"]["total_train_steps"]
+        self._batch_items = config["trajectory_pool"]["batch_size"]
+        self._transport = transport
+        self._lock = threading.RLock()
+        self._train_version: dict[ModelTag, int] = {}
+        self._rollout_version: dict[ModelTag, int] = {}
+        self._syncing: set[ModelTag] = set()
+        self._waiting_validation: ModelTag | None = None
+        self._dataloader: Any = None
+        self._trajectory_pool: Any = None
+
+    def set_module_references(self, dataloader: Any, trajectory_pool: Any) -> None:
+        self._dataloader = dataloader
+        self._trajectory_pool = trajectory_pool
+        if self._mode == "sync":
+            execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
+
+    def set_inference_endpoint(self, base_url: str, api_key: str | None) -> None:
+        self._transport.set_endpoint(base_url, api_key)
+
+    # --- versions -------------------------------------------------------------------------------
+    def set_versions(self, model_tag: ModelTag, version: int) -> None:
+        """Resume: the trainer holds weights of ``version``."""
+        with self._lock:
+            self._train_version[model_tag] = version
+
+    def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        with self._lock:
+            return self._rollout_version.get(model_tag, 0)
+
+    def get_train_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        with self._lock:
+            return self._train_version.get(model_tag, 0)
+
+    # --- coordination ---------------------------------------------------------------------------
+    def start(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        """Release the first batch of rollouts (after the initial sync / pre-training validation)."""
+        self._release_rollouts(model_tag)
+
+    def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
+        with self._lock:
+            return "block" if model_tag in self._syncing else "continue"
+
+    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> None:
+        if self._mode != "sync":
+            return
+        with self._lock:
+            self._syncing.add(model_tag)
+        execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
+
+    def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag, version: int | None = None) -> None:
+        """The trainer finished a step and exported its weights; publish them and maybe validate."""
+        with self._lock:
+            new_version = version if version is not None else self._train_version.get(model_tag, 0) + 1
+            self._train_version[model_tag] = new_version
+        self.sync_weight_to_rollout_service(model_tag)
+        with self._lock:
+            self._syncing.discard(model_tag)  # the new weights are served: requests may flow again
+            if self._validation_due(new_version):
+                self._waiting_validation = model_tag  # training rollouts stay held until end_validate
+                return
+        self._release_rollouts(model_tag)
+
+    def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
+        version = self.get_train_model_version(model_tag)
+        path = sync_weight_dir(self._sync_path, version)
+        self._transport.publish(path, version)  # raises WeightSyncError: version stays where it was
+        with self._lock:
+            self._rollout_version[model_tag] = version
+        self._prune(version)
+
+    def _validation_due(self, version: int) -> bool:
+        if self._validate_freq > 0 and version % self._validate_freq == 0:
+            return True
+        return self._validate_at_end and version == self._total_steps
+
+    def is_waiting_for_validation(self) -> bool:
+        with self._lock:
+            return self._waiting_validation is not None
+
+    def waiting_validation_model_tag(self) -> ModelTag | None:
+        with self._lock:
+            return self._waiting_validation
+
+    def end_validate(self, model_tag: ModelTag) -> None:
+        with self._lock:
+            if self._waiting_validation != model_tag:
+                return
+            self._waiting_validation = None
+        self._release_rollouts(model_tag)
+
+    def _release_rollouts(self, model_tag: ModelTag) -> None:
+        with self._lock:
+            self._syncing.discard(model_tag)
+            done = self._train_version.get(model_tag, 0) >= self._total_steps
+        execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
+        if self._mode == "sync":
+            execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)
+
+    def _prune(self, current: int) -> None:
+        if not os.path.isdir(self._sync_path):
+            return
+        versions = []
+        for name in os.listdir(self._sync_path):
+            if name.startswith("version_") and name[8:].isdigit():
+                versions.append(int(name[8:]))
+        for v in sorted(versions)[: -self._keep_versions]:
+            if v != current:
+                shutil.rmtree(sync_weight_dir(self._sync_path, v), ignore_errors=True)
+
+    # --- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"train_version": dict(self._train_version), "rollout_version": dict(self._rollout_version)}
