@@ -61,9 +61,15 @@ class NexRLController:
 
     # --- public ---------------------------------------------------------------------------------
     def run(self) -> None:
+        """Train to the end; raise ``RunFailed`` (with the reason) if the run cannot go on."""
         try:
             self._setup()
             self._train()
+        except RunFailed:
+            raise
+        except Exception as exc:
+            logger.exception("run failed")
+            raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._stop()
 

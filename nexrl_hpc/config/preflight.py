@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import os
+
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -38,10 +39,10 @@ def _suggest(base: DictConfig, key: str) -> str:
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(base, parent) if parent else base
     if isinstance(node, DictConfig):
-        close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1, cutoff=0.6)
+        close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
         if close:
             return f" (did you mean {(parent + '.' if parent else '') + close[0]!r}?)"
-        return f" (valid keys under {parent or '<root>'}: {', '.join(sorted(str(k) for k in node.keys()))})"
+        return f" (valid keys under {parent or '<root>'}: {', '.join(sorted(str(k) for k in node))})"
     return ""
 
 
@@ -75,9 +76,7 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         return problems + [ConfigProblem("<overrides>", str(exc).split("\n")[0])]
     kept = []
     for o in value_ovr:
-        if o.is_add() or o.is_force_add() or o.is_delete():
-            kept.append(o)
-        elif _key_exists(base, o.key_or_group):
+        if o.is_add() or o.is_force_add() or o.is_delete() or _key_exists(base, o.key_or_group):
             kept.append(o)
         else:
             problems.append(ConfigProblem(o.key_or_group, f"unknown key{_suggest(base, o.key_or_group)}"))

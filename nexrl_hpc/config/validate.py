@@ -174,7 +174,7 @@ def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigP
     for key in value:
         if key not in hints:
             close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(hints))})"
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(hints))})"
             problems.append(ConfigProblem(f"{prefix}{key}", f"unknown key{hint}"))
     for key, tp in hints.items():
         if key not in value:

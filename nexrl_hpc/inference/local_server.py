@@ -76,6 +76,7 @@ class LocalInferenceServer:
             "--device", self.device,
             "--dtype", self.dtype,
             "--weight-version", str(self.weight_version),
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         env = dict(os.environ)
         env[API_KEY_ENV] = self.api_key

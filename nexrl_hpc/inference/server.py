@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -246,6 +247,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A server started by a run must not outlive it (e.g. when the run is SIGKILLed)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                logger.warning("parent process %d is gone; exiting", parent_pid)
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="nexrl_hpc local OpenAI-compatible inference server")
     parser.add_argument("--model", required=True, help="HF-layout model directory")
@@ -260,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (no orphans after kill -9)")
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.num_threads)

@@ -14,6 +14,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
 from nexrl_hpc.models.tokenizer import build_char_tokenizer
@@ -50,6 +51,7 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer.json")):
         return out_dir
     model, tokenizer = build_tiny_model(cfg["tiny"])
+    hf_logging.disable_progress_bar()
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -67,6 +69,7 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
 
 
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Any:
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.to(device)
 

@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -197,7 +198,9 @@ class LocalTrainEngine(TrainServiceClient):
                 grad_norms.append(float(grad_norm))
                 steps_done += 1
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a step whose optimizer steps were all skipped still advances the schedule
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         tokens = max(sums["tokens"], 1.0)
         metrics = {
             "actor/pg_loss": sums["pg_loss"] / steps_done,

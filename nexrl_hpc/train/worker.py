@@ -18,6 +18,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.train.service import TrainServiceClient
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.controller import sync_weight_dir
@@ -37,11 +38,14 @@ class TrainWorker(NexRLModule):
         self._sync_path = tw["sync_weight_path"]
         self._model_tag = config["service"]["train_service"]["model_tag"]
         self._recompute = config["algorithm"]["recompute_old_log_prob"]
+        self._dump_rollouts = config["logger"]["dump_rollouts"]
+        self._run_dir = config["run_dir"]
         keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
         self._checkpoints = CheckpointManager(tw["checkpoint_path"], keep)
         self._train_step = 0
         self._in_step = False
         self._last_step_end: float | None = None
+        self._last_checkpoint_s: float | None = None
         self._train_batch_pool: Any = None
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
@@ -153,9 +157,8 @@ class TrainWorker(NexRLModule):
                 f"step {step}: non-finite loss or gradient, {actor['actor/nan_skipped']} optimizer step(s) skipped",
                 ErrorSeverity.WARNING,
             )
-        if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps:
-            self.save_checkpoint()
-        t4 = time.monotonic()
+        if self._dump_rollouts:
+            dump_rollouts(self._run_dir, step, batch)
         metrics.update(actor)
         metrics["train/loss"] = actor["actor/loss"]
         metrics["train/grad_norm"] = actor["actor/grad_norm"]
@@ -171,7 +174,15 @@ class TrainWorker(NexRLModule):
         metrics["timing/old_log_prob_s"] = t1 - t0
         metrics["timing/update_s"] = t2 - t1
         metrics["timing/export_s"] = t3 - t2
-        metrics["timing/checkpoint_s"] = t4 - t3
+        if self._last_checkpoint_s is not None:
+            metrics["timing/last_checkpoint_s"] = self._last_checkpoint_s
+            self._last_checkpoint_s = None
+        # the step's line is written before its checkpoint commits: a resume from this checkpoint
+        # keeps the line, a resume from an older one truncates it and redoes the step
         self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
+        if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps:
+            t4 = time.monotonic()
+            self.save_checkpoint()
+            self._last_checkpoint_s = time.monotonic() - t4
         execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag, step)
         self._last_step_end = time.monotonic()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install nexrl_hpc and everything it needs into the current Python (idempotent).
+#   bash scripts/install.sh          # runtime dependencies
+#   bash scripts/install.sh --dev    # + test tools
+# torch goes in first: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
+# On a GPU cluster set NEXRL_TORCH_SPEC to the build you want (e.g. "torch==2.13.0" from the
+# CUDA index) or install torch yourself before running this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=""
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet "${NEXRL_TORCH_SPEC:-torch==2.13.0}"
+fi
+"$PY" -m pip install --quiet -e ".${extras}"

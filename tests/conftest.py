@@ -1,0 +1,54 @@
+"""Shared helpers: compose the real Hydra config, build the real tiny model once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from nexrl_hpc.config import register_resolvers, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(REPO / "configs")
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def compose_raw(overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="test"):
+        return compose("rl_train", overrides=list(overrides))
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The validated, resolved config the launcher would run with."""
+    return validate_config(compose_raw(overrides))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from nexrl_hpc.models.tiny import materialize_base_model
+
+    cfg = compose_config(["seed=1"])
+    return materialize_base_model(cfg["model"], str(tmp_path_factory.mktemp("model") / "base_model"))
+
+
+def run_train(args: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m launch.train ARGS`` as a user runs it."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )

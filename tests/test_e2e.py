@@ -1,0 +1,158 @@
+"""End-to-end runs of ``python -m launch.train``, as a user runs it (real server, real trainer, real files)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import pytest
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from nexrl_hpc.data.loader import JsonlDataLoader
+from tests.conftest import REPO, compose_config, run_train
+
+pytestmark = pytest.mark.e2e
+
+FAST = ["validate.validate_before_train=false", "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]"]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_steps(rows: list[dict[str, Any]]) -> list[int]:
+    return [r["step"] for r in rows if "train/reward_mean" in r]
+
+
+def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path) -> None:
+    """The issue's acceptance run: the embedded default with only run_dir and seed set."""
+    run_dir = tmp_path / "default"
+    proc = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    assert val[0][0] == 0 and val[0][1] <= 0.3, val  # validate_before_train
+    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    steps = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 51))
+    for r in steps:
+        assert r["train/logprob_mismatch_max"] <= 1e-4, r["step"]
+        for key in ("train/loss", "train/grad_norm", "timing/step_s"):
+            assert isinstance(r[key], float), key
+    assert steps[-1]["train/reward_mean"] > steps[0]["train/reward_mean"]
+
+    # run dir layout
+    assert (run_dir / "config.yaml").exists() and (run_dir / "tensorboard").is_dir()
+    ckpt = run_dir / "checkpoints" / "global_step_50"
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "state.h5").exists() and (ckpt / "optimizer" / "rank_0.pt").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step_50"
+    with h5py.File(ckpt / "state.h5") as f:
+        assert f.attrs["global_step"] == 50 and json.loads(f["dataloader"][()])["issued_fresh"] == 50 * 256
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    tok = PreTrainedTokenizerFast.from_pretrained(ckpt / "model")
+    assert model.config.vocab_size == len(tok)
+    val_rows = [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")]
+    assert set(val_rows[0]) == {"prompt", "answer"} and len(val_rows) == 140
+
+    independent = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert independent.returncode == 0, independent.stderr
+    result = json.loads(independent.stdout.strip().splitlines()[-1])
+    assert result["checkpoint"].endswith("global_step_50")
+    assert abs(result["accuracy"] - val[-1][1]) <= 0.1
+
+
+def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "resume"
+    args = [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=12", "train_worker.save_freq=2",
+            "train_worker.max_ckpt_to_keep=null", "logger.dump_rollouts=true", *FAST]  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    marker = run_dir / "checkpoints" / "global_step_4" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert first.poll() is None, "the first run ended before it could be interrupted"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)  # no clean shutdown: like a node failure
+    first.wait()
+    done_before = sorted(int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("global_step_*") if (p / "COMPLETE").exists())
+    assert 4 <= done_before[-1] < 12
+
+    second = run_train(args, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert train_steps(metrics(run_dir)) == list(range(1, 13))  # every step exactly once
+
+    # the data order of an uninterrupted run: 12 steps x 32 prompts x 8 samples
+    cfg = compose_config(args)
+    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
+    per_step = cfg["trajectory_pool"]["batch_size"]
+    for step in range(1, 13):
+        expected = collections.Counter((t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step)))
+        with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
+            got = collections.Counter(zip([u.decode() for u in f["uid"][()]], f["epoch"][()].tolist()))
+            assert f["weight_version"][()].tolist() == [step - 1] * per_step  # sync mode: on-policy
+        assert got == expected, step
+
+
+def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    with open(train, "wb") as f:
+        for i in range(40):
+            f.write((json.dumps({"prompt": f"m{i % 10}{(i * 7) % 10}{(i * 3) % 10}=", "answer": "9"}) + "\n").encode())
+        f.write(b"\xff\xfe\xfa garbage\n")
+        f.write(b'{"answer": "1"}\n')
+        f.write(b"{broken json\n")
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt": "m123=", "answer": "3"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [f"run_dir={run_dir}", "data.type=jsonl", f"data.data_files=[{train}]", f"validate.data.data_files=[{val}]",
+         "data.batch_size=4", "train_worker.total_train_steps=2", *FAST]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
+    assert [r["data/skipped_rows"] for r in rows] == [3, 3]
+    assert [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")] == [{"prompt": "m123=", "answer": "3"}]
+
+
+def nan_reward_for_first_row(task: dict[str, Any], response: str) -> dict[str, float]:
+    """Reward function used by the NaN test: poisons the group of row 0."""
+    return {"reward": float("nan") if task["uid"] == "train-0" else 0.0}
+
+
+def test_nan_loss_step_is_skipped_and_reported(tmp_path: Path) -> None:
+    run_dir = tmp_path / "nan"
+    proc = run_train(
+        [f"run_dir={run_dir}", "rollout_worker.reward_fn=tests.test_e2e:nan_reward_for_first_row", "data.shuffle=false",
+         "train_worker.total_train_steps=3", *FAST]  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
+    assert [r["train/nan_skipped"] for r in rows] == [1, 0, 0]
+    assert "non-finite loss or gradient" in (run_dir / "train.log").read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_inference_service_fails_with_its_url(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = run_train([f"run_dir={tmp_path / 'x'}", f"service.inference_service.base_url={url}", "service.inference_service.retry_backoff_s=0.05"])
+    assert proc.returncode == 1
+    assert "run failed" in proc.stderr and url in proc.stderr

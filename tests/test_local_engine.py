@@ -1,0 +1,147 @@
+"""The local train backend: loss/gradient accumulation, NaN steps, checkpoints that plain transformers loads."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from nexrl_hpc.algorithm.batching import pack_trajectories
+from nexrl_hpc.train.local_engine import LocalTrainEngine, lr_factor
+from nexrl_hpc.train.worker import TrainWorker
+from nexrl_hpc.types import Batch
+from tests.conftest import compose_config
+
+
+def make_batch(n: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i in range(n):
+        p_len = 3 + i % 3
+        r_len = 1 + i % 2
+        trajs.append(
+            {
+                "prompt_ids": [1] + torch.randint(4, 16, (p_len,), generator=g).tolist(),
+                "response_ids": torch.randint(4, 16, (r_len,), generator=g).tolist(),
+                "behaviour_log_probs": [-2.5] * r_len,
+            }
+        )
+    t = pack_trajectories(Batch.from_trajectories(trajs), pad_token_id=0)
+    t["old_log_probs"] = t["behaviour_log_probs"].clone()
+    t["advantages"] = torch.randn(n, 1, generator=g) * t["response_mask"]
+    return t
+
+
+def engine(tiny_model_dir: str, overrides: list[str] | None = None) -> LocalTrainEngine:
+    cfg = compose_config(overrides or [])
+    eng = LocalTrainEngine(tiny_model_dir)
+    worker = TrainWorker(cfg, eng)
+    eng.initialize_worker(worker.train_service_config())
+    eng.init_model()
+    return eng
+
+
+def params(eng: LocalTrainEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tiny_model_dir: str) -> None:
+    batch = make_batch(16)
+    a = engine(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=16"])
+    b = engine(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=3"])
+    ma = a.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
+    mb = b.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
+    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
+    assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
+    grads_b = dict(b.model.named_parameters())
+    for name, p in a.model.named_parameters():  # gradients of the (single) mini-batch are kept after the step
+        assert torch.allclose(p.grad, grads_b[name].grad, atol=1e-7, rtol=1e-4), name
+
+
+def test_compute_log_prob_matches_pre_update_forward(tiny_model_dir: str) -> None:
+    eng = engine(tiny_model_dir)
+    batch = make_batch(8)
+    lp = eng.compute_log_prob({"batch": batch})["batch"]["old_log_probs"]
+    assert lp.shape == batch["responses"].shape
+    batch["behaviour_log_probs"] = lp.clone()
+    metrics = eng.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
+    assert metrics["actor/logprob_mismatch_max"] < 1e-6
+    assert (lp * batch["response_mask"] <= 0).all()
+
+
+def test_nan_loss_skips_the_optimizer_step(tiny_model_dir: str) -> None:
+    eng = engine(tiny_model_dir)
+    before = params(eng)
+    batch = make_batch(8)
+    batch["advantages"][0, 0] = float("nan")
+    metrics = eng.update_actor({"batch": batch})["meta_info"]["metrics"]
+    assert metrics["actor/nan_skipped"] == 1 and metrics["actor/optimizer_steps"] == 0
+    for k, v in params(eng).items():
+        assert torch.equal(v, before[k]), k
+    ok = eng.update_actor({"batch": make_batch(8)})["meta_info"]["metrics"]  # training goes on
+    assert ok["actor/nan_skipped"] == 0 and ok["actor/optimizer_steps"] == 1
+
+
+def test_batch_problems_name_the_key(tiny_model_dir: str) -> None:
+    eng = engine(tiny_model_dir)
+    batch = make_batch(4)
+    del batch["advantages"]
+    with pytest.raises(KeyError, match="advantages"):
+        eng.update_actor({"batch": batch})
+    batch = make_batch(4)
+    batch["advantages"] = batch["advantages"][:3]
+    with pytest.raises(ValueError, match="different row counts"):
+        eng.update_actor({"batch": batch})
+
+
+def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, tmp_path: Any) -> None:
+    eng = engine(tiny_model_dir)
+    for seed in range(2):
+        eng.update_actor({"batch": make_batch(8, seed)})
+    eng.save_checkpoint(str(tmp_path), global_step=2)
+    assert sorted(os.listdir(tmp_path / "model")) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    )
+    restored = engine(tiny_model_dir)
+    restored.load_checkpoint(str(tmp_path))
+    for k, v in params(eng).items():
+        assert torch.equal(v, params(restored)[k]), k
+    # the same next step from both: optimizer moments and LR schedule were restored too
+    m1 = eng.update_actor({"batch": make_batch(8, 9)})["meta_info"]["metrics"]
+    m2 = restored.update_actor({"batch": make_batch(8, 9)})["meta_info"]["metrics"]
+    assert m1["actor/lr"] == m2["actor/lr"]
+    for k, v in params(eng).items():
+        assert torch.allclose(v, params(restored)[k], atol=1e-7), k
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tok = PreTrainedTokenizerFast.from_pretrained(tmp_path / "model")
+    ids = tok("m372=", return_tensors="pt").input_ids
+    saved_state = torch.load(tmp_path / "optimizer" / "rank_0.pt", weights_only=True)
+    assert saved_state["global_step"] == 2 and ids[0, 0].item() == tok.bos_token_id
+    assert not hf.config.tie_word_embeddings and "lm_head.weight" in dict(hf.named_parameters())
+
+
+def test_resume_without_optimizer_state_says_why(tiny_model_dir: str, tmp_path: Any) -> None:
+    eng = engine(tiny_model_dir)
+    eng.save_checkpoint(str(tmp_path), global_step=0, save_weight_only=True)
+    with pytest.raises(FileNotFoundError, match="optimizer state missing"):
+        engine(tiny_model_dir).load_checkpoint(str(tmp_path))
+
+
+def test_kl_to_reference_is_zero_before_the_policy_moves(tiny_model_dir: str) -> None:
+    eng = engine(tiny_model_dir, ["algorithm.kl_loss_coef=0.1", "algorithm.kl_loss_type=k3"])
+    assert eng.ref_model is not None
+    first = eng.update_actor({"batch": make_batch(8)})["meta_info"]["metrics"]
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    second = eng.update_actor({"batch": make_batch(8)})["meta_info"]["metrics"]
+    assert second["actor/kl_loss"] > 0.0
+    assert engine(tiny_model_dir).ref_model is None  # coefficient 0: no reference model
+
+
+def test_lr_warmup_then_constant_or_cosine() -> None:
+    assert [lr_factor(s, 4, "constant", 10, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(4, 4, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 4, "cosine", 10, 0.1) == pytest.approx(0.1)

@@ -1,0 +1,158 @@
+"""Weight sync controller (sync mode state machine), activity tracker, error reporter, execute."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
+from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+from nexrl_hpc.weight_sync.controller import WeightSyncController, sync_weight_dir
+from nexrl_hpc.weight_sync.transport import WeightSyncError, WeightTransport
+from tests.conftest import compose_config
+
+
+class RecordingTransport(WeightTransport):
+    def __init__(self) -> None:
+        self.published: list[tuple[str, int]] = []
+        self.fail = False
+
+    def publish(self, model_path: str, version: int) -> None:
+        if self.fail:
+            raise WeightSyncError("reload refused")
+        self.published.append((model_path, version))
+
+
+class BudgetLoader:
+    def __init__(self) -> None:
+        self.budget: int | None = None
+
+    def set_dispatch_budget(self, budget: int | None) -> None:
+        self.budget = budget
+
+
+def make_wsc(tmp_path: Any, *overrides: str) -> tuple[WeightSyncController, RecordingTransport, BudgetLoader, TrajectoryPool]:
+    cfg = compose_config([f"run_dir={tmp_path}", "data.batch_size=2", "data.rollout_repeat_n=2", *overrides])
+    transport = RecordingTransport()
+    wsc = WeightSyncController(cfg, transport)
+    loader = BudgetLoader()
+    pool = TrajectoryPool(cfg)
+    wsc.set_module_references(loader, pool)
+    pool.set_module_references(loader, wsc)
+    return wsc, transport, loader, pool
+
+
+def test_sync_mode_releases_one_batch_per_version(tmp_path: Any) -> None:
+    wsc, transport, loader, pool = make_wsc(tmp_path, "validate.eval.validate_freq=2", "train_worker.total_train_steps=3")
+    assert loader.budget == 0  # nothing before start
+    wsc.sync_weight_to_rollout_service("default")
+    wsc.start("default")
+    assert loader.budget == 4 and wsc.check_rollout_service_status("default") == "continue"
+    for g in ("a", "b"):
+        for i in range(2):
+            assert pool.put_trajectory({"group_id": g, "i": i}) == "success"
+    assert wsc.check_rollout_service_status("default") == "block"  # batch complete: rollouts wait
+    assert pool.put_trajectory({"group_id": "late"}) == "re-rollout"
+    assert pool.get_batch() is not None
+    wsc.train_worker_notify_weight_update("train_worker", "default", 1)
+    assert wsc.get_rollout_model_version("default") == 1
+    assert transport.published[-1] == (sync_weight_dir(str(tmp_path / "weights"), 1), 1)
+    assert not wsc.is_waiting_for_validation() and loader.budget == 4
+    assert wsc.check_rollout_service_status("default") == "continue"
+    wsc.train_worker_notify_weight_update("train_worker", "default", 2)  # validate_freq=2
+    assert wsc.is_waiting_for_validation() and wsc.waiting_validation_model_tag() == "default"
+    assert wsc.check_rollout_service_status("default") == "continue"  # validation requests must flow
+    wsc.end_validate("default")
+    assert not wsc.is_waiting_for_validation() and loader.budget == 4
+    wsc.train_worker_notify_weight_update("train_worker", "default", 3)  # last step: validate_at_end
+    assert wsc.is_waiting_for_validation()
+    wsc.end_validate("default")
+    assert loader.budget == 0  # done: no more rollouts
+
+
+def test_failed_reload_does_not_bump_the_version(tmp_path: Any) -> None:
+    wsc, transport, _, _ = make_wsc(tmp_path)
+    wsc.sync_weight_to_rollout_service("default")
+    transport.fail = True
+    with pytest.raises(WeightSyncError):
+        wsc.train_worker_notify_weight_update("train_worker", "default", 1)
+    assert wsc.get_rollout_model_version("default") == 0
+    assert wsc.get_train_model_version("default") == 1
+
+
+def test_activity_tracker_counts_inflight_work_and_quiescence() -> None:
+    tracker = ActivityTracker()
+    tracker.register_module("rollout_worker", object(), is_rollout_worker=True)
+    proxy = ActivityTrackerProxy(tracker)
+    t1 = proxy.start("rollout_worker", "rollout")
+    t2 = proxy.start("train_worker", "train_step")
+    assert not tracker.is_quiescent() and not tracker.is_rollout_worker_quiescent()
+    assert "rollout_worker/rollout x1" in tracker.get_running_status_summary()
+    proxy.end(t1)
+    assert tracker.is_rollout_worker_quiescent() and not tracker.is_quiescent()
+    assert not tracker.wait_quiescent(timeout=0.05)
+    threading.Timer(0.05, proxy.end, args=(t2,)).start()
+    assert tracker.wait_quiescent(timeout=5)
+    assert tracker.get_running_status_summary() == "idle"
+
+
+def test_track_reports_exceptions_and_reraises() -> None:
+    tracker = ActivityTracker()
+    proxy = ActivityTrackerProxy(tracker)
+    with pytest.raises(ZeroDivisionError), proxy.track("algorithm_processor", "fit"):
+        1 / 0  # noqa: B018
+    assert tracker.is_quiescent()
+    (err,) = tracker.error_reporter.errors()
+    assert err.module_name == "algorithm_processor" and err.exception_type == "ZeroDivisionError"
+    assert "ZeroDivisionError" in (err.exception_traceback or "")
+    assert tracker.get_error_health_status()["status"] == "error"
+
+
+def test_error_reporter_severities_and_errors_since() -> None:
+    reporter = ErrorReporter(max_errors=3)
+    assert reporter.get_health_status()["status"] == "healthy"
+    reporter.report_error("m", "w", "careful", ErrorSeverity.WARNING)
+    assert reporter.get_health_status() | {} == {
+        "status": "warning", "message": "1 warning(s) in the last 300s", "recent_error_count": 1,
+        "error_level_count": 0, "warning_level_count": 1,
+    }  # fmt: skip
+    new, seen = reporter.errors_since(0)
+    assert [e.message for e in new] == ["careful"] and seen == 1
+    for i in range(4):
+        reporter.report_error("m", "w", f"e{i}")
+    new, seen = reporter.errors_since(seen)
+    assert [e.message for e in new] == ["e1", "e2", "e3"] and seen == 5  # only the last 3 are kept
+
+
+def test_liveness_names_dead_modules() -> None:
+    class Alive:
+        def health_check(self) -> bool:
+            return True
+
+    class Dead:
+        def health_check(self) -> bool:
+            return False
+
+    class Broken:
+        def health_check(self) -> bool:
+            raise ConnectionError("gone")
+
+    tracker = ActivityTracker()
+    for name, mod in (("a", Alive()), ("d", Dead()), ("b", Broken())):
+        tracker.register_module(name, mod)
+    assert tracker.dead_modules() == ["d", "b"]
+    assert not tracker.check_module_liveness()
+
+
+def test_execute_local_and_async_future() -> None:
+    assert execute(lambda a, b=1: a + b, 2, b=3) == 5
+    fut = execute_async(lambda: time.monotonic())
+    assert fut.done() and isinstance(fut.result(), float)
+    bad = execute_async(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.result()
