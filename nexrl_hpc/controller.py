@@ -8,6 +8,7 @@ exceptions by policy, liveness) -> stop everything, even on failure.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -105,7 +106,15 @@ class NexRLController:
             self._load_resume_checkpoint(self.resumed_from, resume_state)
         else:
             self._load_initial_checkpoint()
-        execute(self.dataloader.get_skipped_rows)  # surfaces bad rows at start-up in the log
+        self._tune_gc()
+
+    def _tune_gc(self) -> None:
+        runtime = self.config["runtime"]
+        if len(runtime["gc_thresholds"]) == 3:
+            gc.set_threshold(*runtime["gc_thresholds"])
+        if runtime["gc_freeze_after_setup"]:
+            gc.collect()
+            gc.freeze()
 
     def _wire_modules(self) -> None:
         assert self.resources is not None and self.activity_tracker is not None

@@ -36,9 +36,8 @@ class BaseAlgorithmProcessor(NexRLModule):
 
     def _loop(self) -> None:
         while not self.stopped:
-            batch = self._get_batch()
+            batch = self._get_batch(wait_s=self._idle_wait_s)
             if batch is None:
-                time.sleep(self._idle_wait_s)
                 continue
             assert self._activity_tracker is not None
             with self._activity_tracker.track(self._module_name, "fit"):
@@ -47,8 +46,8 @@ class BaseAlgorithmProcessor(NexRLModule):
     def _fit(self, batch: Batch, update_fn: str) -> None:
         raise NotImplementedError
 
-    def _get_batch(self, batch_size: int | None = None) -> Batch | None:
-        return execute(self._trajectory_pool.get_batch_any, batch_size)
+    def _get_batch(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch | None:
+        return execute(self._trajectory_pool.get_batch_any, batch_size, wait_s)
 
     def _put_batch(self, batch: Batch, update_fn: str) -> bool:
         """Queue for training; waits (without busy spinning) while the train batch queue is full."""

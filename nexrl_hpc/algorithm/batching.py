@@ -7,6 +7,7 @@ rotary positions. Token ids are exactly the engine's; nothing is re-tokenised.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nexrl_hpc.types import Batch
@@ -18,31 +19,41 @@ def pack_trajectories(batch: Batch, pad_token_id: int) -> dict[str, torch.Tensor
     prompts: list[list[int]] = batch.values["prompt_ids"]
     responses: list[list[int]] = batch.values["response_ids"]
     behaviour: list[list[float]] = batch.values["behaviour_log_probs"]
-    masks: list[list[int]] | None = batch.values.get("loss_mask")
+    masks: list[list[int] | None] = batch.values.get("loss_mask") or [None] * len(prompts)
     if not prompts:
         raise ValueError("cannot pack an empty batch")
-    p_len = max(len(p) for p in prompts)
-    r_len = max(max(len(r) for r in responses), 1)
-    ids_rows, attn_rows, resp_rows, mask_rows, logp_rows = [], [], [], [], []
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        if len(behaviour[i]) != len(r):
-            raise ValueError(f"trajectory {i}: {len(r)} response tokens but {len(behaviour[i])} behaviour logprobs")
-        lm = masks[i] if masks is not None and masks[i] is not None else [1] * len(r)
-        if len(lm) != len(r):
-            raise ValueError(f"trajectory {i}: {len(r)} response tokens but a loss mask of {len(lm)}")
-        left = p_len - len(p)
-        right = r_len - len(r)
-        ids_rows.append([pad_token_id] * left + list(p) + list(r) + [pad_token_id] * right)
-        attn_rows.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
-        resp_rows.append(list(r) + [pad_token_id] * right)
-        mask_rows.append(list(lm) + [0] * right)
-        logp_rows.append(list(behaviour[i]) + [0.0] * right)
-    attention_mask = torch.tensor(attn_rows, dtype=torch.long)
+    n = len(prompts)
+    p_lens = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=n)
+    r_lens = np.fromiter((len(r) for r in responses), dtype=np.int64, count=n)
+    p_len = int(p_lens.max())
+    r_len = max(int(r_lens.max()), 1)
+    input_ids = np.full((n, p_len + r_len), pad_token_id, dtype=np.int64)
+    response_mask = np.zeros((n, r_len), dtype=np.float32)
+    logp = np.zeros((n, r_len), dtype=np.float32)
+    for i in range(n):
+        pl, rl = p_lens[i], r_lens[i]
+        if len(behaviour[i]) != rl:
+            raise ValueError(f"trajectory {i}: {rl} response tokens but {len(behaviour[i])} behaviour logprobs")
+        input_ids[i, p_len - pl : p_len] = prompts[i]
+        if rl:
+            input_ids[i, p_len : p_len + rl] = responses[i]
+            logp[i, :rl] = behaviour[i]
+            mask = masks[i]
+            if mask is None:
+                response_mask[i, :rl] = 1.0
+            elif len(mask) != rl:
+                raise ValueError(f"trajectory {i}: {rl} response tokens but a loss mask of {len(mask)}")
+            else:
+                response_mask[i, :rl] = mask
+    cols = np.arange(p_len + r_len)
+    attention = ((cols >= (p_len - p_lens)[:, None]) & (cols < (p_len + r_lens)[:, None])).astype(np.int64)
+    attention_mask = torch.from_numpy(attention)
+    input_t = torch.from_numpy(input_ids)
     return {
-        "input_ids": torch.tensor(ids_rows, dtype=torch.long),
+        "input_ids": input_t,
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": torch.tensor(resp_rows, dtype=torch.long),
-        "response_mask": torch.tensor(mask_rows, dtype=torch.float32),
-        "behaviour_log_probs": torch.tensor(logp_rows, dtype=torch.float32),
+        "responses": input_t[:, p_len:].clone(),
+        "response_mask": torch.from_numpy(response_mask),
+        "behaviour_log_probs": torch.from_numpy(logp),
     }

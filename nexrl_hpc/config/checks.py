@@ -77,6 +77,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             )
         )
 
+    check(lambda: len(g("runtime.gc_thresholds")) == 3, "runtime.gc_thresholds", "needs 3 values: gen0, gen1, gen2")
     check(lambda: g("data.type") != "jsonl" or len(g("data.data_files")) > 0, "data.data_files", "data.type=jsonl needs at least one file")
     check(
         lambda: g("validate.data.type") != "jsonl" or len(g("validate.data.data_files")) > 0,

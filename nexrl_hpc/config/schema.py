@@ -140,7 +140,7 @@ class ActorConfig(TypedDict):
 
 
 class TrainServiceConfig(TypedDict):
-    backend: Literal["local"]
+    backend: Literal["local", "noop"]  # noop: trains nothing (data-path benchmarks)
     model_tag: str
     identifier: str
     world_size: Annotated[int, Ge(1), Le(1)]
@@ -162,7 +162,7 @@ class LocalInferenceConfig(TypedDict):
 
 
 class InferenceServiceConfig(TypedDict):
-    backend: Literal["local", "fake"]
+    backend: Literal["local", "fake"]  # fake: zero-latency stand-in (data-path benchmarks)
     model_tag: str
     model: str
     base_url: str | None
@@ -229,6 +229,11 @@ class RuntimeMonitorConfig(TypedDict):
     stop_timeout_s: Annotated[float, Gt(0.0)]
 
 
+class RuntimeConfig(TypedDict):
+    gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
+    gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)
+
+
 class RLTrainConfig(TypedDict):
     launch_mode: Literal["local"]
     project_name: str
@@ -249,3 +254,4 @@ class RLTrainConfig(TypedDict):
     resume: ResumeConfig
     logger: LoggerConfig
     runtime_monitor: RuntimeMonitorConfig
+    runtime: RuntimeConfig

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -74,7 +75,7 @@ class JsonlDataLoader(BaseDataLoader):
         self._rows = self._read(data_files if data_files is not None else config["data_files"])
         if not self._rows:
             raise ValueError(f"no usable rows in {data_files or config['data_files']} ({self.skipped_rows} skipped)")
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._returned: deque[dict[str, Any]] = deque()
         self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
         self._budget: int | None = None
@@ -185,15 +186,25 @@ class JsonlDataLoader(BaseDataLoader):
                     self._budget -= 1
             return item
 
-    def get_next_items(self, max_items: int) -> list[dict[str, Any]]:
-        """Up to ``max_items`` tasks in one call (saves round trips when the loader is remote)."""
-        items = []
-        for _ in range(max_items):
-            item = self.get_next_item()
-            if item is None:
-                break
-            items.append(item)
-        return items
+    def get_next_items(self, max_items: int, wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Up to ``max_items`` tasks in one call (one round trip when the loader is remote).
+
+        With ``wait_s`` > 0 and nothing to hand out, wait up to that long for items to come back
+        or for the dispatch budget to reopen (long poll).
+        """
+        deadline = time.monotonic() + wait_s
+        items: list[dict[str, Any]] = []
+        while True:
+            for _ in range(max_items - len(items)):
+                item = self.get_next_item()
+                if item is None:
+                    break
+                items.append(item)
+            remaining = deadline - time.monotonic()
+            if items or remaining <= 0 or self.is_finished():
+                return items
+            with self._lock:
+                self._lock.wait(remaining)
 
     def is_finished(self) -> bool:
         with self._lock:
@@ -217,16 +228,19 @@ class JsonlDataLoader(BaseDataLoader):
     def add_item_front(self, item: dict[str, Any]) -> None:
         with self._lock:
             self._returned.appendleft(item)
+            self._lock.notify_all()
 
     def add_item_back(self, item: dict[str, Any]) -> None:
         with self._lock:
             self._extra.append(item)
+            self._lock.notify_all()
 
     # --- dispatch budget (set by the weight sync controller) ------------------------------------
     def set_dispatch_budget(self, budget: int | None) -> None:
         """Allow ``budget`` more fresh tasks (None: unlimited). Returned tasks are never held back."""
         with self._lock:
             self._budget = budget
+            self._lock.notify_all()
 
     def get_dispatch_budget(self) -> int | None:
         with self._lock:

@@ -18,13 +18,19 @@ class FakeLLMServiceClient:
         self._rng = random.Random(seed)
         self._latency_s = latency_s
         self._version = 0
+        self._prompt_ids: dict[str, list[int]] = {}
 
     def set_weight_sync_controller(self, controller: Any) -> None:
         self._controller = controller
 
     def _answer(self, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         digit = str(self._rng.randrange(10))
-        prompt_ids = [1] + [ord(c) % 90 + 4 for c in prompt] if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            prompt_ids = self._prompt_ids.get(prompt)
+            if prompt_ids is None:
+                prompt_ids = self._prompt_ids[prompt] = [1] + [ord(c) % 90 + 4 for c in prompt]
+        else:
+            prompt_ids = list(prompt)
         out = dict(kwargs)
         out.update(
             prompt=prompt,

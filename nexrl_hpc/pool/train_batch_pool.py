@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -15,7 +16,7 @@ class TrainBatchPool(NexRLModule):
         super().__init__()
         self._max_queue_size = config["train_batch_pool"]["max_queue_size"]
         self._queues: dict[ModelTag, deque[tuple[Batch, str]]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def put_batch(self, batch: Batch, update_fn: str) -> bool:
         """Queue ``batch`` for its model (metadata ``model_tag``); False when that queue is full."""
@@ -26,16 +27,23 @@ class TrainBatchPool(NexRLModule):
                 return False
             batch.metadata["update_fn"] = update_fn
             queue.append((batch, update_fn))
+            self._lock.notify_all()
             return True
 
-    def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG) -> Batch | None:
+    def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG, wait_s: float = 0.0) -> Batch | None:
+        """The oldest batch of ``model`` (any model if None); waits up to ``wait_s`` for one (long poll)."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            tags = [model] if model is not None else list(self._queues)
-            for tag in tags:
-                queue = self._queues.get(tag)
-                if queue:
-                    return queue.popleft()[0]
-        return None
+            while True:
+                tags = [model] if model is not None else list(self._queues)
+                for tag in tags:
+                    queue = self._queues.get(tag)
+                    if queue:
+                        return queue.popleft()[0]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
 
     def is_empty(self) -> bool:
         with self._lock:

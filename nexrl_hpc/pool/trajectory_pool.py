@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,9 @@ BUILTIN_READY_RULES = ("batch_size", "loaded_batch_finished")
 class TrajectoryPoolInstance:
     """Trajectories of one model; blocks additions while that model's weights are being synced."""
 
-    def __init__(self, model_tag: ModelTag, config: TrajectoryPoolConfig):
+    def __init__(self, model_tag: ModelTag, config: TrajectoryPoolConfig, on_ready: Callable[[], None] | None = None):
         self.model_tag = model_tag
+        self._on_ready = on_ready
         self._batch_size = config["batch_size"]
         self._store: TrajectoryStore = create_store(config["key_list"], config["group_size"])
         rule = config["check_batch_ready_function"]
@@ -61,6 +63,8 @@ class TrajectoryPoolInstance:
         return result
 
     def _notify_ready(self) -> None:
+        if self._on_ready is not None:
+            self._on_ready()
         if self._weight_sync_controller is not None:
             execute(self._weight_sync_controller.trajectory_pool_notify_batch_ready, self.model_tag)
 
@@ -134,6 +138,7 @@ class TrajectoryPool(NexRLModule):
         self._config = config["trajectory_pool"]
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
+        self._arrivals = threading.Condition()
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
 
@@ -156,7 +161,7 @@ class TrajectoryPool(NexRLModule):
             with self._lock:
                 instance = self._instances.get(model_tag)
                 if instance is None:
-                    instance = TrajectoryPoolInstance(model_tag, self._config)
+                    instance = TrajectoryPoolInstance(model_tag, self._config, on_ready=self._wake_waiters)
                     instance.set_module_references(self._dataloader, self._weight_sync_controller, self._activity_tracker)
                     self._instances[model_tag] = instance
         return instance
@@ -164,6 +169,10 @@ class TrajectoryPool(NexRLModule):
     def put_trajectory(self, trajectory: Trajectory) -> str:
         """"success" | "fail" (the store refused it) | "re-rollout" (weights of its model are syncing)."""
         return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
+
+    def _wake_waiters(self) -> None:
+        with self._arrivals:
+            self._arrivals.notify_all()
 
     def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
         """Many at once (one round trip when the pool is remote)."""
@@ -175,12 +184,19 @@ class TrajectoryPool(NexRLModule):
         instance = self._instances.get(model_tag)
         return instance.get_batch(batch_size) if instance is not None else None
 
-    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
-        for tag in self.get_model_tags():
-            batch = self._instances[tag].get_batch(batch_size)
-            if batch is not None:
-                return batch
-        return None
+    def get_batch_any(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch | None:
+        """A ready batch of any model; with ``wait_s`` > 0 wait up to that long for one (long poll)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for tag in self.get_model_tags():
+                batch = self._instances[tag].get_batch(batch_size)
+                if batch is not None:
+                    return batch
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with self._arrivals:
+                self._arrivals.wait(remaining)
 
     def is_empty(self, model_tag: ModelTag | None = None) -> bool:
         if model_tag is not None:

@@ -53,6 +53,7 @@ class BaseRolloutWorker(NexRLModule):
         self._step_is_async = inspect.iscoroutinefunction(self.step)
         self.num_completed = 0
         self.num_failed = 0
+        self._inflight = 0
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
@@ -94,40 +95,55 @@ class BaseRolloutWorker(NexRLModule):
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
         loop.set_default_executor(ThreadPoolExecutor(max_workers=min(self._max_concurrency, 64), thread_name_prefix=self._module_name))
-        inflight: dict[asyncio.Task, tuple[dict[str, Any], bool]] = {}
+        groups: set[asyncio.Task] = set()
+        self._inflight = 0
+        slot_freed = asyncio.Event()
         try:
             while not self.stopped:
-                free = self._max_concurrency - len(inflight)
+                free = self._max_concurrency - self._inflight
                 if free <= 0:
-                    await asyncio.wait(list(inflight), return_when=asyncio.FIRST_COMPLETED)
+                    slot_freed.clear()
+                    await slot_freed.wait()
                     continue
-                tasks, is_validate = self._fetch_tasks(free)
+                # nothing in flight: block briefly in the loader until work appears (no timers to serve)
+                wait_s = self._idle_wait_s if self._inflight == 0 else 0.0
+                tasks, is_validate = self._fetch_tasks(free, wait_s)
                 if not tasks:
-                    await asyncio.sleep(self._idle_wait_s)
+                    await asyncio.sleep(0 if wait_s else self._idle_wait_s)
                     continue
-                for task in tasks:
-                    t = asyncio.create_task(self._run_task(task, is_validate))
-                    inflight[t] = (task, is_validate)
-                    t.add_done_callback(lambda done: inflight.pop(done, None))
+                self._inflight += len(tasks)
+                group = asyncio.create_task(self._run_group(tasks, is_validate, slot_freed))
+                groups.add(group)
+                group.add_done_callback(groups.discard)
                 await asyncio.sleep(0)  # let the new steps start (and their requests coalesce)
         finally:
-            for t in list(inflight):
-                t.cancel()
-            if inflight:
-                await asyncio.gather(*inflight, return_exceptions=True)
+            for g in list(groups):
+                g.cancel()
+            if groups:
+                await asyncio.gather(*groups, return_exceptions=True)
             if hasattr(self._llm_client, "aclose"):
                 await self._llm_client.aclose()
 
-    def _fetch_tasks(self, max_items: int) -> tuple[list[dict[str, Any]], bool]:
+    def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
         if self._is_running_validate:
-            return execute(self._validate_dataloader.get_next_items, max_items), True
+            return execute(self._validate_dataloader.get_next_items, max_items, wait_s), True
         if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
+            if wait_s:
+                time.sleep(wait_s)
             return [], False
-        return execute(self._dataloader.get_next_items, max_items), False
+        return execute(self._dataloader.get_next_items, max_items, wait_s), False
 
-    async def _run_task(self, task: dict[str, Any], is_validate: bool) -> None:
+    async def _run_group(self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event) -> None:
+        """Tasks fetched together run concurrently under one activity token (one tracker call each way)."""
         assert self._activity_tracker is not None
         token = self._activity_tracker.start(self._module_name, "validate" if is_validate else "rollout")
+        try:
+            await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
+        finally:
+            self._activity_tracker.end(token)
+
+    async def _run_task(self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None) -> None:
+        assert self._activity_tracker is not None
         _IS_VALIDATE.set(is_validate)
         try:
             if self._step_is_async:
@@ -155,7 +171,9 @@ class BaseRolloutWorker(NexRLModule):
             self._put_rollout_task(task, is_validate)
             self._activity_tracker.report_exception(self._module_name, "rollout", exc, details={"uid": task.get("uid")})
         finally:
-            self._activity_tracker.end(token)
+            self._inflight -= 1
+            if slot_freed is not None:
+                slot_freed.set()
 
     # --- seed 000 data-flow helpers ---------------------------------------------------------------
     def step(self, task: dict[str, Any]) -> str | None:

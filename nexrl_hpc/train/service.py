@@ -55,4 +55,8 @@ def create_train_service_client(config: RLTrainConfig, base_model_dir: str) -> T
         from nexrl_hpc.train.local_engine import LocalTrainEngine
 
         return LocalTrainEngine(base_model_dir)
+    if backend == "noop":
+        from nexrl_hpc.train.noop import NoopTrainService
+
+        return NoopTrainService()
     raise ValueError(f"service.train_service.backend={backend!r} is not available")

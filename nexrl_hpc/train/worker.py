@@ -115,9 +115,8 @@ class TrainWorker(NexRLModule):
 
     def _loop(self) -> None:
         while not self.stopped and self._train_step < self._total_steps:
-            batch = self._get_batch()
+            batch = self._get_batch(wait_s=self._idle_wait_s)
             if batch is None:
-                time.sleep(self._idle_wait_s)
                 continue
             assert self._activity_tracker is not None
             self._in_step = True
@@ -127,8 +126,8 @@ class TrainWorker(NexRLModule):
             finally:
                 self._in_step = False
 
-    def _get_batch(self) -> Batch | None:
-        return execute(self._train_batch_pool.get_batch, self._model_tag)
+    def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
+        return execute(self._train_batch_pool.get_batch, self._model_tag, wait_s)
 
     def _step(self, batch: Batch) -> None:
         assert self._activity_tracker is not None
