@@ -50,7 +50,7 @@ class NexRLController:
         self.run_dir = os.path.abspath(config["run_dir"])
         self._monitor = config["runtime_monitor"]
         self._policy = self._monitor["exception_handling"]["policy"]
-        self._poll_s = min(config["train_worker"]["idle_wait_s"] * 5, 0.02) or 0.01
+        self._poll_s = self._monitor["poll_interval_s"]
         self._seen_errors = 0
         self._last_health_check = 0.0
         self._inference_server: Any = None
@@ -149,6 +149,7 @@ class NexRLController:
                 service["model"],
                 device=train["device"],
                 dtype=train["dtype"],
+                attn_implementation=self.config["model"]["attn_implementation"],
             )
             self._inference_server.launch()
 
@@ -231,11 +232,14 @@ class NexRLController:
 
     def _run_validate(self, model_tag: ModelTag) -> None:
         self._start_validate(model_tag)
-        while not execute(self.validator.is_complete):
+        self._wait_until(lambda: execute(self.validator.is_complete))
+        self._end_validate(model_tag)
+
+    def _wait_until(self, condition: Any) -> None:
+        while not condition():
             time.sleep(self._poll_s)
             self._check_module_exceptions()
             self._check_health()
-        self._end_validate(model_tag)
 
     def _start_validate(self, model_tag: ModelTag) -> None:
         execute(self.validator.clear)
@@ -246,7 +250,7 @@ class NexRLController:
     def _end_validate(self, model_tag: ModelTag) -> None:
         for worker in self.rollout_workers:
             execute(worker.end_validate)
-        step = execute(self.train_worker.get_train_step)
+        step = execute(self.weight_sync_controller.get_validation_version)  # the version measured, not the trainer's
         self.last_validation = execute(self.validator.compute_and_log_metrics, step)
         logger.info("validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()})
         execute(self.validator.clear)

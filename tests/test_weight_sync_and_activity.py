@@ -31,9 +31,11 @@ class RecordingTransport(WeightTransport):
 class BudgetLoader:
     def __init__(self) -> None:
         self.budget: int | None = None
+        self.calls = 0
 
     def set_dispatch_budget(self, budget: int | None) -> None:
         self.budget = budget
+        self.calls += 1
 
 
 def make_wsc(tmp_path: Any, *overrides: str) -> tuple[WeightSyncController, RecordingTransport, BudgetLoader, TrajectoryPool]:
@@ -53,26 +55,38 @@ def test_sync_mode_releases_one_batch_per_version(tmp_path: Any) -> None:
     wsc.sync_weight_to_rollout_service("default")
     wsc.start("default")
     assert loader.budget == 4 and wsc.check_rollout_service_status("default") == "continue"
+    calls = loader.calls
+    wsc.start("default")
+    assert loader.calls == calls  # one training batch per version, however often it is asked
     for g in ("a", "b"):
         for i in range(2):
             assert pool.put_trajectory({"group_id": g, "i": i}) == "success"
-    assert wsc.check_rollout_service_status("default") == "block"  # batch complete: rollouts wait
-    assert pool.put_trajectory({"group_id": "late"}) == "re-rollout"
+    assert pool.put_trajectory({"group_id": "late"}) == "re-rollout"  # batch complete: stragglers go back
     assert pool.get_batch() is not None
     wsc.train_worker_notify_weight_update("train_worker", "default", 1)
     assert wsc.get_rollout_model_version("default") == 1
     assert transport.published[-1] == (sync_weight_dir(str(tmp_path / "weights"), 1), 1)
     assert not wsc.is_waiting_for_validation() and loader.budget == 4
     assert wsc.check_rollout_service_status("default") == "continue"
+    calls = loader.calls
     wsc.train_worker_notify_weight_update("train_worker", "default", 2)  # validate_freq=2
     assert wsc.is_waiting_for_validation() and wsc.waiting_validation_model_tag() == "default"
+    assert loader.calls == calls  # the next batch is not released before the validation ends
     assert wsc.check_rollout_service_status("default") == "continue"  # validation requests must flow
     wsc.end_validate("default")
-    assert not wsc.is_waiting_for_validation() and loader.budget == 4
+    assert not wsc.is_waiting_for_validation() and loader.budget == 4 and loader.calls == calls + 1
     wsc.train_worker_notify_weight_update("train_worker", "default", 3)  # last step: validate_at_end
     assert wsc.is_waiting_for_validation()
     wsc.end_validate("default")
     assert loader.budget == 0  # done: no more rollouts
+
+
+def test_clients_are_held_only_while_the_reload_runs(tmp_path: Any) -> None:
+    wsc, transport, _, _ = make_wsc(tmp_path)
+    seen = []
+    transport.publish = lambda path, version: seen.append(wsc.check_rollout_service_status("default"))  # type: ignore[method-assign]
+    wsc.sync_weight_to_rollout_service("default")
+    assert seen == ["block"] and wsc.check_rollout_service_status("default") == "continue"
 
 
 def test_failed_reload_does_not_bump_the_version(tmp_path: Any) -> None:

@@ -30,6 +30,7 @@ class TinyModelConfig(TypedDict):
 
 class ModelConfig(TypedDict):
     path: str | None  # HF-layout model directory; null builds the tiny model below
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"]
     tiny: TinyModelConfig
 
 
@@ -227,6 +228,7 @@ class RuntimeMonitorConfig(TypedDict):
     exception_handling: ExceptionHandlingConfig
     health_check: HealthCheckConfig
     stop_timeout_s: Annotated[float, Gt(0.0)]
+    poll_interval_s: Annotated[float, Gt(0.0)]  # how often the controller loop looks at the modules
 
 
 class RuntimeConfig(TypedDict):

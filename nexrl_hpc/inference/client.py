@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
 
 from nexrl_hpc.config.schema import InferenceServiceConfig
@@ -233,16 +232,14 @@ class LLMServiceClient:
 
     # --- transport ------------------------------------------------------------------------------
     def _post_sync(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        raw = self._client.post(f"/{path}", body=body, cast_to=httpx.Response)
-        return json.loads(raw.content)
+        return json.loads(self._client.post(f"/{path}", body=body, cast_to=bytes))
 
     async def _post_async(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._aclient is None:
             self._aclient = openai.AsyncOpenAI(
                 base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout
             )
-        raw = await self._aclient.post(f"/{path}", body=body, cast_to=httpx.Response)
-        return json.loads(raw.content)
+        return json.loads(await self._aclient.post(f"/{path}", body=body, cast_to=bytes))
 
     def _with_retries(self, call: Any) -> dict[str, Any]:
         last: Exception | None = None

@@ -67,11 +67,12 @@ class HFEngine:
         seed: int,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        attn_implementation: str | None = None,
     ):
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.device = torch.device(device)
-        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
+        self.model = load_model(model_dir, dtype=dtype, device=self.device, attn_implementation=attn_implementation).eval()
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = int(self.model.config.max_position_embeddings)
@@ -178,15 +179,34 @@ class HFEngine:
                     max_new.append(p.max_tokens)
                     stops.append(p.stop_token_ids or (self.eos_token_id,))
         rows = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((rows, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):
+        # prefix sharing: each distinct prompt is prefilled once, its KV cache is then copied to its rows
+        unique: dict[tuple[int, ...], int] = {}
+        row_to_unique = torch.tensor([unique.setdefault(tuple(ids), len(unique)) for ids in prompts], device=self.device)
+        unique_prompts = list(unique)
+        lengths_u = [len(u) for u in unique_prompts]
+        width = max(lengths_u)
+        padded = min(lengths_u) != width
+        input_ids = torch.full((len(unique_prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_u = torch.zeros((len(unique_prompts), width), dtype=torch.long)
+        for i, ids in enumerate(unique_prompts):
             input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            attention[i, width - len(ids) :] = 1
+            attention_u[i, width - len(ids) :] = 1
         input_ids = input_ids.to(self.device)
-        attention = attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        attention_u = attention_u.to(self.device)
+        positions_u = (attention_u.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_u if padded else None,  # equal lengths: plain causal attention
+            position_ids=positions_u,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        if len(unique_prompts) != rows:
+            cache.batch_select_indices(row_to_unique)
+        logits = out.logits[:, -1, :].float()[row_to_unique]
+        attention = attention_u[row_to_unique]
+        next_pos = positions_u[row_to_unique][:, -1:] + 1
 
         temperature = torch.tensor(temps, dtype=torch.float32, device=self.device)
         top_p = torch.tensor(top_ps, dtype=torch.float32, device=self.device)
@@ -199,18 +219,8 @@ class HFEngine:
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         finished_by_stop = torch.zeros(rows, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        cache = None
-        step_ids, step_pos = input_ids, positions
-        for _ in range(int(limit.max())):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()
+        max_steps = int(limit.max())
+        for step in range(max_steps):
             logprobs_all = torch.log_softmax(logits, dim=-1)
             chosen = self._sample(logits, temperature, top_p)
             chosen = torch.where(done, torch.full_like(chosen, self.pad_token_id), chosen)
@@ -224,11 +234,20 @@ class HFEngine:
                 hit = torch.tensor([int(t) in s for t, s in zip(chosen.tolist(), stop_sets)], device=self.device)
             finished_by_stop |= active & hit
             done |= active & (hit | (lengths >= limit))
-            if bool(done.all()):
+            if bool(done.all()) or step == max_steps - 1:
                 break
-            step_ids = chosen[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1)
+            if padded:
+                attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1)
+            out = self.model(
+                input_ids=chosen[:, None],
+                attention_mask=attention if padded else None,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
 
         token_mat = torch.stack(tokens, dim=1).tolist()
         logp_mat = torch.stack(logps, dim=1).tolist()

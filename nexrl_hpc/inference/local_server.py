@@ -34,6 +34,7 @@ class LocalInferenceServer:
         device: str = "cpu",
         dtype: str = "float32",
         weight_version: int = 0,
+        attn_implementation: str | None = None,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -42,6 +43,7 @@ class LocalInferenceServer:
         self.device = device
         self.dtype = dtype
         self.weight_version = weight_version
+        self.attn_implementation = attn_implementation
         self.api_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self._ready_file = ""
@@ -78,6 +80,8 @@ class LocalInferenceServer:
             "--weight-version", str(self.weight_version),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
+        if self.attn_implementation:
+            cmd += ["--attn-implementation", self.attn_implementation]
         env = dict(os.environ)
         env[API_KEY_ENV] = self.api_key
         env.setdefault("OMP_NUM_THREADS", str(self.config["num_threads"]))

@@ -86,6 +86,7 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
 
     app = FastAPI(title="nexrl_hpc local inference", lifespan=lifespan)
     tokenizer = engine.tokenizer
+    id_to_token = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -137,11 +138,11 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         except ValueError as exc:
             return _error(400, str(exc))
         choices = []
-        for index, out in enumerate(outputs):
-            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        texts = tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=True)
+        for index, (out, text) in enumerate(zip(outputs, texts)):
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": out.finish_reason, "stop_reason": None}
             if req.logprobs is not None:
-                toks = tokenizer.convert_ids_to_tokens(out.token_ids)
+                toks = [id_to_token[t] for t in out.token_ids]
                 choice["logprobs"] = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
             else:
                 choice["logprobs"] = None
@@ -241,6 +242,8 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # inherited by accepted connections: no Nagle/delayed-ACK stalls (40 ms) on keep-alive requests
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -274,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--attn-implementation", default=None, choices=["eager", "sdpa", "flash_attention_2"])
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (no orphans after kill -9)")
     args = parser.parse_args(argv)
     if args.parent_pid:
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         device=args.device,
         dtype=getattr(torch, args.dtype),
+        attn_implementation=args.attn_implementation,
     )
     engine.weight_version = args.weight_version
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None)

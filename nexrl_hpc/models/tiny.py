@@ -68,9 +68,12 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Any:
+def load_model(
+    model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_implementation: str | None = None
+) -> Any:
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.to(device)
 
 

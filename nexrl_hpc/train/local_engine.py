@@ -91,7 +91,7 @@ class LocalTrainEngine(TrainServiceClient):
             raise RuntimeError("service.train_service.device=cuda but no CUDA device is visible")
         self.device = torch.device(cfg["device"])
         dtype = getattr(torch, cfg["dtype"])
-        self.model = load_model(self._base_model_dir, dtype=dtype, device=self.device)
+        self.model = load_model(self._base_model_dir, dtype=dtype, device=self.device, attn_implementation=cfg["attn_implementation"])
         self.model.train()
         if cfg["algorithm"]["kl_loss_coef"] > 0:
             self.ref_model = copy.deepcopy(self.model).eval()

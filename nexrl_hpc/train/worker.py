@@ -66,6 +66,7 @@ class TrainWorker(NexRLModule):
             "dtype": ts["dtype"],
             "num_threads": ts["num_threads"],
             "export_max_shard_mb": ts["export_max_shard_mb"],
+            "attn_implementation": self._config["model"]["attn_implementation"],
             "total_training_steps": self._total_steps,
         }
 

@@ -45,7 +45,9 @@ class WeightSyncController(NexRLModule):
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}
         self._syncing: set[ModelTag] = set()
+        self._released_for: dict[ModelTag, int] = {}  # the version whose training batch has been released
         self._waiting_validation: ModelTag | None = None
+        self._validation_version = 0
         self._dataloader: Any = None
         self._trajectory_pool: Any = None
 
@@ -63,6 +65,7 @@ class WeightSyncController(NexRLModule):
         """Resume: the trainer holds weights of ``version``."""
         with self._lock:
             self._train_version[model_tag] = version
+            self._validation_version = version
 
     def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
         with self._lock:
@@ -82,10 +85,9 @@ class WeightSyncController(NexRLModule):
             return "block" if model_tag in self._syncing else "continue"
 
     def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> None:
+        """Sync mode: the batch is complete; stragglers are sent back ("re-rollout") until the new weights serve."""
         if self._mode != "sync":
             return
-        with self._lock:
-            self._syncing.add(model_tag)
         execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
 
     def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag, version: int | None = None) -> None:
@@ -95,16 +97,23 @@ class WeightSyncController(NexRLModule):
             self._train_version[model_tag] = new_version
         self.sync_weight_to_rollout_service(model_tag)
         with self._lock:
-            self._syncing.discard(model_tag)  # the new weights are served: requests may flow again
             if self._validation_due(new_version):
-                self._waiting_validation = model_tag  # training rollouts stay held until end_validate
-                return
+                self._waiting_validation = model_tag
+                self._validation_version = new_version
+                return  # the next training batch is released by end_validate
         self._release_rollouts(model_tag)
 
     def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
+        """Publish the trainer's current version; clients hold new requests while the reload runs."""
         version = self.get_train_model_version(model_tag)
         path = sync_weight_dir(self._sync_path, version)
-        self._transport.publish(path, version)  # raises WeightSyncError: version stays where it was
+        with self._lock:
+            self._syncing.add(model_tag)
+        try:
+            self._transport.publish(path, version)  # raises WeightSyncError: version stays where it was
+        finally:
+            with self._lock:
+                self._syncing.discard(model_tag)
         with self._lock:
             self._rollout_version[model_tag] = version
         self._prune(version)
@@ -122,6 +131,11 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             return self._waiting_validation
 
+    def get_validation_version(self) -> int:
+        """The weight version the pending (or last) validation measures."""
+        with self._lock:
+            return self._validation_version
+
     def end_validate(self, model_tag: ModelTag) -> None:
         with self._lock:
             if self._waiting_validation != model_tag:
@@ -130,9 +144,13 @@ class WeightSyncController(NexRLModule):
         self._release_rollouts(model_tag)
 
     def _release_rollouts(self, model_tag: ModelTag) -> None:
+        """Open the pool and hand out the training batch of the current version — once per version."""
         with self._lock:
-            self._syncing.discard(model_tag)
-            done = self._train_version.get(model_tag, 0) >= self._total_steps
+            version = self._train_version.get(model_tag, 0)
+            if self._released_for.get(model_tag) == version:
+                return
+            self._released_for[model_tag] = version
+            done = version >= self._total_steps
         execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
         if self._mode == "sync":
             execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)

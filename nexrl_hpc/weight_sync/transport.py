@@ -8,6 +8,7 @@ HF-layout directory and a version. ``DiskReloadTransport`` speaks SGLang's
 from __future__ import annotations
 
 import logging
+import socket
 from abc import ABC, abstractmethod
 
 import httpx
@@ -35,6 +36,8 @@ class DiskReloadTransport(WeightTransport):
         self._timeout = timeout_s
         self._base_url: str | None = None
         self._headers: dict[str, str] = {}
+        # one kept-alive connection, no Nagle: a reload is a few ms, not a TCP setup + delayed ACK
+        self._http = httpx.Client(transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
 
     def set_endpoint(self, base_url: str, api_key: str | None) -> None:
         self._base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -45,7 +48,7 @@ class DiskReloadTransport(WeightTransport):
             raise WeightSyncError("no inference endpoint set for weight sync")
         url = f"{self._base_url}/update_weights_from_disk"
         try:
-            resp = httpx.post(
+            resp = self._http.post(
                 url, json={"model_path": model_path, "weight_version": version}, headers=self._headers, timeout=self._timeout
             )
         except httpx.HTTPError as exc:
