@@ -66,7 +66,9 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--max-steps", type=int, default=80)
@@ -81,11 +83,17 @@ def main() -> None:
         print(f"seed {seed}: nexrl_hpc {ours}\n         trl {trl}", file=sys.stderr)
 
     print()
-    print(f"| seed | framework | initial val acc | steps to {args.target} | s to {args.target} (training) | s/step | s to {args.target} (with start-up) | ratio vs TRL (training) |")
+    print(
+        f"| seed | framework | initial val acc | steps to {args.target} | s to {args.target} (training) | s/step | s to {args.target} (with start-up) | ratio vs TRL (training) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     ratios = []
     for ours, trl in results:
-        ratio = ours["seconds_to_target"] / trl["seconds_to_target"] if ours.get("seconds_to_target") and trl.get("seconds_to_target") else None
+        ratio = (
+            ours["seconds_to_target"] / trl["seconds_to_target"]
+            if ours.get("seconds_to_target") and trl.get("seconds_to_target")
+            else None
+        )
         if ratio is not None:
             ratios.append(ratio)
         for r, rr in ((ours, fmt(ratio) + "x" if ratio else "n/a"), (trl, "1.00x")):
@@ -95,7 +103,9 @@ def main() -> None:
                 f"{fmt(per_step, '.3f')} | {fmt(r.get('seconds_to_target_with_startup'))} | {rr} |"
             )
     if ratios:
-        print(f"\nmedian ratio nexrl_hpc / TRL (training wall time to {args.target}): {statistics.median(ratios):.2f}x (goal <= 0.50x)")
+        print(
+            f"\nmedian ratio nexrl_hpc / TRL (training wall time to {args.target}): {statistics.median(ratios):.2f}x (goal <= 0.50x)"
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from nexrl_hpc.controller import NexRLController  # noqa: E402
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def run(steps: int, prompts: int, samples: int, workers: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+def run(
+    steps: int, prompts: int, samples: int, workers: int, extra: tuple[str, ...] = ()
+) -> dict[str, float]:
     register_resolvers()
     run_dir = tempfile.mkdtemp(prefix="nexrl_bench_pipeline_")
     overrides = [
@@ -54,11 +56,18 @@ def run(steps: int, prompts: int, samples: int, workers: int, extra: tuple[str, 
     elapsed = rows[-1]["time"] - rows[0]["time"]
     n = (len(rows) - 1) * prompts * samples
     step_s = sorted(r["timing/step_s"] for r in rows[1:])
-    return {"trajectories": n, "seconds": elapsed, "per_s": n / elapsed, "median_step_ms": 1000 * step_s[len(step_s) // 2]}
+    return {
+        "trajectories": n,
+        "seconds": elapsed,
+        "per_s": n / elapsed,
+        "median_step_ms": 1000 * step_s[len(step_s) // 2],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--samples", type=int, default=8)
@@ -70,7 +79,9 @@ def main() -> None:
     result = run(args.steps, args.prompts, args.samples, args.workers)
     goal = 20_000
     print()
-    print("| path | batch (trajectories) | steps timed | trajectories/s | median step | goal | ratio vs goal |")
+    print(
+        "| path | batch (trajectories) | steps timed | trajectories/s | median step | goal | ratio vs goal |"
+    )
     print("|---|---|---|---|---|---|---|")
     print(
         f"| rollout -> pool -> GRPO -> batch pool -> no-op trainer (local, fake LLM) | {args.prompts * args.samples} | "

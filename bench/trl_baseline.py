@@ -64,7 +64,12 @@ def main() -> None:
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
         return sum(t.strip().startswith(r["answer"]) for t, r in zip(texts, val_rows)) / len(val_rows)
 
-    result: dict[str, object] = {"framework": "trl", "seed": args.seed, "hit_step": None, "accuracy_curve": []}
+    result: dict[str, object] = {
+        "framework": "trl",
+        "seed": args.seed,
+        "hit_step": None,
+        "accuracy_curve": [],
+    }
 
     class Eval(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
@@ -114,7 +119,14 @@ def main() -> None:
         dataloader_num_workers=0,
         log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Eval()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Eval()],
+    )
     trainer.train()
     print(json.dumps(result))
 

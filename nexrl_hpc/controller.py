@@ -85,7 +85,9 @@ class NexRLController:
         torch.manual_seed(cfg["seed"])
 
         self.resumed_from = self._find_resume_checkpoint()
-        resume_state = read_state_h5(os.path.join(self.resumed_from, STATE_FILE)) if self.resumed_from else None
+        resume_state = (
+            read_state_h5(os.path.join(self.resumed_from, STATE_FILE)) if self.resumed_from else None
+        )
         resume_step = resume_state["global_step"] if resume_state else None
 
         base_model_dir = materialize_base_model(cfg["model"], os.path.join(self.run_dir, "base_model"))
@@ -123,15 +125,23 @@ class NexRLController:
             module.set_activity_tracker(proxy)
         for role in NexRLRole:
             for module in self.resources.get_actor_wrapper(role):
-                self.activity_tracker.register_module(module.get_module_name(), module, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER)
+                self.activity_tracker.register_module(
+                    module.get_module_name(), module, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER
+                )
         self.weight_sync_controller.set_module_references(self.dataloader, self.trajectory_pool)
         self.trajectory_pool.set_module_references(self.dataloader, self.weight_sync_controller)
         self.algorithm_processor.set_module_references(self.trajectory_pool, self.train_batch_pool)
-        self.train_worker.set_module_references(self.train_batch_pool, self.weight_sync_controller, self.dataloader)
+        self.train_worker.set_module_references(
+            self.train_batch_pool, self.weight_sync_controller, self.dataloader
+        )
         self.validator.set_module_references(self.validate_dataloader)
         for worker in self.rollout_workers:
             worker.set_module_references(
-                self.trajectory_pool, self.dataloader, self.weight_sync_controller, self.validate_dataloader, self.validator
+                self.trajectory_pool,
+                self.dataloader,
+                self.weight_sync_controller,
+                self.validate_dataloader,
+                self.validator,
             )
 
     def _launch_inference_service(self, base_model_dir: str) -> None:
@@ -169,7 +179,9 @@ class NexRLController:
         if resume["mode"] == "from_path":
             path = os.path.abspath(resume["resume_path"] or "")
             if not is_complete(path):
-                raise RunFailed(f"resume.resume_path={path!r} is not a complete checkpoint (no COMPLETE marker)")
+                raise RunFailed(
+                    f"resume.resume_path={path!r} is not a complete checkpoint (no COMPLETE marker)"
+                )
             return path
         latest = self._find_latest_checkpoint(self.config["train_worker"]["checkpoint_path"])
         if latest:
@@ -224,10 +236,15 @@ class NexRLController:
     def _validation_needed_at_start(self, step: int) -> bool:
         validate = self.config["validate"]
         freq = self.config["weight"]["validate_freq"]
-        due = (step == 0 and validate["validate_before_train"]) or (step > 0 and freq > 0 and step % freq == 0)
+        due = (step == 0 and validate["validate_before_train"]) or (
+            step > 0 and freq > 0 and step % freq == 0
+        )
         if not due or self.experiment_logger is None:
             return due
-        logged = any(r.get("step") == step and any(k.startswith("val/") for k in r) for r in read_metrics(self.experiment_logger.metrics_path))
+        logged = any(
+            r.get("step") == step and any(k.startswith("val/") for k in r)
+            for r in read_metrics(self.experiment_logger.metrics_path)
+        )
         return not logged
 
     def _run_validate(self, model_tag: ModelTag) -> None:
@@ -250,9 +267,13 @@ class NexRLController:
     def _end_validate(self, model_tag: ModelTag) -> None:
         for worker in self.rollout_workers:
             execute(worker.end_validate)
-        step = execute(self.weight_sync_controller.get_validation_version)  # the version measured, not the trainer's
+        step = execute(
+            self.weight_sync_controller.get_validation_version
+        )  # the version measured, not the trainer's
         self.last_validation = execute(self.validator.compute_and_log_metrics, step)
-        logger.info("validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()})
+        logger.info(
+            "validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()}
+        )
         execute(self.validator.clear)
         execute(self.weight_sync_controller.end_validate, model_tag)
 
@@ -269,7 +290,10 @@ class NexRLController:
             and self.activity_tracker.is_quiescent()
         )
         if data_done:
-            logger.info("data exhausted (data.max_epochs reached) at step %d", execute(self.train_worker.get_train_step))
+            logger.info(
+                "data exhausted (data.max_epochs reached) at step %d",
+                execute(self.train_worker.get_train_step),
+            )
         return data_done
 
     def _check_module_exceptions(self) -> bool:
@@ -285,7 +309,9 @@ class NexRLController:
             errors = []
         if errors:
             first = errors[0]
-            raise RunFailed(f"{first.module_name} [{first.work_context}]: {first.message} (policy {self._policy})")
+            raise RunFailed(
+                f"{first.module_name} [{first.work_context}]: {first.message} (policy {self._policy})"
+            )
         return True
 
     def _check_health(self) -> None:

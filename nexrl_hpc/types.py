@@ -43,7 +43,9 @@ class Batch:
         if "batch_size" not in self.metadata:
             sizes = {len(v) for v in self.values.values()}
             if len(sizes) > 1:
-                raise ValueError(f"Batch values have different lengths: { {k: len(v) for k, v in self.values.items()} }")
+                raise ValueError(
+                    f"Batch values have different lengths: { {k: len(v) for k, v in self.values.items()} }"
+                )
             self.metadata["batch_size"] = sizes.pop() if sizes else 0
 
     def __len__(self) -> int:

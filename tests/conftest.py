@@ -40,7 +40,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return materialize_base_model(cfg["model"], str(tmp_path_factory.mktemp("model") / "base_model"))
 
 
-def run_train(args: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m launch.train ARGS`` as a user runs it."""
     full_env = dict(os.environ)
     full_env.update(env or {})

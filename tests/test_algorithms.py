@@ -65,7 +65,9 @@ def test_ppo_clip_loss_hand_computed() -> None:
 
 def test_loss_gradient_ignores_masked_tokens() -> None:
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
-    loss, _ = ppo_clip_loss(logp, logp.detach(), torch.ones(1, 3), torch.tensor([[1.0, 1.0, 0.0]]), 0.2, 0.2, "token-mean")
+    loss, _ = ppo_clip_loss(
+        logp, logp.detach(), torch.ones(1, 3), torch.tensor([[1.0, 1.0, 0.0]]), 0.2, 0.2, "token-mean"
+    )
     loss.backward()
     assert logp.grad[0, 2].item() == 0.0 and logp.grad[0, 0].item() != 0.0
 
@@ -96,7 +98,9 @@ def test_pack_left_pads_prompts_right_pads_responses() -> None:
 
 
 def test_pack_rejects_inconsistent_trajectories() -> None:
-    bad = Batch.from_trajectories([{"prompt_ids": [1], "response_ids": [2, 3], "behaviour_log_probs": [-1.0]}])
+    bad = Batch.from_trajectories(
+        [{"prompt_ids": [1], "response_ids": [2, 3], "behaviour_log_probs": [-1.0]}]
+    )
     with pytest.raises(ValueError, match="2 response tokens but 1 behaviour logprobs"):
         pack_trajectories(bad, 0)
 
@@ -113,7 +117,9 @@ def test_grpo_processor_builds_the_training_batch() -> None:
             )  # fmt: skip
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    assert torch.allclose(out.values["advantages"], torch.tensor([[a, a], [-a, -a], [0, 0], [0, 0]]), atol=1e-5)
+    assert torch.allclose(
+        out.values["advantages"], torch.tensor([[a, a], [-a, -a], [0, 0], [0, 0]]), atol=1e-5
+    )
     assert out.values["weight_version"].tolist() == [3, 3, 3, 3]
     assert out.metadata["metrics"]["train/reward_mean"] == 0.25
     assert out.metadata["uid"] == ["a", "a", "b", "b"] and out.metadata["model_tag"] == "default"

@@ -21,7 +21,11 @@ def problems_of(overrides: list[str]) -> dict[str, str]:
 
 def test_default_config_is_valid_and_derives_sizes() -> None:
     cfg = compose_config()
-    assert cfg["trajectory_pool"]["batch_size"] == cfg["data"]["batch_size"] * cfg["data"]["rollout_repeat_n"] == 256
+    assert (
+        cfg["trajectory_pool"]["batch_size"]
+        == cfg["data"]["batch_size"] * cfg["data"]["rollout_repeat_n"]
+        == 256
+    )
     assert cfg["service"]["train_service"]["actor"]["ppo_mini_batch_size"] == 256
     assert cfg["model"]["tiny"]["tokenizer"]["alphabet"] == cfg["task"]["alphabet"]
     assert cfg["service"]["inference_service"]["local"]["host"] == "127.0.0.1"  # never 0.0.0.0 by default
@@ -30,7 +34,9 @@ def test_default_config_is_valid_and_derives_sizes() -> None:
 
 def test_unknown_key_names_closest_valid_key() -> None:
     probs = problems_of(["train_worker.total_train_stepz=3"])
-    assert probs == {"train_worker.total_train_stepz": "unknown key (did you mean 'train_worker.total_train_steps'?)"}
+    assert probs == {
+        "train_worker.total_train_stepz": "unknown key (did you mean 'train_worker.total_train_steps'?)"
+    }
 
 
 def test_unknown_key_added_with_plus_is_caught_by_schema() -> None:
@@ -45,7 +51,10 @@ def test_wrong_type() -> None:
 
 def test_value_outside_enum() -> None:
     probs = problems_of(["algorithm.kl_loss_type=low_var"])
-    assert probs["algorithm.kl_loss_type"] == "'low_var' is not one of ['k1', 'k2', 'k3', 'low_var_kl'] (did you mean 'low_var_kl'?)"
+    assert (
+        probs["algorithm.kl_loss_type"]
+        == "'low_var' is not one of ['k1', 'k2', 'k3', 'low_var_kl'] (did you mean 'low_var_kl'?)"
+    )
     probs = problems_of(["algorithm.kl_loss_type=k9"])
     assert probs["algorithm.kl_loss_type"] == "'k9' is not one of ['k1', 'k2', 'k3', 'low_var_kl']"
 
@@ -71,10 +80,20 @@ def test_many_problems_in_one_error() -> None:
         preflight(
             CONFIG_DIR,
             "rl_train",
-            ["train_worker.total_train_stepz=3", "data.batch_size=abc", "weight.sync_mode=asyncc", "logger.backend=[console,neptune]"],
+            [
+                "train_worker.total_train_stepz=3",
+                "data.batch_size=abc",
+                "weight.sync_mode=asyncc",
+                "logger.backend=[console,neptune]",
+            ],
         )
     paths = [p.path for p in err.value.problems]
-    assert paths == ["train_worker.total_train_stepz", "data.batch_size", "weight.sync_mode", "logger.backend[1]"]
+    assert paths == [
+        "train_worker.total_train_stepz",
+        "data.batch_size",
+        "weight.sync_mode",
+        "logger.backend[1]",
+    ]
     text = str(err.value)
     assert text.startswith("invalid config (4 problems):")
     assert all(p in text for p in paths)
@@ -82,7 +101,9 @@ def test_many_problems_in_one_error() -> None:
 
 def test_reward_fn_that_does_not_import_or_has_wrong_signature() -> None:
     probs = problems_of(["rollout_worker.reward_fn=nexrl_hpc.tasks.rewards:nothere"])
-    assert probs["rollout_worker.reward_fn"].startswith("cannot import 'nexrl_hpc.tasks.rewards:nothere': AttributeError")
+    assert probs["rollout_worker.reward_fn"].startswith(
+        "cannot import 'nexrl_hpc.tasks.rewards:nothere': AttributeError"
+    )
     preflight(CONFIG_DIR, "rl_train", ["rollout_worker.reward_fn=os.path:join"])  # takes 2 args: accepted
     probs = problems_of(["rollout_worker.reward_fn=os:getcwd"])
     assert "must accept 2 positional arguments" in probs["rollout_worker.reward_fn"]
@@ -90,8 +111,14 @@ def test_reward_fn_that_does_not_import_or_has_wrong_signature() -> None:
 
 def test_cross_field_rules() -> None:
     probs = problems_of(["trajectory_pool.group_size=3"])
-    assert probs["trajectory_pool.group_size"] == "must equal data.rollout_repeat_n (the samples of one prompt form one group)"
-    assert probs["trajectory_pool.batch_size"] == "must be a multiple of trajectory_pool.group_size so a batch never splits a group"
+    assert (
+        probs["trajectory_pool.group_size"]
+        == "must equal data.rollout_repeat_n (the samples of one prompt form one group)"
+    )
+    assert (
+        probs["trajectory_pool.batch_size"]
+        == "must be a multiple of trajectory_pool.group_size so a batch never splits a group"
+    )
     probs = problems_of(["data.type=jsonl"])
     assert probs["data.data_files"] == "data.type=jsonl needs at least one file"
     probs = problems_of(["resume.mode=from_path"])
@@ -99,7 +126,9 @@ def test_cross_field_rules() -> None:
     probs = problems_of(["rollout_worker.max_response_length=60"])
     assert "must fit model.tiny.max_position_embeddings" in probs["rollout_worker.max_response_length"]
     probs = problems_of(["service.train_service.actor.ppo_mini_batch_size=100"])
-    assert probs["service.train_service.actor.ppo_mini_batch_size"] == "must divide trajectory_pool.batch_size"
+    assert (
+        probs["service.train_service.actor.ppo_mini_batch_size"] == "must divide trajectory_pool.batch_size"
+    )
 
 
 def test_sweep_points_are_each_checked() -> None:
@@ -128,7 +157,15 @@ def test_interpolation_to_missing_key_is_reported() -> None:
 
 def test_cli_bad_config_exits_2_lists_every_key_and_starts_nothing(tmp_path) -> None:
     run_dir = tmp_path / "never"
-    proc = run_train([f"run_dir={run_dir}", "train_worker.total_train_stepz=3", "data.batch_size=abc", "weight.sync_mode=x"], timeout=120)
+    proc = run_train(
+        [
+            f"run_dir={run_dir}",
+            "train_worker.total_train_stepz=3",
+            "data.batch_size=abc",
+            "weight.sync_mode=x",
+        ],
+        timeout=120,
+    )
     assert proc.returncode == 2
     for key in ("train_worker.total_train_stepz", "data.batch_size", "weight.sync_mode"):
         assert key in proc.stderr

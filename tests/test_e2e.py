@@ -22,7 +22,12 @@ from tests.conftest import REPO, compose_config, run_train
 
 pytestmark = pytest.mark.e2e
 
-FAST = ["validate.validate_before_train=false", "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]"]
+FAST = [
+    "validate.validate_before_train=false",
+    "validate.validate_at_end=false",
+    "validate.eval.validate_freq=0",
+    "logger.backend=[]",
+]
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -54,7 +59,11 @@ def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path
     # run dir layout
     assert (run_dir / "config.yaml").exists() and (run_dir / "tensorboard").is_dir()
     ckpt = run_dir / "checkpoints" / "global_step_50"
-    assert (ckpt / "COMPLETE").exists() and (ckpt / "state.h5").exists() and (ckpt / "optimizer" / "rank_0.pt").exists()
+    assert (
+        (ckpt / "COMPLETE").exists()
+        and (ckpt / "state.h5").exists()
+        and (ckpt / "optimizer" / "rank_0.pt").exists()
+    )
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step_50"
     with h5py.File(ckpt / "state.h5") as f:
         assert f.attrs["global_step"] == 50 and json.loads(f["dataloader"][()])["issued_fresh"] == 50 * 256
@@ -65,7 +74,10 @@ def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path
     assert set(val_rows[0]) == {"prompt", "answer"} and len(val_rows) == 140
 
     independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert independent.returncode == 0, independent.stderr
     result = json.loads(independent.stdout.strip().splitlines()[-1])
@@ -78,7 +90,11 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path)
     args = [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=12", "train_worker.save_freq=2",
             "train_worker.max_ckpt_to_keep=null", "logger.dump_rollouts=true", *FAST]  # fmt: skip
     first = subprocess.Popen(
-        [sys.executable, "-m", "launch.train", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     marker = run_dir / "checkpoints" / "global_step_4" / "COMPLETE"
     deadline = time.monotonic() + 300
@@ -88,7 +104,11 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path)
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGKILL)  # no clean shutdown: like a node failure
     first.wait()
-    done_before = sorted(int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("global_step_*") if (p / "COMPLETE").exists())
+    done_before = sorted(
+        int(p.name.split("_")[-1])
+        for p in (run_dir / "checkpoints").glob("global_step_*")
+        if (p / "COMPLETE").exists()
+    )
     assert 4 <= done_before[-1] < 12
 
     second = run_train(args, timeout=600)
@@ -100,7 +120,9 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path)
     reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
     per_step = cfg["trajectory_pool"]["batch_size"]
     for step in range(1, 13):
-        expected = collections.Counter((t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step)))
+        expected = collections.Counter(
+            (t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step))
+        )
         with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
             got = collections.Counter(zip([u.decode() for u in f["uid"][()]], f["epoch"][()].tolist()))
             assert f["weight_version"][()].tolist() == [step - 1] * per_step  # sync mode: on-policy
@@ -111,7 +133,11 @@ def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Pa
     train = tmp_path / "train.jsonl"
     with open(train, "wb") as f:
         for i in range(40):
-            f.write((json.dumps({"prompt": f"m{i % 10}{(i * 7) % 10}{(i * 3) % 10}=", "answer": "9"}) + "\n").encode())
+            f.write(
+                (
+                    json.dumps({"prompt": f"m{i % 10}{(i * 7) % 10}{(i * 3) % 10}=", "answer": "9"}) + "\n"
+                ).encode()
+            )
         f.write(b"\xff\xfe\xfa garbage\n")
         f.write(b'{"answer": "1"}\n')
         f.write(b"{broken json\n")
@@ -119,13 +145,22 @@ def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Pa
     val.write_text(json.dumps({"prompt": "m123=", "answer": "3"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
     run_dir = tmp_path / "run"
     proc = run_train(
-        [f"run_dir={run_dir}", "data.type=jsonl", f"data.data_files=[{train}]", f"validate.data.data_files=[{val}]",
-         "data.batch_size=4", "train_worker.total_train_steps=2", *FAST]  # fmt: skip
+        [
+            f"run_dir={run_dir}",
+            "data.type=jsonl",
+            f"data.data_files=[{train}]",
+            f"validate.data.data_files=[{val}]",
+            "data.batch_size=4",
+            "train_worker.total_train_steps=2",
+            *FAST,
+        ]  # fmt: skip
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
     assert [r["data/skipped_rows"] for r in rows] == [3, 3]
-    assert [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")] == [{"prompt": "m123=", "answer": "3"}]
+    assert [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")] == [
+        {"prompt": "m123=", "answer": "3"}
+    ]
 
 
 def nan_reward_for_first_row(task: dict[str, Any], response: str) -> dict[str, float]:
@@ -136,8 +171,13 @@ def nan_reward_for_first_row(task: dict[str, Any], response: str) -> dict[str, f
 def test_nan_loss_step_is_skipped_and_reported(tmp_path: Path) -> None:
     run_dir = tmp_path / "nan"
     proc = run_train(
-        [f"run_dir={run_dir}", "rollout_worker.reward_fn=tests.test_e2e:nan_reward_for_first_row", "data.shuffle=false",
-         "train_worker.total_train_steps=3", *FAST]  # fmt: skip
+        [
+            f"run_dir={run_dir}",
+            "rollout_worker.reward_fn=tests.test_e2e:nan_reward_for_first_row",
+            "data.shuffle=false",
+            "train_worker.total_train_steps=3",
+            *FAST,
+        ]  # fmt: skip
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
@@ -153,6 +193,12 @@ def free_port() -> int:
 
 def test_unreachable_inference_service_fails_with_its_url(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    proc = run_train([f"run_dir={tmp_path / 'x'}", f"service.inference_service.base_url={url}", "service.inference_service.retry_backoff_s=0.05"])
+    proc = run_train(
+        [
+            f"run_dir={tmp_path / 'x'}",
+            f"service.inference_service.base_url={url}",
+            "service.inference_service.retry_backoff_s=0.05",
+        ]
+    )
     assert proc.returncode == 1
     assert "run failed" in proc.stderr and url in proc.stderr

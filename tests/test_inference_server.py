@@ -57,9 +57,16 @@ def hf_logprobs(model_dir: str, prompt_ids: list[int], completion_ids: list[int]
     return [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(completion_ids)]
 
 
-def test_completion_returns_engine_token_ids_and_logprobs(server: LocalInferenceServer, chat_model_dir: str) -> None:
+def test_completion_returns_engine_token_ids_and_logprobs(
+    server: LocalInferenceServer, chat_model_dir: str
+) -> None:
     resp = oai(server).completions.create(
-        model="policy", prompt="abc 12=", max_tokens=6, temperature=1.0, logprobs=1, extra_body={"return_token_ids": True}
+        model="policy",
+        prompt="abc 12=",
+        max_tokens=6,
+        temperature=1.0,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
     )
     choice = resp.choices[0]
     extra = choice.model_extra or {}
@@ -74,7 +81,9 @@ def test_completion_returns_engine_token_ids_and_logprobs(server: LocalInference
 
 
 def test_greedy_matches_transformers_argmax(server: LocalInferenceServer, chat_model_dir: str) -> None:
-    resp = oai(server).completions.create(model="policy", prompt="hello", max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True})
+    resp = oai(server).completions.create(
+        model="policy", prompt="hello", max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True}
+    )
     extra = resp.choices[0].model_extra or {}
     model = load_model(chat_model_dir).eval()
     ids = list(extra["prompt_token_ids"])
@@ -86,20 +95,28 @@ def test_greedy_matches_transformers_argmax(server: LocalInferenceServer, chat_m
 
 
 def test_n_samples_and_list_of_prompts(server: LocalInferenceServer) -> None:
-    resp = oai(server).completions.create(model="policy", prompt=["ab", "cd", "ef"], n=2, max_tokens=3, extra_body={"return_token_ids": True})
+    resp = oai(server).completions.create(
+        model="policy", prompt=["ab", "cd", "ef"], n=2, max_tokens=3, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in resp.choices] == list(range(6))
     prompts = [tuple((c.model_extra or {})["prompt_token_ids"]) for c in resp.choices]
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
 
 
 def test_prompt_as_token_ids(server: LocalInferenceServer) -> None:
-    resp = oai(server).completions.create(model="policy", prompt=[1, 5, 6, 7], max_tokens=2, extra_body={"return_token_ids": True})
+    resp = oai(server).completions.create(
+        model="policy", prompt=[1, 5, 6, 7], max_tokens=2, extra_body={"return_token_ids": True}
+    )
     assert (resp.choices[0].model_extra or {})["prompt_token_ids"] == [1, 5, 6, 7]
 
 
 def test_chat_completion_applies_template_and_returns_ids(server: LocalInferenceServer) -> None:
     resp = oai(server).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, extra_body={"return_token_ids": True}
+        model="policy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
     )
     extra = resp.model_extra or {}
     choice = resp.choices[0]
@@ -121,25 +138,50 @@ def test_too_long_prompt_is_a_bad_request(server: LocalInferenceServer) -> None:
         oai(server).completions.create(model="policy", prompt="a" * 70, max_tokens=1)
 
 
-def test_reload_from_disk_changes_outputs_and_version(server: LocalInferenceServer, chat_model_dir: str, tmp_path: Path) -> None:
+def test_reload_from_disk_changes_outputs_and_version(
+    server: LocalInferenceServer, chat_model_dir: str, tmp_path: Path
+) -> None:
     headers = {"Authorization": f"Bearer {server.api_key}"}
     state = dict(load_model(chat_model_dir).state_dict())
     state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])  # all logits 0: a uniform policy
     new_dir = tmp_path / "v7"
     write_hf_model_dir(state, chat_model_dir, str(new_dir), max_shard_bytes=1 << 30)
-    r = httpx.post(f"{server.base_url}/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": 7}, headers=headers)
+    r = httpx.post(
+        f"{server.base_url}/update_weights_from_disk",
+        json={"model_path": str(new_dir), "weight_version": 7},
+        headers=headers,
+    )
     assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == 7
-    resp = oai(server).completions.create(model="policy", prompt="abc", max_tokens=3, temperature=0.0, logprobs=1, extra_body={"return_token_ids": True})
+    resp = oai(server).completions.create(
+        model="policy",
+        prompt="abc",
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    )
     # all-zero logits: uniform distribution, greedy picks token 0 every time
     assert (resp.choices[0].model_extra or {})["token_ids"] == [0, 0, 0]
     assert resp.model_extra["weight_version"] == 7
     vocab = load_model(chat_model_dir).config.vocab_size
-    assert resp.choices[0].logprobs.token_logprobs[0] == pytest.approx(-torch.log(torch.tensor(float(vocab))).item(), abs=1e-5)
+    assert resp.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        -torch.log(torch.tensor(float(vocab))).item(), abs=1e-5
+    )
 
-    bad = httpx.post(f"{server.base_url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nope"), "weight_version": 8}, headers=headers)
+    bad = httpx.post(
+        f"{server.base_url}/update_weights_from_disk",
+        json={"model_path": str(tmp_path / "nope"), "weight_version": 8},
+        headers=headers,
+    )
     assert bad.status_code == 400 and not bad.json()["success"]
-    assert httpx.get(f"{server.base_url}/health").json()["weight_version"] == 7  # a failed reload bumps nothing
-    restore = httpx.post(f"{server.base_url}/update_weights_from_disk", json={"model_path": chat_model_dir, "weight_version": 0}, headers=headers)
+    assert (
+        httpx.get(f"{server.base_url}/health").json()["weight_version"] == 7
+    )  # a failed reload bumps nothing
+    restore = httpx.post(
+        f"{server.base_url}/update_weights_from_disk",
+        json={"model_path": chat_model_dir, "weight_version": 0},
+        headers=headers,
+    )
     assert restore.json()["success"]
 
 
@@ -162,7 +204,9 @@ def test_service_client_coalesces_concurrent_calls(server: LocalInferenceServer)
     single = [client.completion(p, max_tokens=2, temperature=0.0) for p in prompts[:3]]
     for r, p in zip(results, prompts):
         assert r["prompt"] == p and len(r["logprobs"]) == len(r["response_ids"]) and r["weight_version"] == 0
-    assert [r["response_ids"] for r in results[:3]] == [s["response_ids"] for s in single]  # greedy: same answer
+    assert [r["response_ids"] for r in results[:3]] == [
+        s["response_ids"] for s in single
+    ]  # greedy: same answer
 
 
 def free_port() -> int:
@@ -174,7 +218,9 @@ def free_port() -> int:
 def test_unreachable_server_retries_then_names_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     client = LLMServiceClient(client_config(base_url=url, max_retries=2, retry_backoff_s=0.01))
-    with pytest.raises(InferenceServiceError, match=f"inference service at {url}/v1 unreachable after 3 attempts"):
+    with pytest.raises(
+        InferenceServiceError, match=f"inference service at {url}/v1 unreachable after 3 attempts"
+    ):
         client.completion("abc", max_tokens=1)
     with pytest.raises(InferenceServiceError, match="unreachable after 3 attempts"):
         asyncio.run(client.acompletion("abc", max_tokens=1))

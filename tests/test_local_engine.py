@@ -103,7 +103,13 @@ def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, 
         eng.update_actor({"batch": make_batch(8, seed)})
     eng.save_checkpoint(str(tmp_path), global_step=2)
     assert sorted(os.listdir(tmp_path / "model")) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
     )
     restored = engine(tiny_model_dir)
     restored.load_checkpoint(str(tmp_path))

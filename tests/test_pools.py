@@ -119,7 +119,9 @@ def test_pool_return_codes_and_batch_release() -> None:
 
 
 def test_pool_keeps_one_instance_per_model_tag() -> None:
-    pool, wsc = make_pool(**{"data.batch_size": 1, "data.rollout_repeat_n": 1, "trajectory_pool.key_list": "[]"})
+    pool, wsc = make_pool(
+        **{"data.batch_size": 1, "data.rollout_repeat_n": 1, "trajectory_pool.key_list": "[]"}
+    )
     pool.put_trajectory({"i": 0, "model_tag": "student"})
     pool.put_trajectory({"i": 1})
     assert sorted(pool.get_model_tags()) == ["default", "student"]
@@ -158,7 +160,9 @@ def test_loaded_batch_finished_rule_waits_for_the_loader_and_rollouts() -> None:
 
 
 def test_custom_batch_ready_function() -> None:
-    pool, _ = make_pool(**{"trajectory_pool.check_batch_ready_function": "tests.test_pools:ready_at_two_groups"})
+    pool, _ = make_pool(
+        **{"trajectory_pool.check_batch_ready_function": "tests.test_pools:ready_at_two_groups"}
+    )
     for g in ("a", "b"):
         for i in range(8):
             pool.put_trajectory(traj(i, g))

@@ -38,7 +38,9 @@ class BudgetLoader:
         self.calls += 1
 
 
-def make_wsc(tmp_path: Any, *overrides: str) -> tuple[WeightSyncController, RecordingTransport, BudgetLoader, TrajectoryPool]:
+def make_wsc(
+    tmp_path: Any, *overrides: str
+) -> tuple[WeightSyncController, RecordingTransport, BudgetLoader, TrajectoryPool]:
     cfg = compose_config([f"run_dir={tmp_path}", "data.batch_size=2", "data.rollout_repeat_n=2", *overrides])
     transport = RecordingTransport()
     wsc = WeightSyncController(cfg, transport)
@@ -50,7 +52,9 @@ def make_wsc(tmp_path: Any, *overrides: str) -> tuple[WeightSyncController, Reco
 
 
 def test_sync_mode_releases_one_batch_per_version(tmp_path: Any) -> None:
-    wsc, transport, loader, pool = make_wsc(tmp_path, "validate.eval.validate_freq=2", "train_worker.total_train_steps=3")
+    wsc, transport, loader, pool = make_wsc(
+        tmp_path, "validate.eval.validate_freq=2", "train_worker.total_train_steps=3"
+    )
     assert loader.budget == 0  # nothing before start
     wsc.sync_weight_to_rollout_service("default")
     wsc.start("default")

@@ -12,7 +12,14 @@ import torch
 
 from nexrl_hpc.types import Batch
 
-TRAINING_TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "behaviour_log_probs")
+TRAINING_TENSOR_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "responses",
+    "response_mask",
+    "behaviour_log_probs",
+)
 
 
 def pack_trajectories(batch: Batch, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -33,7 +40,9 @@ def pack_trajectories(batch: Batch, pad_token_id: int) -> dict[str, torch.Tensor
     for i in range(n):
         pl, rl = p_lens[i], r_lens[i]
         if len(behaviour[i]) != rl:
-            raise ValueError(f"trajectory {i}: {rl} response tokens but {len(behaviour[i])} behaviour logprobs")
+            raise ValueError(
+                f"trajectory {i}: {rl} response tokens but {len(behaviour[i])} behaviour logprobs"
+            )
         input_ids[i, p_len - pl : p_len] = prompts[i]
         if rl:
             input_ids[i, p_len : p_len + rl] = responses[i]

@@ -54,7 +54,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
-def aggregate(token_values: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float | None = None) -> torch.Tensor:
+def aggregate(
+    token_values: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float | None = None
+) -> torch.Tensor:
     """Reduce [B, T] token values to a scalar.
 
     token-mean: sum over all masked tokens / ``normalizer`` (the token count of the whole mini-batch

@@ -30,7 +30,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         mask = tensors["response_mask"]
         tensors["advantages"] = adv[:, None] * mask
         tensors["rewards"] = rewards
-        versions = [v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))]
+        versions = [
+            v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))
+        ]
         tensors["weight_version"] = torch.tensor(versions, dtype=torch.long)
         resp_len = mask.sum(-1)
         metrics = {

@@ -35,7 +35,13 @@ def capture_rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
         "python": json.dumps(random.getstate()),
-        "numpy": {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "numpy": {
+            "name": np_state[0],
+            "keys": np_state[1],
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached": float(np_state[4]),
+        },
         "torch": torch.get_rng_state().numpy(),
     }
 
@@ -76,7 +82,9 @@ def read_state_h5(path: str) -> dict[str, Any]:
             "weight_version": json.loads(f.attrs["weight_version"]),
             "dataloader": json.loads(f["dataloader"][()]),
             "rng": {
-                "python": rng["python"][()].decode() if isinstance(rng["python"][()], bytes) else rng["python"][()],
+                "python": rng["python"][()].decode()
+                if isinstance(rng["python"][()], bytes)
+                else rng["python"][()],
                 "torch": rng["torch"][()],
                 "numpy": {
                     "name": str(npg.attrs["name"]),

@@ -66,7 +66,11 @@ def _drop_follow_on(problems: list[ConfigProblem], interpolations: dict[str, str
     while changed:
         changed = False
         for path, raw in interpolations.items():
-            if path not in tainted and any("${" + b + "}" in raw or "${" + b + "," in raw or "," + b + "}" in raw for b in bad | tainted if b != path):
+            if path not in tainted and any(
+                "${" + b + "}" in raw or "${" + b + "," in raw or "," + b + "}" in raw
+                for b in bad | tainted
+                if b != path
+            ):
                 tainted.add(path)
                 changed = True
     out: list[ConfigProblem] = []

@@ -43,7 +43,12 @@ def _check_callable(cfg: Mapping, path: str, n_args: int | None, problems: list[
     try:
         sig.bind(*([None] * n_args))
     except TypeError:
-        problems.append(ConfigProblem(path, f"{spec!r} must accept {n_args} positional arguments, its signature is {spec.split(':')[-1]}{sig}"))
+        problems.append(
+            ConfigProblem(
+                path,
+                f"{spec!r} must accept {n_args} positional arguments, its signature is {spec.split(':')[-1]}{sig}",
+            )
+        )
 
 
 def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
@@ -63,7 +68,9 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
     _check_callable(cfg, "task.reward_fn", 2, problems)
     if g_safe(cfg, "data.type") == "task" or g_safe(cfg, "validate.data.type") == "task":
         if g_safe(cfg, "task.generator") is None:
-            problems.append(ConfigProblem("task.generator", "data.type=task needs a generator ('module:function')"))
+            problems.append(
+                ConfigProblem("task.generator", "data.type=task needs a generator ('module:function')")
+            )
         else:
             _check_callable(cfg, "task.generator", 2, problems)
     rule = g_safe(cfg, "trajectory_pool.check_batch_ready_function")
@@ -77,8 +84,16 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             )
         )
 
-    check(lambda: len(g("runtime.gc_thresholds")) == 3, "runtime.gc_thresholds", "needs 3 values: gen0, gen1, gen2")
-    check(lambda: g("data.type") != "jsonl" or len(g("data.data_files")) > 0, "data.data_files", "data.type=jsonl needs at least one file")
+    check(
+        lambda: len(g("runtime.gc_thresholds")) == 3,
+        "runtime.gc_thresholds",
+        "needs 3 values: gen0, gen1, gen2",
+    )
+    check(
+        lambda: g("data.type") != "jsonl" or len(g("data.data_files")) > 0,
+        "data.data_files",
+        "data.type=jsonl needs at least one file",
+    )
     check(
         lambda: g("validate.data.type") != "jsonl" or len(g("validate.data.data_files")) > 0,
         "validate.data.data_files",
@@ -90,12 +105,17 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "resume.mode=from_path needs resume.resume_path",
     )
     check(
-        lambda: not g("trajectory_pool.key_list") or g("trajectory_pool.batch_size") % g("trajectory_pool.group_size") == 0,
+        lambda: (
+            not g("trajectory_pool.key_list")
+            or g("trajectory_pool.batch_size") % g("trajectory_pool.group_size") == 0
+        ),
         "trajectory_pool.batch_size",
         "must be a multiple of trajectory_pool.group_size so a batch never splits a group",
     )
     check(
-        lambda: not g("trajectory_pool.key_list") or g("trajectory_pool.group_size") == g("data.rollout_repeat_n"),
+        lambda: (
+            not g("trajectory_pool.key_list") or g("trajectory_pool.group_size") == g("data.rollout_repeat_n")
+        ),
         "trajectory_pool.group_size",
         "must equal data.rollout_repeat_n (the samples of one prompt form one group)",
     )
@@ -126,11 +146,18 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "must divide model.tiny.num_attention_heads",
         )
         check(
-            lambda: g("rollout_worker.max_prompt_length") + g("rollout_worker.max_response_length") <= g("model.tiny.max_position_embeddings"),
+            lambda: (
+                g("rollout_worker.max_prompt_length") + g("rollout_worker.max_response_length")
+                <= g("model.tiny.max_position_embeddings")
+            ),
             "rollout_worker.max_response_length",
             "max_prompt_length + max_response_length must fit model.tiny.max_position_embeddings",
         )
-        check(lambda: len(g("model.tiny.tokenizer.alphabet")) > 0, "model.tiny.tokenizer.alphabet", "must not be empty")
+        check(
+            lambda: len(g("model.tiny.tokenizer.alphabet")) > 0,
+            "model.tiny.tokenizer.alphabet",
+            "must not be empty",
+        )
     return problems
 
 

@@ -22,7 +22,19 @@ from omegaconf import DictConfig, OmegaConf
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 
-_PASSTHROUGH_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--shell-completion", "-sc", "--version"}
+_PASSTHROUGH_FLAGS = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--cfg",
+    "-c",
+    "--resolve",
+    "--shell-completion",
+    "-sc",
+    "--version",
+}
 
 
 def _groups(config_dir: str) -> set[str]:
@@ -56,7 +68,11 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
     """Every problem of one override set (one run)."""
     register_resolvers()
     groups = _groups(config_dir)
-    group_ovr = [o for o in overrides if o.key_or_group.split("/")[0] in groups | {"hydra"} or o.key_or_group.startswith("hydra.")]
+    group_ovr = [
+        o
+        for o in overrides
+        if o.key_or_group.split("/")[0] in groups | {"hydra"} or o.key_or_group.startswith("hydra.")
+    ]
     value_ovr = [o for o in overrides if o not in group_ovr]
     problems: list[ConfigProblem] = []
     good_groups = []
@@ -64,9 +80,16 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         group = o.key_or_group
         value = o.value() if not o.is_delete() else None
         if group in groups and isinstance(value, str):
-            options = sorted(f[:-5] for f in os.listdir(os.path.join(config_dir, group)) if f.endswith(".yaml"))
+            options = sorted(
+                f[:-5] for f in os.listdir(os.path.join(config_dir, group)) if f.endswith(".yaml")
+            )
             if value not in options:
-                problems.append(ConfigProblem(group, f"no option {value!r} in config group {group!r} (available: {', '.join(options)})"))
+                problems.append(
+                    ConfigProblem(
+                        group,
+                        f"no option {value!r} in config group {group!r} (available: {', '.join(options)})",
+                    )
+                )
                 continue
         good_groups.append(o)
     group_ovr = good_groups

@@ -45,9 +45,14 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     if isinstance(tp, type):
-        return {"str": "string", "int": "int", "float": "float", "bool": "bool", "list": "list", "dict": "mapping"}.get(
-            tp.__name__, tp.__name__
-        )
+        return {
+            "str": "string",
+            "int": "int",
+            "float": "float",
+            "bool": "bool",
+            "list": "list",
+            "dict": "mapping",
+        }.get(tp.__name__, tp.__name__)
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         return _type_name(typing.get_args(tp)[0])
@@ -174,12 +179,18 @@ def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigP
     for key in value:
         if key not in hints:
             close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
-            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(hints))})"
+            hint = (
+                f" (did you mean {prefix + close[0]!r}?)"
+                if close
+                else f" (valid keys: {', '.join(sorted(hints))})"
+            )
             problems.append(ConfigProblem(f"{prefix}{key}", f"unknown key{hint}"))
     for key, tp in hints.items():
         if key not in value:
             if key in required:
-                problems.append(ConfigProblem(f"{prefix}{key}", f"missing required key (expected {_type_name(tp)})"))
+                problems.append(
+                    ConfigProblem(f"{prefix}{key}", f"missing required key (expected {_type_name(tp)})")
+                )
             continue
         _check(value[key], tp, f"{prefix}{key}", problems)
 

@@ -31,7 +31,9 @@ class _Work:
 class ActivityTracker:
     """Counts in-flight work per module, keeps module references for liveness, routes errors and metrics."""
 
-    def __init__(self, config: dict[str, Any] | None = None, max_errors: int = 1000, experiment_logger: Any = None):
+    def __init__(
+        self, config: dict[str, Any] | None = None, max_errors: int = 1000, experiment_logger: Any = None
+    ):
         self._config = config
         self._lock = threading.Condition()
         self._inflight: dict[int, _Work] = {}
@@ -137,7 +139,13 @@ class ActivityTracker:
         severity: ErrorSeverity = ErrorSeverity.ERROR,
         details: dict[str, Any] | None = None,
     ) -> str:
-        logger.log(logging.ERROR if severity == ErrorSeverity.ERROR else logging.WARNING, "%s [%s]: %s", module, work, message)
+        logger.log(
+            logging.ERROR if severity == ErrorSeverity.ERROR else logging.WARNING,
+            "%s [%s]: %s",
+            module,
+            work,
+            message,
+        )
         return self.error_reporter.report_error(module, work, message, severity, details)
 
     def get_error_health_status(self) -> dict[str, Any]:

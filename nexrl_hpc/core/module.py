@@ -37,7 +37,9 @@ class NexRLModule:
             return True
         return self._thread.is_alive()
 
-    def easy_dump(self, value: Any, keys: list[str] | None = None, value_formatter: Callable[[Any], str] | None = None) -> None:
+    def easy_dump(
+        self, value: Any, keys: list[str] | None = None, value_formatter: Callable[[Any], str] | None = None
+    ) -> None:
         """Log a value tagged with this module's name (debugging aid)."""
         if keys is not None and isinstance(value, dict):
             value = {k: value.get(k) for k in keys}

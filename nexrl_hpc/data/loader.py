@@ -74,7 +74,9 @@ class JsonlDataLoader(BaseDataLoader):
         self.skipped_rows = 0
         self._rows = self._read(data_files if data_files is not None else config["data_files"])
         if not self._rows:
-            raise ValueError(f"no usable rows in {data_files or config['data_files']} ({self.skipped_rows} skipped)")
+            raise ValueError(
+                f"no usable rows in {data_files or config['data_files']} ({self.skipped_rows} skipped)"
+            )
         self._lock = threading.Condition()
         self._returned: deque[dict[str, Any]] = deque()
         self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
@@ -98,7 +100,11 @@ class JsonlDataLoader(BaseDataLoader):
                     if row is None:
                         self.skipped_rows += 1
                         continue
-                    uid = row[self._id_key] if self._id_key and self._id_key in row else f"{self._split}-{len(rows)}"
+                    uid = (
+                        row[self._id_key]
+                        if self._id_key and self._id_key in row
+                        else f"{self._split}-{len(rows)}"
+                    )
                     row["uid"] = str(uid)
                     rows.append(row)
         if self.skipped_rows:
@@ -135,7 +141,9 @@ class JsonlDataLoader(BaseDataLoader):
         self._repeat_index = 0
 
     def _fresh_exhausted(self) -> bool:
-        return self._cursor >= len(self._order) and (self._max_epochs is not None and self._epoch + 1 >= self._max_epochs)
+        return self._cursor >= len(self._order) and (
+            self._max_epochs is not None and self._epoch + 1 >= self._max_epochs
+        )
 
     def _next_fresh(self) -> dict[str, Any] | None:
         if self._cursor >= len(self._order):

@@ -23,7 +23,12 @@ from nexrl_hpc.core.execute import execute
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError, openai.RateLimitError)
+_RETRYABLE = (
+    openai.APIConnectionError,
+    openai.APITimeoutError,
+    openai.InternalServerError,
+    openai.RateLimitError,
+)
 
 
 @dataclass
@@ -44,7 +49,16 @@ class MissingTokenIdsError(InferenceServiceError):
 
 def _sampling_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split caller kwargs into OpenAI request parameters and extra (vLLM) body fields."""
-    standard = {"max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty"}
+    standard = {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+    }
     request = {k: v for k, v in kwargs.items() if k in standard}
     extra = {k: v for k, v in kwargs.items() if k not in standard}
     return request, extra
@@ -61,7 +75,9 @@ def _freeze(value: Any) -> Any:
 class LLMServiceClient:
     """One client per rollout worker. ``completion``/``generate`` block; ``acompletion``/``agenerate`` coalesce."""
 
-    def __init__(self, config: InferenceServiceConfig, base_url: str | None = None, api_key: str | None = None):
+    def __init__(
+        self, config: InferenceServiceConfig, base_url: str | None = None, api_key: str | None = None
+    ):
         self._config = config
         self._model_tag = config["model_tag"]
         self._model = config["model"]
@@ -79,7 +95,9 @@ class LLMServiceClient:
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
         self._weight_sync_controller: Any = None
-        self._client = openai.OpenAI(base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout)
+        self._client = openai.OpenAI(
+            base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout
+        )
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
 
@@ -156,7 +174,9 @@ class LLMServiceClient:
                     future.set_result(self._completion_result(prompt, choices[i], payload, version, kwargs))
                 else:
                     group = choices[i * n : (i + 1) * n]
-                    future.set_result([self._completion_result(prompt, c, payload, version, kwargs) for c in group])
+                    future.set_result(
+                        [self._completion_result(prompt, c, payload, version, kwargs) for c in group]
+                    )
         except Exception as exc:
             for _, future in bucket.items:
                 if not future.done():
@@ -182,7 +202,12 @@ class LLMServiceClient:
         return body
 
     def _completion_result(
-        self, prompt: Any, choice: dict[str, Any], payload: dict[str, Any], version: int | None, kwargs: dict[str, Any]
+        self,
+        prompt: Any,
+        choice: dict[str, Any],
+        payload: dict[str, Any],
+        version: int | None,
+        kwargs: dict[str, Any],
     ) -> dict[str, Any]:
         if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
             raise MissingTokenIdsError(
@@ -205,7 +230,11 @@ class LLMServiceClient:
         return result
 
     def _chat_result(
-        self, messages: list[dict[str, Any]], payload: dict[str, Any], version: int | None, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        payload: dict[str, Any],
+        version: int | None,
+        kwargs: dict[str, Any],
     ) -> dict[str, Any]:
         choice = payload["choices"][0]
         prompt_ids = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")
@@ -250,7 +279,14 @@ class LLMServiceClient:
                 last = exc
                 if attempt < self._max_retries:
                     delay = self._backoff * (2**attempt)
-                    logger.warning("inference call to %s failed (%s); retry %d/%d in %.2fs", self._base_url, exc, attempt + 1, self._max_retries, delay)
+                    logger.warning(
+                        "inference call to %s failed (%s); retry %d/%d in %.2fs",
+                        self._base_url,
+                        exc,
+                        attempt + 1,
+                        self._max_retries,
+                        delay,
+                    )
                     time.sleep(delay)
             except openai.APIStatusError as exc:
                 raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
@@ -267,7 +303,14 @@ class LLMServiceClient:
                 last = exc
                 if attempt < self._max_retries:
                     delay = self._backoff * (2**attempt)
-                    logger.warning("inference call to %s failed (%s); retry %d/%d in %.2fs", self._base_url, exc, attempt + 1, self._max_retries, delay)
+                    logger.warning(
+                        "inference call to %s failed (%s); retry %d/%d in %.2fs",
+                        self._base_url,
+                        exc,
+                        attempt + 1,
+                        self._max_retries,
+                        delay,
+                    )
                     await asyncio.sleep(delay)
             except openai.APIStatusError as exc:
                 raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc

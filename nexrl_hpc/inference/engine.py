@@ -72,7 +72,9 @@ class HFEngine:
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.device = torch.device(device)
-        self.model = load_model(model_dir, dtype=dtype, device=self.device, attn_implementation=attn_implementation).eval()
+        self.model = load_model(
+            model_dir, dtype=dtype, device=self.device, attn_implementation=attn_implementation
+        ).eval()
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = int(self.model.config.max_position_embeddings)
@@ -116,7 +118,9 @@ class HFEngine:
                 raise EngineError(f"{model_path}: missing weights {sorted(set(missing) - tied)[:5]}")
             for name, tensor in state.items():
                 if current[name].shape != tensor.shape:
-                    raise EngineError(f"{model_path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(current[name].shape)}")
+                    raise EngineError(
+                        f"{model_path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(current[name].shape)}"
+                    )
             self.model.load_state_dict(state, strict=False)
             self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
         return f"loaded {len(state)} tensors from {model_path} as version {self.weight_version}"
@@ -181,7 +185,9 @@ class HFEngine:
         rows = len(prompts)
         # prefix sharing: each distinct prompt is prefilled once, its KV cache is then copied to its rows
         unique: dict[tuple[int, ...], int] = {}
-        row_to_unique = torch.tensor([unique.setdefault(tuple(ids), len(unique)) for ids in prompts], device=self.device)
+        row_to_unique = torch.tensor(
+            [unique.setdefault(tuple(ids), len(unique)) for ids in prompts], device=self.device
+        )
         unique_prompts = list(unique)
         lengths_u = [len(u) for u in unique_prompts]
         width = max(lengths_u)
@@ -231,13 +237,17 @@ class HFEngine:
             if uniform_stop:
                 hit = chosen == self.eos_token_id
             else:
-                hit = torch.tensor([int(t) in s for t, s in zip(chosen.tolist(), stop_sets)], device=self.device)
+                hit = torch.tensor(
+                    [int(t) in s for t, s in zip(chosen.tolist(), stop_sets)], device=self.device
+                )
             finished_by_stop |= active & hit
             done |= active & (hit | (lengths >= limit))
             if bool(done.all()) or step == max_steps - 1:
                 break
             if padded:
-                attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1)
+                attention = torch.cat(
+                    [attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1
+                )
             out = self.model(
                 input_ids=chosen[:, None],
                 attention_mask=attention if padded else None,

@@ -86,7 +86,9 @@ class LocalInferenceServer:
         env[API_KEY_ENV] = self.api_key
         env.setdefault("OMP_NUM_THREADS", str(self.config["num_threads"]))
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self._deadline = time.monotonic() + self.config["startup_timeout_s"]
 
     def wait_ready(self) -> str:

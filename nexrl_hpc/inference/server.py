@@ -69,7 +69,9 @@ class UpdateWeightsRequest(BaseModel):
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": err_type, "code": status}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": err_type, "code": status}}
+    )
 
 
 def _json(payload: dict[str, Any]) -> Response:
@@ -108,7 +110,14 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": served_model_name, "object": "model", "owned_by": "nexrl_hpc", "max_model_len": engine.max_model_len}],
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "owned_by": "nexrl_hpc",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
         }
 
     @app.post("/v1/completions")
@@ -140,10 +149,20 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         choices = []
         texts = tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=True)
         for index, (out, text) in enumerate(zip(outputs, texts)):
-            choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": out.finish_reason, "stop_reason": None}
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "finish_reason": out.finish_reason,
+                "stop_reason": None,
+            }
             if req.logprobs is not None:
                 toks = [id_to_token[t] for t in out.token_ids]
-                choice["logprobs"] = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
+                choice["logprobs"] = {
+                    "tokens": toks,
+                    "token_logprobs": out.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
             else:
                 choice["logprobs"] = None
             if req.return_token_ids:
@@ -159,7 +178,11 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
                 "created": int(time.time()),
                 "model": served_model_name,
                 "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion},
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_completion,
+                    "total_tokens": n_prompt + n_completion,
+                },
                 "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
             }
         )
@@ -218,7 +241,11 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
             "created": int(time.time()),
             "model": served_model_name,
             "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion},
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_completion,
+                "total_tokens": n_prompt + n_completion,
+            },
             "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
         }
         if req.return_token_ids:
@@ -233,7 +260,14 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         except Exception as exc:
             logger.error("weight reload from %s failed: %s", req.model_path, exc)
             return JSONResponse(status_code=400, content={"success": False, "message": str(exc)})
-        return _json({"success": True, "message": message, "weight_version": engine.weight_version, "num_paused_requests": 0})
+        return _json(
+            {
+                "success": True,
+                "message": message,
+                "weight_version": engine.weight_version,
+                "num_paused_requests": 0,
+            }
+        )
 
     return app
 
@@ -269,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default="policy")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (written to --ready-file)")
-    parser.add_argument("--ready-file", default=None, help="JSON {host, port, pid} is written here once serving")
+    parser.add_argument(
+        "--ready-file", default=None, help="JSON {host, port, pid} is written here once serving"
+    )
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
     parser.add_argument("--num-threads", type=int, default=1)
@@ -278,7 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weight-version", type=int, default=0)
     parser.add_argument("--attn-implementation", default=None, choices=["eager", "sdpa", "flash_attention_2"])
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (no orphans after kill -9)")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (no orphans after kill -9)",
+    )
     args = parser.parse_args(argv)
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)

@@ -48,7 +48,9 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
     """Return an HF-layout directory holding the initial policy: ``cfg.path`` or the tiny model saved to ``out_dir``."""
     if cfg["path"] is not None:
         return cfg["path"]
-    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(
+        os.path.join(out_dir, "tokenizer.json")
+    ):
         return out_dir
     model, tokenizer = build_tiny_model(cfg["tiny"])
     hf_logging.disable_progress_bar()
@@ -69,7 +71,10 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_implementation: str | None = None
+    model_dir: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
 ) -> Any:
     hf_logging.disable_progress_bar()
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}

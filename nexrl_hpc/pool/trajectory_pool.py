@@ -24,14 +24,18 @@ BUILTIN_READY_RULES = ("batch_size", "loaded_batch_finished")
 class TrajectoryPoolInstance:
     """Trajectories of one model; blocks additions while that model's weights are being synced."""
 
-    def __init__(self, model_tag: ModelTag, config: TrajectoryPoolConfig, on_ready: Callable[[], None] | None = None):
+    def __init__(
+        self, model_tag: ModelTag, config: TrajectoryPoolConfig, on_ready: Callable[[], None] | None = None
+    ):
         self.model_tag = model_tag
         self._on_ready = on_ready
         self._batch_size = config["batch_size"]
         self._store: TrajectoryStore = create_store(config["key_list"], config["group_size"])
         rule = config["check_batch_ready_function"]
         self._rule_name = rule
-        self._custom_rule: Callable[..., bool] | None = None if rule in BUILTIN_READY_RULES else load_object(rule)
+        self._custom_rule: Callable[..., bool] | None = (
+            None if rule in BUILTIN_READY_RULES else load_object(rule)
+        )
         self._lock = threading.Lock()
         self._sync_blocked = False
         self._notified_ready = False
@@ -41,7 +45,9 @@ class TrajectoryPoolInstance:
         self.accepted = 0
         self.rejected = 0
 
-    def set_module_references(self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None) -> None:
+    def set_module_references(
+        self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None
+    ) -> None:
         self._dataloader = dataloader
         self._weight_sync_controller = weight_sync_controller
         self._activity_tracker = activity_tracker
@@ -55,7 +61,11 @@ class TrajectoryPoolInstance:
                 self.accepted += 1
             else:
                 self.rejected += 1
-            ready_now = self._rule_name == "batch_size" and not self._notified_ready and self._store.num_ready() >= self._batch_size
+            ready_now = (
+                self._rule_name == "batch_size"
+                and not self._notified_ready
+                and self._store.num_ready() >= self._batch_size
+            )
             if ready_now:
                 self._notified_ready = True
         if ready_now:
@@ -162,12 +172,14 @@ class TrajectoryPool(NexRLModule):
                 instance = self._instances.get(model_tag)
                 if instance is None:
                     instance = TrajectoryPoolInstance(model_tag, self._config, on_ready=self._wake_waiters)
-                    instance.set_module_references(self._dataloader, self._weight_sync_controller, self._activity_tracker)
+                    instance.set_module_references(
+                        self._dataloader, self._weight_sync_controller, self._activity_tracker
+                    )
                     self._instances[model_tag] = instance
         return instance
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
-        """"success" | "fail" (the store refused it) | "re-rollout" (weights of its model are syncing)."""
+        """ "success" | "fail" (the store refused it) | "re-rollout" (weights of its model are syncing)."""
         return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
 
     def _wake_waiters(self) -> None:

@@ -37,7 +37,11 @@ class BaseRolloutWorker(NexRLModule):
         self._max_concurrency = rw["max_concurrency"]
         self._idle_wait_s = rw["idle_wait_s"]
         self._model_tag = config["service"]["inference_service"]["model_tag"]
-        self._train_sampling = {"max_tokens": rw["max_response_length"], "temperature": rw["temperature"], "top_p": rw["top_p"]}
+        self._train_sampling = {
+            "max_tokens": rw["max_response_length"],
+            "temperature": rw["temperature"],
+            "top_p": rw["top_p"],
+        }
         self._val_sampling = {
             "max_tokens": rw["max_response_length"],
             "temperature": rw["val_kwargs"]["temperature"],
@@ -57,7 +61,12 @@ class BaseRolloutWorker(NexRLModule):
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
-        self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any, validate_dataloader: Any, validator: Any
+        self,
+        trajectory_pool: Any,
+        dataloader: Any,
+        weight_sync_controller: Any,
+        validate_dataloader: Any,
+        validator: Any,
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
@@ -94,7 +103,11 @@ class BaseRolloutWorker(NexRLModule):
     # --- the worker loop ------------------------------------------------------------------------
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=min(self._max_concurrency, 64), thread_name_prefix=self._module_name))
+        loop.set_default_executor(
+            ThreadPoolExecutor(
+                max_workers=min(self._max_concurrency, 64), thread_name_prefix=self._module_name
+            )
+        )
         groups: set[asyncio.Task] = set()
         self._inflight = 0
         slot_freed = asyncio.Event()
@@ -133,7 +146,9 @@ class BaseRolloutWorker(NexRLModule):
             return [], False
         return execute(self._dataloader.get_next_items, max_items, wait_s), False
 
-    async def _run_group(self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event) -> None:
+    async def _run_group(
+        self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event
+    ) -> None:
         """Tasks fetched together run concurrently under one activity token (one tracker call each way)."""
         assert self._activity_tracker is not None
         token = self._activity_tracker.start(self._module_name, "validate" if is_validate else "rollout")
@@ -142,7 +157,9 @@ class BaseRolloutWorker(NexRLModule):
         finally:
             self._activity_tracker.end(token)
 
-    async def _run_task(self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None) -> None:
+    async def _run_task(
+        self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None
+    ) -> None:
         assert self._activity_tracker is not None
         _IS_VALIDATE.set(is_validate)
         try:
@@ -169,7 +186,9 @@ class BaseRolloutWorker(NexRLModule):
         except Exception as exc:
             self.num_failed += 1
             self._put_rollout_task(task, is_validate)
-            self._activity_tracker.report_exception(self._module_name, "rollout", exc, details={"uid": task.get("uid")})
+            self._activity_tracker.report_exception(
+                self._module_name, "rollout", exc, details={"uid": task.get("uid")}
+            )
         finally:
             self._inflight -= 1
             if slot_freed is not None:
@@ -195,16 +214,24 @@ class BaseRolloutWorker(NexRLModule):
         return tasks[0]
 
     def _put_rollout_task(self, task: dict[str, Any], is_validate: bool | None = None) -> bool:
-        loader = self._validate_dataloader if (is_validate if is_validate is not None else _IS_VALIDATE.get()) else self._dataloader
+        loader = (
+            self._validate_dataloader
+            if (is_validate if is_validate is not None else _IS_VALIDATE.get())
+            else self._dataloader
+        )
         try:
             execute(loader.add_item_front, task)
             return True
         except Exception as exc:
-            logger.error("%s: could not return task uid=%s to its loader: %s", self._module_name, task.get("uid"), exc)
+            logger.error(
+                "%s: could not return task uid=%s to its loader: %s", self._module_name, task.get("uid"), exc
+            )
             return False
 
     @staticmethod
-    def make_trajectory(task: dict[str, Any], result: dict[str, Any], scores: dict[str, float] | None = None) -> Trajectory:
+    def make_trajectory(
+        task: dict[str, Any], result: dict[str, Any], scores: dict[str, float] | None = None
+    ) -> Trajectory:
         """Task fields + what the engine returned; the loss mask trains every generated token."""
         trajectory: Trajectory = dict(task)
         response_ids = result["response_ids"]

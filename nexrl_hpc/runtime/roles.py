@@ -68,7 +68,9 @@ def build_module(role: NexRLRole, config: RLTrainConfig, ctx: RunContext) -> Any
         from nexrl_hpc.weight_sync.transport import create_weight_transport
 
         service = config["service"]["inference_service"]
-        return WeightSyncController(config, create_weight_transport(service["backend"], service["request_timeout_s"]))
+        return WeightSyncController(
+            config, create_weight_transport(service["backend"], service["request_timeout_s"])
+        )
     if role == NexRLRole.VALIDATOR:
         from nexrl_hpc.validate.validator import Validator
 

@@ -62,7 +62,15 @@ class ConsoleProgress:
     def __init__(self, total_steps: int, initial_step: int):
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=initial_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0.5,
+        )
         self._postfix: dict[str, str] = {}
 
     def update(self, data: dict[str, Any], step: int) -> None:
@@ -93,9 +101,14 @@ class ExperimentLogger:
         self._jsonl = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the whole run
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=(resume_step + 1) if resume_step is not None else None)
+        self._tb = SummaryWriter(
+            os.path.join(run_dir, "tensorboard"),
+            purge_step=(resume_step + 1) if resume_step is not None else None,
+        )
         self._console = (
-            ConsoleProgress(config["train_worker"]["total_train_steps"], resume_step or 0) if "console" in backends else None
+            ConsoleProgress(config["train_worker"]["total_train_steps"], resume_step or 0)
+            if "console" in backends
+            else None
         )
         self._wandb: Any = None
         if "wandb" in backends:
@@ -124,7 +137,9 @@ class ExperimentLogger:
             config=self._config,  # type: ignore[arg-type]
         )
 
-    def post(self, backend: str = "all", data: dict[str, Any] | None = None, step: int | None = None, **_: Any) -> None:
+    def post(
+        self, backend: str = "all", data: dict[str, Any] | None = None, step: int | None = None, **_: Any
+    ) -> None:
         """Log ``data`` at ``step`` to ``backend`` ("all", "jsonl", "tensorboard", "wandb" or "console")."""
         if not data:
             return
@@ -135,7 +150,11 @@ class ExperimentLogger:
                 self._jsonl.write(json.dumps(row) + "\n")
             if backend in ("all", "tensorboard"):
                 for key, value in data.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    if (
+                        isinstance(value, (int, float))
+                        and not isinstance(value, bool)
+                        and math.isfinite(value)
+                    ):
                         self._tb.add_scalar(key, value, step)
             if self._wandb is not None and backend in ("all", "wandb"):
                 self._wandb.log({k: v for k, v in data.items() if isinstance(v, (int, float))}, step=step)

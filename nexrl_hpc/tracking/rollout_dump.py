@@ -21,7 +21,9 @@ def dump_rollouts(run_dir: str, step: int, batch: Batch) -> str:
     with h5py.File(tmp, "w") as f:
         f.attrs["step"] = step
         f.attrs["model_tag"] = str(meta.get("model_tag", "default"))
-        f.create_dataset("uid", data=np.array([str(u) for u in meta.get("uid", [])], dtype=h5py.string_dtype()))
+        f.create_dataset(
+            "uid", data=np.array([str(u) for u in meta.get("uid", [])], dtype=h5py.string_dtype())
+        )
         f.create_dataset("epoch", data=np.array(meta.get("epoch", []), dtype=np.int64))
         f.create_dataset("input_ids", data=values["input_ids"].numpy())
         f.create_dataset("attention_mask", data=values["attention_mask"].numpy().astype(np.int8))
@@ -33,6 +35,8 @@ def dump_rollouts(run_dir: str, step: int, batch: Batch) -> str:
         f.create_dataset("advantages", data=seq_adv.numpy())
         f.create_dataset("behaviour_log_probs", data=values["behaviour_log_probs"].numpy())
         wv = values.get("weight_version")
-        f.create_dataset("weight_version", data=(wv if isinstance(wv, torch.Tensor) else torch.tensor(wv)).numpy())
+        f.create_dataset(
+            "weight_version", data=(wv if isinstance(wv, torch.Tensor) else torch.tensor(wv)).numpy()
+        )
     os.replace(tmp, path)
     return path

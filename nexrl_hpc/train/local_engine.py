@@ -79,7 +79,9 @@ class LocalTrainEngine(TrainServiceClient):
         self.device = torch.device("cpu")
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def initialize_worker(self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1) -> None:
+    def initialize_worker(
+        self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
+    ) -> None:
         if world_size != 1:
             raise ValueError(f"backend=local runs one process; got world_size={world_size}")
         self._cfg = config_dict
@@ -91,7 +93,12 @@ class LocalTrainEngine(TrainServiceClient):
             raise RuntimeError("service.train_service.device=cuda but no CUDA device is visible")
         self.device = torch.device(cfg["device"])
         dtype = getattr(torch, cfg["dtype"])
-        self.model = load_model(self._base_model_dir, dtype=dtype, device=self.device, attn_implementation=cfg["attn_implementation"])
+        self.model = load_model(
+            self._base_model_dir,
+            dtype=dtype,
+            device=self.device,
+            attn_implementation=cfg["attn_implementation"],
+        )
         self.model.train()
         if cfg["algorithm"]["kl_loss_coef"] > 0:
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -129,7 +136,9 @@ class LocalTrainEngine(TrainServiceClient):
         self.model.eval()
         chunks = []
         for start in range(0, n, micro):
-            part = self._to_device({k: v[start : start + micro] for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+            part = self._to_device(
+                {k: v[start : start + micro] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+            )
             chunks.append(response_log_probs(self.model, part).cpu())
         self.model.train(was_training)
         return {"batch": {"old_log_probs": torch.cat(chunks, dim=0)}, "meta_info": {}}
@@ -153,12 +162,16 @@ class LocalTrainEngine(TrainServiceClient):
             for m_start in range(0, n, mini):
                 m_end = min(m_start + mini, n)
                 mask_all = tensors["response_mask"][m_start:m_end]
-                normalizer = float(mask_all.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
+                normalizer = (
+                    float(mask_all.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
+                )
                 self.optimizer.zero_grad(set_to_none=True)
                 finite = True
                 for start in range(m_start, m_end, micro):
                     end = min(start + micro, m_end)
-                    part = self._to_device({k: v[start:end] for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+                    part = self._to_device(
+                        {k: v[start:end] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+                    )
                     logp = response_log_probs(self.model, part)
                     mask = part["response_mask"]
                     if behaviour is not None and steps_done == 0:
@@ -178,7 +191,9 @@ class LocalTrainEngine(TrainServiceClient):
                     if self.ref_model is not None:
                         with torch.no_grad():
                             ref_logp = response_log_probs(self.ref_model, part)
-                        kl = aggregate(kl_penalty(logp, ref_logp, algo["kl_loss_type"]), mask, agg, normalizer)
+                        kl = aggregate(
+                            kl_penalty(logp, ref_logp, algo["kl_loss_type"]), mask, agg, normalizer
+                        )
                         loss = loss + algo["kl_loss_coef"] * kl
                         sums["kl_loss"] += float(kl.detach())
                     if not torch.isfinite(loss):
@@ -188,7 +203,11 @@ class LocalTrainEngine(TrainServiceClient):
                     sums["clipfrac"] += float(stats["clipfrac_sum"])
                     sums["ppo_kl"] += float(stats["ppo_kl_sum"])
                     sums["tokens"] += float(stats["tokens"])
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor["grad_clip"]) if finite else torch.tensor(float("nan"))
+                grad_norm = (
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor["grad_clip"])
+                    if finite
+                    else torch.tensor(float("nan"))
+                )
                 if not finite or not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
                     nan_skipped += 1
@@ -198,7 +217,9 @@ class LocalTrainEngine(TrainServiceClient):
                 grad_norms.append(float(grad_norm))
                 steps_done += 1
         lr = self.scheduler.get_last_lr()[0]
-        with warnings.catch_warnings():  # a step whose optimizer steps were all skipped still advances the schedule
+        with (
+            warnings.catch_warnings()
+        ):  # a step whose optimizer steps were all skipped still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
         tokens = max(sums["tokens"], 1.0)
@@ -219,15 +240,26 @@ class LocalTrainEngine(TrainServiceClient):
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype) for k, v in self.model.state_dict().items()}
+        return {
+            k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype)
+            for k, v in self.model.state_dict().items()
+        }
 
     def export_weights(self, path: str) -> None:
         cfg = self._require_cfg()
-        write_hf_model_dir(self._state_dict(), self._base_model_dir, path, cfg["export_max_shard_mb"] << 20, fsync=False)
+        write_hf_model_dir(
+            self._state_dict(), self._base_model_dir, path, cfg["export_max_shard_mb"] << 20, fsync=False
+        )
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         cfg = self._require_cfg()
-        write_hf_model_dir(self._state_dict(), self._base_model_dir, os.path.join(local_path, "model"), cfg["export_max_shard_mb"] << 20, fsync=True)
+        write_hf_model_dir(
+            self._state_dict(),
+            self._base_model_dir,
+            os.path.join(local_path, "model"),
+            cfg["export_max_shard_mb"] << 20,
+            fsync=True,
+        )
         if save_weight_only:
             return
         assert self.optimizer is not None and self.scheduler is not None
@@ -235,7 +267,12 @@ class LocalTrainEngine(TrainServiceClient):
         os.makedirs(opt_dir, exist_ok=True)
         path = os.path.join(opt_dir, "rank_0.pt")
         torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "global_step": global_step, "world_size": 1},
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "global_step": global_step,
+                "world_size": 1,
+            },
             path,
         )
         fsync_path(path)
@@ -244,15 +281,21 @@ class LocalTrainEngine(TrainServiceClient):
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
         model_dir = os.path.join(local_path, "model")
         state = read_safetensors_dir(model_dir)
-        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
+        missing, unexpected = self.model.load_state_dict(
+            {k: v.to(self.device) for k, v in state.items()}, strict=False
+        )
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         if unexpected or set(missing) - tied:
-            raise ValueError(f"{model_dir}: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"{model_dir}: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}"
+            )
         if not load_optimizer:
             return
         opt_path = os.path.join(local_path, "optimizer", "rank_0.pt")
         if not os.path.exists(opt_path):
-            raise FileNotFoundError(f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only?)")
+            raise FileNotFoundError(
+                f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only?)"
+            )
         saved = torch.load(opt_path, map_location="cpu", weights_only=True)
         if saved.get("world_size", 1) != 1:
             raise ValueError(f"{opt_path} was written by {saved['world_size']} ranks; backend=local needs 1")

@@ -19,20 +19,31 @@ class NoopTrainService(TrainServiceClient):
         self.batches_seen = 0
         self.trajectories_seen = 0
 
-    def initialize_worker(self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1) -> None:
+    def initialize_worker(
+        self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
+    ) -> None:
         self._cfg = config_dict
 
     def init_model(self) -> None:
         return None
 
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {"batch": {"old_log_probs": torch.zeros_like(batch["batch"]["responses"], dtype=torch.float32)}, "meta_info": {}}
+        return {
+            "batch": {"old_log_probs": torch.zeros_like(batch["batch"]["responses"], dtype=torch.float32)},
+            "meta_info": {},
+        }
 
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         n = check_training_batch(batch["batch"], REQUIRED_KEYS)
         self.batches_seen += 1
         self.trajectories_seen += n
-        metrics = {"actor/loss": 0.0, "actor/pg_loss": 0.0, "actor/grad_norm": 0.0, "actor/nan_skipped": 0, "actor/lr": 0.0}
+        metrics = {
+            "actor/loss": 0.0,
+            "actor/pg_loss": 0.0,
+            "actor/grad_norm": 0.0,
+            "actor/nan_skipped": 0,
+            "actor/lr": 0.0,
+        }
         return {"meta_info": {"metrics": metrics}}
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:

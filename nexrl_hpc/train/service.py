@@ -15,7 +15,9 @@ from nexrl_hpc.config.schema import RLTrainConfig
 
 class TrainServiceClient(ABC):
     @abstractmethod
-    def initialize_worker(self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1) -> None:
+    def initialize_worker(
+        self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
+    ) -> None:
         """Send the final training config to the workers."""
 
     @abstractmethod

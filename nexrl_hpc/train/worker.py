@@ -51,7 +51,9 @@ class TrainWorker(NexRLModule):
         self._dataloader: Any = None
 
     # --- setup ----------------------------------------------------------------------------------
-    def set_module_references(self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None) -> None:
+    def set_module_references(
+        self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None
+    ) -> None:
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
@@ -137,12 +139,18 @@ class TrainWorker(NexRLModule):
         tensors["old_log_probs"] = tensors["behaviour_log_probs"]
         metrics: dict[str, Any] = dict(batch.metadata.get("metrics", {}))
         if self._recompute:
-            recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"]["old_log_probs"]
+            recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"][
+                "old_log_probs"
+            ]
             mask = tensors["response_mask"]
-            metrics["train/logprob_mismatch_max"] = float(((recomputed - tensors["behaviour_log_probs"]).abs() * mask).max())
+            metrics["train/logprob_mismatch_max"] = float(
+                ((recomputed - tensors["behaviour_log_probs"]).abs() * mask).max()
+            )
             tensors["old_log_probs"] = recomputed
         t1 = time.monotonic()
-        result = self._client.update_actor({"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}})
+        result = self._client.update_actor(
+            {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}}
+        )
         actor = result["meta_info"]["metrics"]
         t2 = time.monotonic()
         self._train_step += 1
@@ -184,5 +192,10 @@ class TrainWorker(NexRLModule):
             t4 = time.monotonic()
             self.save_checkpoint()
             self._last_checkpoint_s = time.monotonic() - t4
-        execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag, step)
+        execute(
+            self._weight_sync_controller.train_worker_notify_weight_update,
+            self._module_name,
+            self._model_tag,
+            step,
+        )
         self._last_step_end = time.monotonic()

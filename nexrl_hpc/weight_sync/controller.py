@@ -80,7 +80,9 @@ class WeightSyncController(NexRLModule):
         """Release the first batch of rollouts (after the initial sync / pre-training validation)."""
         self._release_rollouts(model_tag)
 
-    def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
+    def check_rollout_service_status(
+        self, model_tag: ModelTag = DEFAULT_MODEL_TAG
+    ) -> Literal["continue", "block"]:
         with self._lock:
             return "block" if model_tag in self._syncing else "continue"
 
@@ -90,7 +92,9 @@ class WeightSyncController(NexRLModule):
             return
         execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
 
-    def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag, version: int | None = None) -> None:
+    def train_worker_notify_weight_update(
+        self, worker_name: str, model_tag: ModelTag, version: int | None = None
+    ) -> None:
         """The trainer finished a step and exported its weights; publish them and maybe validate."""
         with self._lock:
             new_version = version if version is not None else self._train_version.get(model_tag, 0) + 1
@@ -169,4 +173,7 @@ class WeightSyncController(NexRLModule):
     # --- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {"train_version": dict(self._train_version), "rollout_version": dict(self._rollout_version)}
+            return {
+                "train_version": dict(self._train_version),
+                "rollout_version": dict(self._rollout_version),
+            }

@@ -37,7 +37,9 @@ class DiskReloadTransport(WeightTransport):
         self._base_url: str | None = None
         self._headers: dict[str, str] = {}
         # one kept-alive connection, no Nagle: a reload is a few ms, not a TCP setup + delayed ACK
-        self._http = httpx.Client(transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        )
 
     def set_endpoint(self, base_url: str, api_key: str | None) -> None:
         self._base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -49,7 +51,10 @@ class DiskReloadTransport(WeightTransport):
         url = f"{self._base_url}/update_weights_from_disk"
         try:
             resp = self._http.post(
-                url, json={"model_path": model_path, "weight_version": version}, headers=self._headers, timeout=self._timeout
+                url,
+                json={"model_path": model_path, "weight_version": version},
+                headers=self._headers,
+                timeout=self._timeout,
             )
         except httpx.HTTPError as exc:
             raise WeightSyncError(f"weight reload at {url} failed: {exc}") from exc
@@ -58,7 +63,9 @@ class DiskReloadTransport(WeightTransport):
         except ValueError:
             body = {"success": False, "message": resp.text[:500]}
         if resp.status_code != 200 or not body.get("success"):
-            raise WeightSyncError(f"weight reload at {url} refused ({resp.status_code}): {body.get('message')}")
+            raise WeightSyncError(
+                f"weight reload at {url} refused ({resp.status_code}): {body.get('message')}"
+            )
         served = body.get("weight_version")
         if served is not None and int(served) != version:
             raise WeightSyncError(f"{url} reports version {served} after loading version {version}")
