@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -123,7 +124,7 @@ class ExperimentLogger:
             with open(id_path) as f:
                 run_id = f.read().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:8]  # stable across resumes: the same wandb run continues
             with open(id_path, "w") as f:
                 f.write(run_id)
         return wandb.init(
