@@ -329,10 +329,6 @@ class NexRLController:
         if dead:
             raise RunFailed(f"module(s) not alive: {', '.join(dead)}")
 
-    def _check_module_liveness(self, timeout: float = 5.0) -> bool:
-        assert self.activity_tracker is not None
-        return self.activity_tracker.check_module_liveness(timeout)
-
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:
         timeout = self._monitor["stop_timeout_s"]

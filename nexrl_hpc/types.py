@@ -84,17 +84,7 @@ class Batch:
         max_strip_threshold: int | None = None,
     ) -> Batch:
         """Drop leading columns that are padding in every row of ``anchor_field``."""
-        anchor = data.values[anchor_field]
-        non_pad = (anchor != pad_token_id).any(dim=0).nonzero()
-        strip = int(non_pad[0]) if len(non_pad) else 0
-        if max_strip_threshold is not None:
-            strip = min(strip, max_strip_threshold)
-        if strip == 0:
-            return data
-        values = dict(data.values)
-        for name in fields:
-            values[name] = values[name][:, strip:]
-        return Batch(values=values, metadata=dict(data.metadata))
+        return Batch._strip_padding(data, pad_token_id, fields, anchor_field, max_strip_threshold, left=True)
 
     @staticmethod
     def remove_redundant_right_padding(
@@ -105,17 +95,30 @@ class Batch:
         max_strip_threshold: int | None = None,
     ) -> Batch:
         """Drop trailing columns that are padding in every row of ``anchor_field``."""
+        return Batch._strip_padding(data, pad_token_id, fields, anchor_field, max_strip_threshold, left=False)
+
+    @staticmethod
+    def _strip_padding(
+        data: Batch,
+        pad_token_id: int,
+        fields: list[str],
+        anchor_field: str,
+        max_strip: int | None,
+        left: bool,
+    ) -> Batch:
         anchor = data.values[anchor_field]
         non_pad = (anchor != pad_token_id).any(dim=0).nonzero()
         width = anchor.shape[1]
-        strip = width - (int(non_pad[-1]) + 1) if len(non_pad) else 0
-        if max_strip_threshold is not None:
-            strip = min(strip, max_strip_threshold)
+        if not len(non_pad):
+            return data
+        strip = int(non_pad[0]) if left else width - (int(non_pad[-1]) + 1)
+        if max_strip is not None:
+            strip = min(strip, max_strip)
         if strip == 0:
             return data
         values = dict(data.values)
         for name in fields:
-            values[name] = values[name][:, : width - strip]
+            values[name] = values[name][:, strip:] if left else values[name][:, : width - strip]
         return Batch(values=values, metadata=dict(data.metadata))
 
     def to_nextrainer_batch(self) -> dict[str, Any]:

@@ -200,8 +200,8 @@ def test_service_client_coalesces_concurrent_calls(server: LocalInferenceServer)
         await client.aclose()
         return out
 
-    results = asyncio.run(many())
     single = [client.completion(p, max_tokens=2, temperature=0.0) for p in prompts[:3]]
+    results = asyncio.run(many())
     for r, p in zip(results, prompts):
         assert r["prompt"] == p and len(r["logprobs"]) == len(r["response_ids"]) and r["weight_version"] == 0
     assert [r["response_ids"] for r in results[:3]] == [

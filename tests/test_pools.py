@@ -197,3 +197,22 @@ def test_batch_from_and_to_trajectories(n: int) -> None:
     assert len(batch) == n
     assert batch.to_trajectories() == trajs
     assert batch.to_dict()["model_tag"] == "m"
+
+
+def test_batch_strips_padding_shared_by_all_rows() -> None:
+    import torch
+
+    ids = torch.tensor([[0, 0, 5, 6, 0], [0, 7, 8, 0, 0]])
+    mask = (ids != 0).long()
+    batch = Batch(values={"input_ids": ids, "attention_mask": mask}, metadata={"model_tag": "m"})
+    left = Batch.remove_redundant_left_padding(batch, 0, ["input_ids", "attention_mask"])
+    assert left.values["input_ids"].tolist() == [[0, 5, 6, 0], [7, 8, 0, 0]]
+    both = Batch.remove_redundant_right_padding(left, 0, ["input_ids", "attention_mask"])
+    assert both.values["input_ids"].tolist() == [[0, 5, 6], [7, 8, 0]] and both.metadata == {
+        "model_tag": "m",
+        "batch_size": 2,
+    }
+    capped = Batch.remove_redundant_left_padding(batch, 0, ["input_ids"], max_strip_threshold=0)
+    assert capped.values["input_ids"].shape == (2, 5)
+    wire = both.to_nextrainer_batch()
+    assert set(wire["batch"]) == {"input_ids", "attention_mask"} and wire["meta_info"]["model_tag"] == "m"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -200,11 +200,3 @@ def check_against_schema(config: Mapping, schema: type) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     _check_typeddict(config, schema, "", problems)
     return problems
-
-
-SemanticCheck = Callable[[Mapping], list[ConfigProblem]]
-
-
-def raise_if_problems(problems: list[ConfigProblem]) -> None:
-    if problems:
-        raise ConfigError(problems)

@@ -101,10 +101,6 @@ class LLMServiceClient:
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
 
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
     def set_weight_sync_controller(self, controller: Any) -> None:
         self._weight_sync_controller = controller
 
@@ -270,53 +266,44 @@ class LLMServiceClient:
             )
         return json.loads(await self._aclient.post(f"/{path}", body=body, cast_to=bytes))
 
+    def _retry_delay(self, exc: Exception, attempt: int) -> float:
+        """Seconds to wait before the next attempt; raises when the call must not (or may no longer) be retried."""
+        if isinstance(exc, openai.APIStatusError) and not isinstance(exc, _RETRYABLE):
+            raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
+        if not isinstance(exc, _RETRYABLE):
+            raise exc
+        if attempt >= self._max_retries:
+            raise InferenceServiceError(
+                f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {exc}"
+            ) from exc
+        delay = self._backoff * (2**attempt)
+        logger.warning(
+            "inference call to %s failed (%s); retry %d/%d in %.2fs",
+            self._base_url,
+            exc,
+            attempt + 1,
+            self._max_retries,
+            delay,
+        )
+        return delay
+
     def _with_retries(self, call: Any) -> dict[str, Any]:
-        last: Exception | None = None
-        for attempt in range(self._max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 return call()
-            except _RETRYABLE as exc:
-                last = exc
-                if attempt < self._max_retries:
-                    delay = self._backoff * (2**attempt)
-                    logger.warning(
-                        "inference call to %s failed (%s); retry %d/%d in %.2fs",
-                        self._base_url,
-                        exc,
-                        attempt + 1,
-                        self._max_retries,
-                        delay,
-                    )
-                    time.sleep(delay)
-            except openai.APIStatusError as exc:
-                raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
-        raise InferenceServiceError(
-            f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {last}"
-        ) from last
+            except Exception as exc:
+                time.sleep(self._retry_delay(exc, attempt))
+                attempt += 1
 
     async def _with_retries_async(self, call: Any) -> dict[str, Any]:
-        last: Exception | None = None
-        for attempt in range(self._max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 return await call()
-            except _RETRYABLE as exc:
-                last = exc
-                if attempt < self._max_retries:
-                    delay = self._backoff * (2**attempt)
-                    logger.warning(
-                        "inference call to %s failed (%s); retry %d/%d in %.2fs",
-                        self._base_url,
-                        exc,
-                        attempt + 1,
-                        self._max_retries,
-                        delay,
-                    )
-                    await asyncio.sleep(delay)
-            except openai.APIStatusError as exc:
-                raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
-        raise InferenceServiceError(
-            f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {last}"
-        ) from last
+            except Exception as exc:
+                await asyncio.sleep(self._retry_delay(exc, attempt))
+                attempt += 1
 
     # --- weight sync coordination ---------------------------------------------------------------
     def _rollout_version(self) -> int | None:
@@ -338,9 +325,8 @@ class LLMServiceClient:
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
+        """Close the connections (call from the loop that made the async requests)."""
         if self._aclient is not None:
             await self._aclient.close()
             self._aclient = None
-
-    def close(self) -> None:
         self._client.close()

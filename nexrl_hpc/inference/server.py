@@ -98,6 +98,25 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
                 return _error(401, "invalid or missing API key", "AuthenticationError")
         return await call_next(request)
 
+    def envelope(
+        prefix: str, kind: str, choices: list[dict[str, Any]], n_prompt: int, outputs: list[GenerationOutput]
+    ) -> dict[str, Any]:
+        """The response around the choices: id, usage, and the weight version that produced them."""
+        n_completion = sum(len(o.token_ids) for o in outputs)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": served_model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_completion,
+                "total_tokens": n_prompt + n_completion,
+            },
+            "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
+        }
+
     async def run(prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         future = engine.submit(GenerationRequest(prompts=prompts, params=params))
         return await asyncio.wrap_future(future)
@@ -169,22 +188,8 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
                 choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.token_ids
             choices.append(choice)
-        n_prompt = sum(len(p) for p in prompt_ids) * req.n
-        n_completion = sum(len(o.token_ids) for o in outputs)
         return _json(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": served_model_name,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": n_completion,
-                    "total_tokens": n_prompt + n_completion,
-                },
-                "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
-            }
+            envelope("cmpl", "text_completion", choices, sum(len(p) for p in prompt_ids) * req.n, outputs)
         )
 
     @app.post("/v1/chat/completions")
@@ -233,21 +238,7 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
             if req.return_token_ids:
                 choice["token_ids"] = out.token_ids
             choices.append(choice)
-        n_prompt = len(prompt)
-        n_completion = sum(len(o.token_ids) for o in outputs)
-        payload: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": served_model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_completion,
-                "total_tokens": n_prompt + n_completion,
-            },
-            "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
-        }
+        payload = envelope("chatcmpl", "chat.completion", choices, len(prompt), outputs)
         if req.return_token_ids:
             payload["prompt_token_ids"] = list(prompt)
         return _json(payload)

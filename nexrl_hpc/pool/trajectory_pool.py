@@ -42,8 +42,6 @@ class TrajectoryPoolInstance:
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
         self._activity_tracker: ActivityTrackerProxy | None = None
-        self.accepted = 0
-        self.rejected = 0
 
     def set_module_references(
         self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None
@@ -57,10 +55,6 @@ class TrajectoryPoolInstance:
             if self._sync_blocked:
                 return "re-rollout"
             result = self._store.add(trajectory)
-            if result == "success":
-                self.accepted += 1
-            else:
-                self.rejected += 1
             ready_now = (
                 self._rule_name == "batch_size"
                 and not self._notified_ready
@@ -130,15 +124,6 @@ class TrajectoryPoolInstance:
         with self._lock:
             self._sync_blocked = False
 
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "ready": self._store.num_ready(),
-                "pending": self._store.num_pending(),
-                "accepted": self.accepted,
-                "rejected": self.rejected,
-            }
-
 
 class TrajectoryPool(NexRLModule):
     """Routes trajectories to the instance of their ``model_tag`` (default "default")."""
@@ -186,10 +171,6 @@ class TrajectoryPool(NexRLModule):
         with self._arrivals:
             self._arrivals.notify_all()
 
-    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
-        """Many at once (one round trip when the pool is remote)."""
-        return [self.put_trajectory(t) for t in trajectories]
-
     def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None) -> Batch | None:
         if model_tag is None:
             return self.get_batch_any(batch_size)
@@ -225,6 +206,3 @@ class TrajectoryPool(NexRLModule):
 
     def unlock_for_weight_sync(self, model_tag: ModelTag) -> None:
         self._instance(model_tag).unlock_for_weight_sync()
-
-    def stats(self) -> dict[ModelTag, dict[str, int]]:
-        return {tag: inst.stats() for tag, inst in list(self._instances.items())}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -18,9 +18,6 @@ class RunContext:
     train_files: list[str]
     validation_files: list[str]
     pad_token_id: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:

@@ -62,10 +62,6 @@ class Validator(NexRLModule):
             self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
         return metrics
 
-    def get_trajectories(self) -> list[Trajectory]:
-        with self._lock:
-            return list(self._trajectories)
-
     def clear(self) -> None:
         with self._lock:
             self._trajectories.clear()

@@ -1,10 +1,11 @@
 """WeightSyncController: decides when rollouts may run and moves new weights to the inference service.
 
 ``sync`` mode (seed 000): one training batch of fresh tasks is dispatched per policy version
-(the data loader's dispatch budget); when the batch is complete, rollouts block, the trainer
-updates and exports, the inference service reloads (``publish``), the version is bumped, an
-optional validation runs, and the next batch is released. Every trajectory records the version
-that produced it. (fully-async / batch-async are not implemented yet; the config schema refuses them.)
+(the data loader's dispatch budget). When the batch is complete the pool sends stragglers back
+("re-rollout"), the trainer updates and exports, the inference service reloads (``publish``;
+clients hold new requests meanwhile), the version is bumped, an optional validation runs, and the
+next batch is released. Every trajectory records the version that produced it. (fully-async and
+batch-async are not implemented yet; the config schema refuses them.)
 """
 
 from __future__ import annotations
