@@ -40,22 +40,38 @@ def hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     _quiet_third_party()
+    if config["launch_mode"] == "mpi":
+        from hydra.core.hydra_config import HydraConfig
+
+        from nexrl_hpc.runtime.mpi import run_mpi
+
+        code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no MPI_Finalize, no waiting on threads of dead peers: exit never hangs
+    sys.exit(run_controller(config))
+
+
+def run_controller(config: dict, runtime: object = None) -> int:
+    """Run the controller (rank 0 in mpi mode); the process exit code."""
     from nexrl_hpc.controller import NexRLController, RunFailed
 
-    controller = NexRLController(config)
+    controller = NexRLController(config, runtime)
     try:
         controller.run()
     except RunFailed as exc:
         logger.error("run failed: %s", exc)
         print(f"error: run failed: {exc}", file=sys.stderr)
-        sys.exit(1)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        return 130
     summary = controller.last_validation or {}
     print(f"run dir: {controller.run_dir}")
     if summary:
         print("last validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.items())))
+    return 0
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """NexRLController: builds every module from the config, runs them, watches them, stops them.
 
-``run`` (seed 000): prepare the run dir, model and data -> start the inference service -> build
-modules -> init the trainer -> load the initial or resumed checkpoint and publish its weights ->
-optional validation -> start the loops -> monitor (validation on weight-sync request, finish,
-exceptions by policy, liveness) -> stop everything, even on failure.
+``run`` (seed 000): prepare the run dir, model and data -> build the modules through the runtime
+(local objects, or handles to modules on other MPI ranks: the controller cannot tell) -> start the
+inference services -> init the trainer -> load the initial or resumed checkpoint and publish its
+weights -> optional validation -> start the loops -> monitor (validation on weight-sync request,
+finish, exceptions by policy, dead ranks and modules) -> stop everything, even on failure.
 """
 
 from __future__ import annotations
@@ -27,17 +28,20 @@ from nexrl_hpc.checkpoint.manager import (
     restore_rng_state,
 )
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
-from nexrl_hpc.runtime.local import LocalResourceManager
+from nexrl_hpc.runtime.local import LocalRuntime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.tracking.experiment import ExperimentLogger, read_metrics
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 
 logger = logging.getLogger(__name__)
+
+# roles whose loss a run survives under policy "continue": the work of a dead instance is re-issued
+REPLACEABLE_ROLES = {NexRLRole.ROLLOUT_WORKER, NexRLRole.INFERENCE_SERVICE}
 
 
 class RunFailed(RuntimeError):
@@ -45,20 +49,25 @@ class RunFailed(RuntimeError):
 
 
 class NexRLController:
-    def __init__(self, config: RLTrainConfig):
+    def __init__(self, config: RLTrainConfig, runtime: Any = None):
         self.config = config
         self.run_dir = os.path.abspath(config["run_dir"])
+        self.runtime = runtime if runtime is not None else LocalRuntime(config)
         self._monitor = config["runtime_monitor"]
         self._policy = self._monitor["exception_handling"]["policy"]
         self._poll_s = self._monitor["poll_interval_s"]
         self._seen_errors = 0
         self._last_health_check = 0.0
-        self._inference_server: Any = None
+        self._last_rank_check = 0.0
+        self._modules_built = False
+        self._rollout_workers: list[Any] = []
+        self._inference_services: list[Any] = []
+        self._module_roles: dict[str, NexRLRole] = {}
         self.activity_tracker: ActivityTracker | None = None
         self.experiment_logger: ExperimentLogger | None = None
-        self.resources: LocalResourceManager | None = None
         self.last_validation: dict[str, float] | None = None
         self.resumed_from: str | None = None
+        self.exit_reason = ""
 
     # --- public ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -66,11 +75,13 @@ class NexRLController:
         try:
             self._setup()
             self._train()
-        except RunFailed:
+        except RunFailed as exc:
+            self.exit_reason = str(exc)
             raise
         except Exception as exc:
             logger.exception("run failed")
-            raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
+            self.exit_reason = f"{type(exc).__name__}: {exc}"
+            raise RunFailed(self.exit_reason) from exc
         finally:
             self._stop()
 
@@ -91,18 +102,23 @@ class NexRLController:
         resume_step = resume_state["global_step"] if resume_state else None
 
         base_model_dir = materialize_base_model(cfg["model"], os.path.join(self.run_dir, "base_model"))
-        self._launch_inference_service(base_model_dir)
         train_files, val_files = prepare_datasets(cfg, self.run_dir)
         tokenizer = load_tokenizer(base_model_dir)
         ctx = RunContext(self.run_dir, base_model_dir, train_files, val_files, int(tokenizer.pad_token_id))
 
         self.experiment_logger = ExperimentLogger(cfg, self.run_dir, resume_step)
         self.activity_tracker = ActivityTracker(cfg, experiment_logger=self.experiment_logger)
-        self.resources = LocalResourceManager(cfg, ctx)
-        self.resources.create_all_actors()
+        self.runtime.create_all_actors(ctx, self.activity_tracker)
+        self._modules_built = True
+        self._rollout_workers = list(self.runtime.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER))
+        self._inference_services = list(self.runtime.get_actor_wrapper(NexRLRole.INFERENCE_SERVICE))
+        for service in self._inference_services:  # servers start while the trainer loads its model
+            execute(service.launch)
         self._wire_modules()
 
         execute(self.train_worker.initialize_workers)
+        for service in self._inference_services:
+            execute(service.wait_ready)
         if resume_state is not None:
             assert self.resumed_from is not None
             self._load_resume_checkpoint(self.resumed_from, resume_state)
@@ -119,57 +135,30 @@ class NexRLController:
             gc.freeze()
 
     def _wire_modules(self) -> None:
-        assert self.resources is not None and self.activity_tracker is not None
-        proxy = ActivityTrackerProxy(self.activity_tracker)
-        for module in self.resources.all_modules():
-            module.set_activity_tracker(proxy)
-        for role in NexRLRole:
-            for module in self.resources.get_actor_wrapper(role):
-                self.activity_tracker.register_module(
-                    module.get_module_name(), module, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER
-                )
-        self.weight_sync_controller.set_module_references(self.dataloader, self.trajectory_pool)
-        self.trajectory_pool.set_module_references(self.dataloader, self.weight_sync_controller)
-        self.algorithm_processor.set_module_references(self.trajectory_pool, self.train_batch_pool)
-        self.train_worker.set_module_references(
-            self.train_batch_pool, self.weight_sync_controller, self.dataloader
-        )
-        self.validator.set_module_references(self.validate_dataloader)
-        for worker in self.rollout_workers:
-            worker.set_module_references(
+        assert self.activity_tracker is not None
+        for name, role, handle in self.runtime.modules():
+            self._module_roles[name] = role
+            self.activity_tracker.register_module(
+                name, handle, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER
+            )
+        wsc = self.weight_sync_controller
+        execute(wsc.set_module_references, self.dataloader, self.trajectory_pool)
+        execute(wsc.set_inference_services, self._inference_services)
+        execute(self.trajectory_pool.set_module_references, self.dataloader, wsc)
+        execute(self.algorithm_processor.set_module_references, self.trajectory_pool, self.train_batch_pool)
+        execute(self.train_worker.set_module_references, self.train_batch_pool, wsc, self.dataloader)
+        execute(self.validator.set_module_references, self.validate_dataloader)
+        for i, worker in enumerate(self._rollout_workers):
+            execute(
+                worker.set_module_references,
                 self.trajectory_pool,
                 self.dataloader,
-                self.weight_sync_controller,
+                wsc,
                 self.validate_dataloader,
                 self.validator,
             )
-
-    def _launch_inference_service(self, base_model_dir: str) -> None:
-        service = self.config["service"]["inference_service"]
-        self._inference_url = service["base_url"]
-        self._inference_key = service["api_key"]
-        if service["backend"] == "local" and not service["base_url"]:
-            from nexrl_hpc.inference.local_server import LocalInferenceServer
-
-            train = self.config["service"]["train_service"]
-            self._inference_server = LocalInferenceServer(
-                base_model_dir,
-                service["local"],
-                os.path.join(self.run_dir, "logs"),
-                service["model"],
-                device=train["device"],
-                dtype=train["dtype"],
-                attn_implementation=self.config["model"]["attn_implementation"],
-            )
-            self._inference_server.launch()
-
-    def _connect_inference_service(self) -> None:
-        if self._inference_server is not None:
-            self._inference_url = self._inference_server.wait_ready()
-            self._inference_key = self._inference_server.api_key
-        execute(self.weight_sync_controller.set_inference_endpoint, self._inference_url, self._inference_key)
-        for worker in self.rollout_workers:
-            execute(worker.set_inference_endpoint, self._inference_url, self._inference_key)
+            # placement puts a worker and its service on one rank with the same instance index
+            execute(worker.set_inference_service, self._inference_services[i % len(self._inference_services)])
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _find_resume_checkpoint(self) -> str | None:
@@ -192,9 +181,8 @@ class NexRLController:
         return find_latest_checkpoint(checkpoint_folder)
 
     def _load_initial_checkpoint(self) -> None:
-        """Fresh start: publish version 0 (the initial weights) to the inference service."""
+        """Fresh start: publish version 0 (the initial weights) to the inference services."""
         execute(self.train_worker.export_weights, 0)
-        self._connect_inference_service()
         execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
 
     def _load_resume_checkpoint(self, path: str, state: dict[str, Any]) -> None:
@@ -208,13 +196,12 @@ class NexRLController:
         assert self.activity_tracker is not None
         self.activity_tracker.set_training_step(step)
         execute(self.train_worker.export_weights, step)
-        self._connect_inference_service()
         execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
         logger.info("resumed at step %d from %s", step, path)
 
     # --- training -------------------------------------------------------------------------------
     def _train(self) -> None:
-        for worker in self.rollout_workers:
+        for worker in self._rollout_workers:
             execute(worker.run)
         step = execute(self.train_worker.get_train_step)
         if self._validation_needed_at_start(step):
@@ -261,15 +248,15 @@ class NexRLController:
     def _start_validate(self, model_tag: ModelTag) -> None:
         execute(self.validator.clear)
         execute(self.validate_dataloader.reset)
-        for worker in self.rollout_workers:
+        for worker in self._rollout_workers:
             execute(worker.begin_validate)
+        execute(self.dataloader.wake_waiters)  # workers waiting for training tasks look again
 
     def _end_validate(self, model_tag: ModelTag) -> None:
-        for worker in self.rollout_workers:
+        for worker in self._rollout_workers:
             execute(worker.end_validate)
-        step = execute(
-            self.weight_sync_controller.get_validation_version
-        )  # the version measured, not the trainer's
+        execute(self.validate_dataloader.wake_waiters)
+        step = execute(self.weight_sync_controller.get_validation_version)  # the version measured
         self.last_validation = execute(self.validator.compute_and_log_metrics, step)
         logger.info(
             "validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()}
@@ -315,34 +302,91 @@ class NexRLController:
         return True
 
     def _check_health(self) -> None:
+        """Dead ranks (heartbeats) often; module health checks every ``check_interval``."""
         health = self._monitor["health_check"]
-        if not health["enabled"] or time.monotonic() - self._last_health_check < health["check_interval"]:
+        if not health["enabled"]:
             return
-        self._last_health_check = time.monotonic()
-        if self._inference_server is not None and not self._inference_server.is_alive():
-            raise RunFailed(
-                f"the local inference server ({self._inference_url}, pid {self._inference_server.process.pid}) exited; "
-                f"see {self._inference_server.log_path}"
-            )
+        now = time.monotonic()
+        if now - self._last_rank_check >= health["check_interval"] / 4:
+            self._last_rank_check = now
+            for dead in self.runtime.dead_ranks(health["timeout"]):
+                reason = (
+                    f"rank {dead['rank']} on {dead['host']} ({', '.join(dead['modules'])}) stopped answering: "
+                    f"no heartbeat for {dead['silence_s']:.1f}s"
+                )
+                assert self.activity_tracker is not None
+                try:
+                    if set(dead["modules"]) & set(self.activity_tracker.registered_modules()):
+                        self._lose_modules(dead["modules"], reason)
+                finally:
+                    self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
+            assert self.activity_tracker is not None
+            self.activity_tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
+        if now - self._last_health_check < health["check_interval"]:
+            return
+        self._last_health_check = now
         assert self.activity_tracker is not None
-        dead = self.activity_tracker.dead_modules(health["timeout"])
-        if dead:
-            raise RunFailed(f"module(s) not alive: {', '.join(dead)}")
+        dead_modules = self.activity_tracker.dead_modules(health["timeout"])
+        if dead_modules:
+            self._check_module_exceptions()  # a crash that was reported names its cause
+            silent = self.runtime.ranks_only_hosting(dead_modules)  # nothing on them answers
+            where = ", ".join(f"{name} ({self.runtime.location(name)})" for name in dead_modules)
+            if silent:
+                reason = "; ".join(f"{self.runtime.describe_rank(r)} stopped answering: health checks timed out" for r in silent)
+            else:
+                reason = f"module(s) not alive: {where}"
+            try:
+                self._lose_modules(dead_modules, reason)
+            finally:
+                for rank in silent:
+                    self.runtime.retire_rank(rank, reason)
+
+    def _lose_modules(self, names: list[str], reason: str) -> None:
+        """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
+        replaceable = all(self._module_roles.get(m) in REPLACEABLE_ROLES for m in names)
+        if self._policy != "continue" or not replaceable:
+            raise RunFailed(f"{reason} (policy {self._policy})")
+        logger.error("%s; continuing without it (policy continue)", reason)
+        assert self.activity_tracker is not None
+        self.activity_tracker.report_error("controller", "health_check", reason, ErrorSeverity.WARNING)
+        gone = set(names)
+        self._rollout_workers = [w for w in self._rollout_workers if execute(w.get_module_name) not in gone]
+        self._inference_services = [
+            s for s in self._inference_services if execute(s.get_module_name) not in gone
+        ]
+        if not self._rollout_workers or not self._inference_services:
+            raise RunFailed(f"{reason}: no rollout worker or inference service is left")
+        execute(self.weight_sync_controller.set_inference_services, self._inference_services)
+        for name in gone:
+            self.activity_tracker.unregister_module(name)
+            if self._module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
+                n = execute(self.dataloader.requeue_consumer, name)
+                m = execute(self.validate_dataloader.requeue_consumer, name)
+                logger.warning("re-issued %d training and %d validation task(s) that %s held", n, m, name)
 
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:
         timeout = self._monitor["stop_timeout_s"]
-        if self.resources is not None:
-            for worker in self.rollout_workers:
-                self._quietly(worker.stop)
-            self._quietly(self.algorithm_processor.stop)
-            self._quietly(self.train_worker.stop)
+        if self._modules_built:
+            self._stop_all(self._rollout_workers)
+            self._stop_all([self.algorithm_processor])
+            self._stop_all([self.train_worker])
             if self.activity_tracker is not None and not self.activity_tracker.wait_quiescent(timeout):
                 logger.warning("still busy at stop: %s", self.activity_tracker.get_running_status_summary())
-        if self._inference_server is not None:
-            self._quietly(self._inference_server.stop)
+            self._stop_all(self._inference_services)
         if self.experiment_logger is not None:
             self._quietly(self.experiment_logger.close)
+        self._quietly(self.runtime.abort_startup)
+        self._quietly(
+            lambda: self.runtime.shutdown(self.exit_reason or "run finished", 1 if self.exit_reason else 0)
+        )
+
+    def _stop_all(self, handles: list[Any]) -> None:
+        """Stop modules in parallel (remote ones may be slow or gone), within one stop timeout."""
+        futures = [execute_async(h.stop) for h in handles]
+        deadline = time.monotonic() + self._monitor["stop_timeout_s"]
+        for f in futures:
+            self._quietly(lambda f=f: f.result(timeout=max(0.0, deadline - time.monotonic())))
 
     @staticmethod
     def _quietly(fn: Any) -> None:
@@ -353,8 +397,7 @@ class NexRLController:
 
     # --- module handles -------------------------------------------------------------------------
     def _one(self, role: NexRLRole) -> Any:
-        assert self.resources is not None
-        return self.resources.get_one(role)
+        return self.runtime.get_one(role)
 
     @property
     def _model_tag(self) -> ModelTag:
@@ -394,5 +437,4 @@ class NexRLController:
 
     @property
     def rollout_workers(self) -> list[Any]:
-        assert self.resources is not None
-        return self.resources.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
+        return self._rollout_workers

@@ -30,6 +30,7 @@ class NexRLRole(Enum):
     DATA_LOADER = "data_loader"
     VALIDATE_DATALOADER = "validate_dataloader"
     VALIDATOR = "validator"
+    INFERENCE_SERVICE = "inference_service"  # the engine a rollout worker talks to (started on its rank)
 
 
 @dataclass

@@ -216,3 +216,13 @@ def test_batch_strips_padding_shared_by_all_rows() -> None:
     assert capped.values["input_ids"].shape == (2, 5)
     wire = both.to_nextrainer_batch()
     assert set(wire["batch"]) == {"input_ids", "attention_mask"} and wire["meta_info"]["model_tag"] == "m"
+
+
+def test_pool_ignores_a_sample_it_already_has() -> None:
+    pool, _ = make_pool(**{"data.batch_size": 1, "data.rollout_repeat_n": 2})
+    t = {"group_id": "a@0", "uid": "a", "epoch": 0, "sample_index": 0}
+    assert pool.put_trajectory(dict(t)) == "success"
+    assert pool.put_trajectory(dict(t)) == "success"  # re-issued task (its worker died after putting it)
+    assert pool.get_batch() is None  # still one of two samples: the duplicate was not stored
+    assert pool.put_trajectory(dict(t, sample_index=1)) == "success"
+    assert len(pool.get_batch()) == 2

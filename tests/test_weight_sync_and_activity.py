@@ -13,19 +13,24 @@ from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 from nexrl_hpc.weight_sync.controller import WeightSyncController, sync_weight_dir
-from nexrl_hpc.weight_sync.transport import WeightSyncError, WeightTransport
+from nexrl_hpc.weight_sync.transport import WeightSyncError
 from tests.conftest import compose_config
 
 
-class RecordingTransport(WeightTransport):
+class RecordingService:
+    """Stands in for an InferenceService: records the reloads it is asked for."""
+
     def __init__(self) -> None:
         self.published: list[tuple[str, int]] = []
         self.fail = False
 
-    def publish(self, model_path: str, version: int) -> None:
+    def reload_weights(self, model_path: str, version: int) -> None:
         if self.fail:
             raise WeightSyncError("reload refused")
         self.published.append((model_path, version))
+
+    def get_module_name(self) -> str:
+        return "inference_service"
 
 
 class BudgetLoader:
@@ -40,10 +45,11 @@ class BudgetLoader:
 
 def make_wsc(
     tmp_path: Any, *overrides: str
-) -> tuple[WeightSyncController, RecordingTransport, BudgetLoader, TrajectoryPool]:
+) -> tuple[WeightSyncController, RecordingService, BudgetLoader, TrajectoryPool]:
     cfg = compose_config([f"run_dir={tmp_path}", "data.batch_size=2", "data.rollout_repeat_n=2", *overrides])
-    transport = RecordingTransport()
-    wsc = WeightSyncController(cfg, transport)
+    transport = RecordingService()
+    wsc = WeightSyncController(cfg)
+    wsc.set_inference_services([transport])
     loader = BudgetLoader()
     pool = TrajectoryPool(cfg)
     wsc.set_module_references(loader, pool)
@@ -88,7 +94,7 @@ def test_sync_mode_releases_one_batch_per_version(tmp_path: Any) -> None:
 def test_clients_are_held_only_while_the_reload_runs(tmp_path: Any) -> None:
     wsc, transport, _, _ = make_wsc(tmp_path)
     seen = []
-    transport.publish = lambda path, version: seen.append(wsc.check_rollout_service_status("default"))  # type: ignore[method-assign]
+    transport.reload_weights = lambda path, version: seen.append(wsc.check_rollout_service_status("default"))  # type: ignore[method-assign]
     wsc.sync_weight_to_rollout_service("default")
     assert seen == ["block"] and wsc.check_rollout_service_status("default") == "continue"
 
@@ -174,3 +180,20 @@ def test_execute_local_and_async_future() -> None:
     bad = execute_async(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         bad.result()
+
+
+def test_a_module_loop_that_crashed_is_dead_one_that_finished_is_not() -> None:
+    from nexrl_hpc.core.module import NexRLModule
+
+    finished, crashed = NexRLModule(), NexRLModule()
+    tracker = ActivityTracker()
+    for m, name in ((finished, "finished"), (crashed, "crashed")):
+        m.set_module_name(name)
+        m.set_activity_tracker(ActivityTrackerProxy(tracker))
+    finished._start_thread(lambda: None)
+    crashed._start_thread(lambda: 1 / 0)
+    for m in (finished, crashed):
+        m._thread.join(5)
+    assert finished.health_check() and not crashed.health_check()
+    (err,) = tracker.error_reporter.errors()
+    assert err.module_name == "crashed" and err.is_critical and err.exception_type == "ZeroDivisionError"

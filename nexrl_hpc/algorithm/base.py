@@ -20,7 +20,7 @@ class BaseAlgorithmProcessor(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         self._config = config
-        self._idle_wait_s = config["algorithm"]["idle_wait_s"]
+        self._long_poll_s = config["algorithm"]["long_poll_s"]
         self._trajectory_pool: Any = None
         self._train_batch_pool: Any = None
 
@@ -36,7 +36,7 @@ class BaseAlgorithmProcessor(NexRLModule):
 
     def _loop(self) -> None:
         while not self.stopped:
-            batch = self._get_batch(wait_s=self._idle_wait_s)
+            batch = self._get_batch(wait_s=self._long_poll_s)
             if batch is None:
                 continue
             assert self._activity_tracker is not None
@@ -54,5 +54,5 @@ class BaseAlgorithmProcessor(NexRLModule):
         while not self.stopped:
             if execute(self._train_batch_pool.put_batch, batch, update_fn):
                 return True
-            time.sleep(self._idle_wait_s)
+            time.sleep(0.01)  # the train batch queue is full: back-pressure
         return False

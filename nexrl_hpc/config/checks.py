@@ -8,6 +8,7 @@ from typing import Any
 
 from nexrl_hpc.config.validate import ConfigProblem
 from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.runtime.placement import placement_problems
 
 
 def _get(cfg: Mapping, path: str) -> Any:
@@ -54,6 +55,10 @@ def _check_callable(cfg: Mapping, path: str, n_args: int | None, problems: list[
 def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
     """Problems that the schema cannot express; every check tolerates missing/mistyped keys."""
     problems: list[ConfigProblem] = []
+    try:
+        problems += placement_problems(cfg)
+    except (KeyError, TypeError, AttributeError):
+        pass  # the schema check reports the shape problem
 
     def check(cond_fn: Any, path: str, message: str) -> None:
         try:

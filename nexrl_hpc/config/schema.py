@@ -65,13 +65,16 @@ class RolloutWorkerConfig(TypedDict):
     type: Literal["simple", "single_turn"]
     num_workers: Annotated[int, Ge(1)]
     max_concurrency: Annotated[int, Ge(1)]
+    fetch_size: Annotated[int, Ge(1)]  # tasks taken from the loader per call (spreads a batch over workers)
     temperature: Annotated[float, Ge(0.0)]
     top_p: Annotated[float, Gt(0.0), Le(1.0)]
     max_prompt_length: Annotated[int, Ge(1)]
     max_response_length: Annotated[int, Ge(1)]
     reward_fn: str
     val_kwargs: ValKwargs
-    idle_wait_s: Annotated[float, Ge(0.0)]
+    long_poll_s: Annotated[
+        float, Gt(0.0)
+    ]  # longest wait for work in one call (returns early when work comes)
 
 
 class TrajectoryPoolConfig(TypedDict):
@@ -89,7 +92,9 @@ class AlgorithmConfig(TypedDict):
     recompute_old_log_prob: bool
     kl_loss_coef: Annotated[float, Ge(0.0)]
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
-    idle_wait_s: Annotated[float, Ge(0.0)]
+    long_poll_s: Annotated[
+        float, Gt(0.0)
+    ]  # longest wait for work in one call (returns early when work comes)
 
 
 class TrainBatchPoolConfig(TypedDict):
@@ -106,7 +111,9 @@ class TrainWorkerConfig(TypedDict):
     sync_weight_path: str
     remove_previous_ckpt: bool
     max_ckpt_to_keep: Annotated[int, Ge(1)] | None
-    idle_wait_s: Annotated[float, Ge(0.0)]
+    long_poll_s: Annotated[
+        float, Gt(0.0)
+    ]  # longest wait for work in one call (returns early when work comes)
 
 
 class WeightConfig(TypedDict):
@@ -172,6 +179,7 @@ class InferenceServiceConfig(TypedDict):
     retry_backoff_s: Annotated[float, Ge(0.0)]
     request_timeout_s: Annotated[float, Gt(0.0)]
     freeze_for_weight_sync: bool
+    fake_latency_ms: Annotated[float, Ge(0.0)]  # backend=fake: each request takes this long
     coalesce_wait_ms: Annotated[float, Ge(0.0)]
     max_coalesce: Annotated[int, Ge(1)]
     local: LocalInferenceConfig
@@ -231,13 +239,32 @@ class RuntimeMonitorConfig(TypedDict):
     poll_interval_s: Annotated[float, Gt(0.0)]  # how often the controller loop looks at the modules
 
 
+class RpcConfig(TypedDict):
+    interface: str  # address the ranks' RPC sockets bind to: an IP, "hostname", or an interface (eth0, ib0)
+    max_message_mb: Annotated[int, Ge(1)]
+    server_threads: Annotated[int, Ge(1)]
+    call_timeout_s: Annotated[float, Gt(0.0)]
+
+
 class RuntimeConfig(TypedDict):
+    rpc: RpcConfig
     gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
     gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)
 
 
+class GroupResources(TypedDict):
+    cpus_per_rank: Annotated[int, Ge(1)]
+    gpus_per_rank: Annotated[int, Ge(0)]
+
+
+class PlacementConfig(TypedDict):
+    mode: Literal["auto", "manual"]
+    roles: dict  # manual: {role: {count: N, colocation_group: name | null}}; checked by runtime/placement.py
+    resources: dict[str, GroupResources]  # per colocation group, for the Slurm launcher
+
+
 class RLTrainConfig(TypedDict):
-    launch_mode: Literal["local"]
+    launch_mode: Literal["local", "mpi"]
     project_name: str
     experiment_name: str
     run_dir: str
@@ -257,3 +284,4 @@ class RLTrainConfig(TypedDict):
     logger: LoggerConfig
     runtime_monitor: RuntimeMonitorConfig
     runtime: RuntimeConfig
+    placement: PlacementConfig

@@ -42,6 +42,8 @@ class ActivityTracker:
         self._rollout_modules: set[str] = set()
         self._rollout_inflight = 0
         self._training_step = 0
+        self._heartbeats: dict[int, dict[str, Any]] = {}
+        self._gauges: dict[str, float] = {}
         self.error_reporter = ErrorReporter(max_errors=max_errors)
         self.experiment_logger = experiment_logger
 
@@ -93,6 +95,55 @@ class ActivityTracker:
             if is_rollout_worker:
                 self._rollout_modules.add(module_name)
 
+    def unregister_module(self, module_name: str) -> None:
+        with self._lock:
+            self._modules.pop(module_name, None)
+            self._rollout_modules.discard(module_name)
+            stale = [t for t, w in self._inflight.items() if w.module == module_name]
+            for token in stale:  # work of a dead module will never end
+                self.end(token)
+
+    def registered_modules(self) -> list[str]:
+        with self._lock:
+            return list(self._modules)
+
+    # --- ranks (mpi) ----------------------------------------------------------------------------
+    def heartbeat(
+        self, rank: int, host: str, modules: list[str], stats: dict[str, Any] | None = None
+    ) -> bool:
+        """A rank says it is alive (and how many messages it rejected)."""
+        with self._lock:
+            self._heartbeats[rank] = {
+                "host": host,
+                "modules": list(modules),
+                "t": time.monotonic(),
+                "stats": dict(stats or {}),
+            }
+        return True
+
+    def silent_ranks(self, timeout: float) -> list[dict[str, Any]]:
+        """Ranks whose last heartbeat is older than ``timeout`` seconds: rank, host, modules, silence."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                {"rank": r, "host": h["host"], "modules": h["modules"], "silence_s": now - h["t"]}
+                for r, h in sorted(self._heartbeats.items())
+                if now - h["t"] > timeout
+            ]
+
+    def forget_rank(self, rank: int) -> None:
+        with self._lock:
+            self._heartbeats.pop(rank, None)
+
+    def rank_stats_total(self, key: str) -> float:
+        with self._lock:
+            return float(sum(h["stats"].get(key, 0) for h in self._heartbeats.values()))
+
+    def set_gauge(self, name: str, value: float) -> None:
+        """A value added to every training-step metrics line (e.g. rpc/rejected)."""
+        with self._lock:
+            self._gauges[name] = value
+
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         return not self.dead_modules(timeout)
 
@@ -100,13 +151,15 @@ class ActivityTracker:
         """Names of registered modules whose ``health_check`` fails or does not answer in ``timeout``."""
         with self._lock:
             modules = dict(self._modules)
+        asked = [(name, execute_async(ref.health_check)) for name, ref in modules.items()]  # all at once
+        deadline = time.monotonic() + timeout
         dead = []
-        for name, ref in modules.items():
+        for name, future in asked:
             try:
-                if not execute_async(ref.health_check).result(timeout=timeout):
+                if not future.result(timeout=max(0.0, deadline - time.monotonic())):
                     dead.append(name)
             except Exception as exc:  # a dead or unreachable module
-                logger.warning("health check of %s failed: %s", name, exc)
+                logger.warning("health check of %s failed: %s", name, exc or type(exc).__name__)
                 dead.append(name)
         return dead
 
@@ -120,14 +173,16 @@ class ActivityTracker:
         details: dict[str, Any] | None = None,
     ) -> str:
         severity = severity or ErrorSeverity.ERROR
+        remote_tb = getattr(exception, "remote_traceback", "")
         logger.log(
             logging.ERROR if severity == ErrorSeverity.ERROR else logging.WARNING,
-            "%s [%s]: %s: %s",
+            "%s [%s]: %s: %s%s",
             module,
             work,
             type(exception).__name__,
             exception,
-            exc_info=severity == ErrorSeverity.ERROR,
+            f"\n{remote_tb}" if remote_tb and severity == ErrorSeverity.ERROR else "",
+            exc_info=severity == ErrorSeverity.ERROR and not remote_tb,
         )
         return self.error_reporter.report_exception(module, work, exception, severity, details)
 
@@ -159,8 +214,16 @@ class ActivityTracker:
         return self._training_step
 
     def experiment_logger_post(self, backend: str = "all", **kwargs: Any) -> None:
-        if self.experiment_logger is not None:
-            self.experiment_logger.post(backend, **kwargs)
+        if self.experiment_logger is None:
+            return
+        data = kwargs.get("data")
+        if data and self._gauges and any(k.startswith("train/") for k in data):
+            with self._lock:
+                kwargs["data"] = {**data, **self._gauges}
+        self.experiment_logger.post(backend, **kwargs)
+
+    def __nexrl_handle_ref__(self) -> str:
+        return "activity_tracker"
 
 
 class ActivityTrackerProxy:

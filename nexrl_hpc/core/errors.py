@@ -52,16 +52,13 @@ class ErrorReporter:
         severity: ErrorSeverity = ErrorSeverity.ERROR,
         details: dict[str, Any] | None = None,
     ) -> str:
-        tb = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
-        return self._add(
-            module_name,
-            work_context,
-            f"{type(exception).__name__}: {exception}",
-            severity,
-            details,
-            type(exception).__name__,
-            tb,
+        # an exception raised on another rank arrives with its type name and traceback
+        type_name = getattr(exception, "type_name", type(exception).__name__)
+        tb = getattr(exception, "remote_traceback", "") or "".join(
+            traceback.format_exception(type(exception), exception, exception.__traceback__)
         )
+        message = str(exception) if hasattr(exception, "type_name") else f"{type_name}: {exception}"
+        return self._add(module_name, work_context, message, severity, details, type_name, tb)
 
     def report_error(
         self,

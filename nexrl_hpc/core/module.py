@@ -21,6 +21,7 @@ class NexRLModule:
         self._activity_tracker: ActivityTrackerProxy | None = None
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop_crashed = False
 
     def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
         self._activity_tracker = tracker
@@ -31,11 +32,15 @@ class NexRLModule:
     def get_module_name(self) -> str:
         return self._module_name
 
+    def __nexrl_handle_ref__(self) -> str:
+        """Sent to another rank, a module travels as its registered name."""
+        return self._module_name
+
     def health_check(self) -> bool:
-        """Alive: answers, and its loop thread (if started and not stopped) is running."""
+        """Alive: answers, and its loop thread (if any) is running or ended without an error."""
         if self._thread is None or self._stop_event.is_set():
             return True
-        return self._thread.is_alive()
+        return self._thread.is_alive() or not self._loop_crashed
 
     def easy_dump(
         self, value: Any, keys: list[str] | None = None, value_formatter: Callable[[Any], str] | None = None
@@ -59,6 +64,7 @@ class NexRLModule:
             try:
                 target()
             except Exception as exc:  # a crashed loop is reported, then seen dead by health_check
+                self._loop_crashed = True
                 if self._activity_tracker is not None:
                     self._activity_tracker.report_exception(
                         self._module_name, "main_loop", exc, details={"critical": True}

@@ -23,6 +23,11 @@ from nexrl_hpc.core.module import NexRLModule
 logger = logging.getLogger(__name__)
 
 
+def task_key(task: dict[str, Any]) -> str:
+    """Identity of one rollout task: the sample (uid, epoch) and which of its repeats."""
+    return f"{task.get('group_id', task.get('uid'))}#{task.get('sample_index', 0)}"
+
+
 class BaseDataLoader(NexRLModule):
     """Seed 000's data loader contract."""
 
@@ -79,6 +84,9 @@ class JsonlDataLoader(BaseDataLoader):
             )
         self._lock = threading.Condition()
         self._returned: deque[dict[str, Any]] = deque()
+        self._outstanding: dict[
+            str, tuple[str, dict[str, Any]]
+        ] = {}  # handed out, not yet done: key -> (consumer, task)
         self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
         self._budget: int | None = None
         self._epoch = 0
@@ -194,11 +202,15 @@ class JsonlDataLoader(BaseDataLoader):
                     self._budget -= 1
             return item
 
-    def get_next_items(self, max_items: int, wait_s: float = 0.0) -> list[dict[str, Any]]:
+    def get_next_items(
+        self, max_items: int, wait_s: float = 0.0, consumer: str | None = None
+    ) -> list[dict[str, Any]]:
         """Up to ``max_items`` tasks in one call (one round trip when the loader is remote).
 
         With ``wait_s`` > 0 and nothing to hand out, wait up to that long for items to come back
-        or for the dispatch budget to reopen (long poll).
+        or for the dispatch budget to reopen (long poll). With a ``consumer`` name the tasks are
+        recorded as outstanding until ``complete_items`` (or a return) — ``requeue_consumer`` hands
+        them out again if that consumer dies.
         """
         deadline = time.monotonic() + wait_s
         items: list[dict[str, Any]] = []
@@ -210,9 +222,45 @@ class JsonlDataLoader(BaseDataLoader):
                 items.append(item)
             remaining = deadline - time.monotonic()
             if items or remaining <= 0 or self.is_finished():
-                return items
+                break
             with self._lock:
-                self._lock.wait(remaining)
+                if not self._lock.wait(remaining):
+                    break
+                if not self._returned and not self._extra and self._budget == 0:
+                    break  # woken without work (wake_waiters): let the caller look around
+        if consumer is not None and items:
+            with self._lock:
+                for item in items:
+                    self._outstanding[task_key(item)] = (consumer, item)
+        return items
+
+    def wake_waiters(self) -> None:
+        """Return every pending long poll now (e.g. the workers switch between training and validation)."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def complete_items(self, consumer: str, keys: list[str]) -> None:
+        """``consumer`` is done with these tasks (their trajectories are in the pool)."""
+        with self._lock:
+            for key in keys:
+                self._outstanding.pop(key, None)
+
+    def requeue_consumer(self, consumer: str) -> int:
+        """Hand out again, first, every task ``consumer`` held (it died); returns how many."""
+        with self._lock:
+            keys = [k for k, (c, _) in self._outstanding.items() if c == consumer]
+            for key in keys:
+                self._returned.appendleft(self._outstanding.pop(key)[1])
+            self._lock.notify_all()
+        return len(keys)
+
+    def outstanding(self) -> dict[str, int]:
+        """Outstanding tasks per consumer."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for consumer, _ in self._outstanding.values():
+                counts[consumer] = counts.get(consumer, 0) + 1
+            return counts
 
     def is_finished(self) -> bool:
         with self._lock:
@@ -230,11 +278,13 @@ class JsonlDataLoader(BaseDataLoader):
         with self._lock:
             self._returned.clear()
             self._extra.clear()
+            self._outstanding.clear()
             self._issued_fresh = 0
             self._start_epoch(0)
 
     def add_item_front(self, item: dict[str, Any]) -> None:
         with self._lock:
+            self._outstanding.pop(task_key(item), None)
             self._returned.appendleft(item)
             self._lock.notify_all()
 
@@ -266,7 +316,8 @@ class JsonlDataLoader(BaseDataLoader):
                 "repeat_index": self._repeat_index,
                 "issued_fresh": self._issued_fresh,
                 "num_rows": len(self._rows),
-                "returned": list(self._returned),
+                # tasks out at save time are handed out again after a resume
+                "returned": [task for _, task in self._outstanding.values()] + list(self._returned),
                 "extra": list(self._extra),
             }
 

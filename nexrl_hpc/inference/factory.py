@@ -12,7 +12,23 @@ def create_llm_client(config: RLTrainConfig, base_url: str | None, api_key: str 
     if service["backend"] == "fake":
         from nexrl_hpc.inference.fake import FakeLLMServiceClient
 
-        return FakeLLMServiceClient(service["model_tag"], seed=config["seed"])
+        model = config["model"]
+        if model["path"] is None:
+            from nexrl_hpc.models.tokenizer import build_char_tokenizer
+
+            tokenizer = build_char_tokenizer(
+                model["tiny"]["tokenizer"]["alphabet"]
+            )  # the ids the run's model uses
+        else:
+            from nexrl_hpc.models.tiny import load_tokenizer
+
+            tokenizer = load_tokenizer(model["path"])
+        return FakeLLMServiceClient(
+            service["model_tag"],
+            tokenizer,
+            seed=config["seed"],
+            latency_s=service["fake_latency_ms"] / 1000.0,
+        )
     from nexrl_hpc.inference.client import LLMServiceClient
 
     return LLMServiceClient(service, base_url=base_url, api_key=api_key)

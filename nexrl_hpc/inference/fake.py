@@ -1,7 +1,8 @@
-"""A zero-latency stand-in for the inference service (benchmarks and tests only, never the default).
+"""A stand-in for the inference service (benchmarks and tests only, never the default).
 
-It answers like ``LLMServiceClient`` without any server: the "response" is one random digit and
-EOS, token ids come from a fixed character map, logprobs are constants.
+It answers like ``LLMServiceClient`` without any server, after ``latency_s``: the "response" is
+one random character of the tokenizer's alphabet and EOS, with the run's real token ids (so a real
+trainer can train on them) and constant logprobs.
 """
 
 from __future__ import annotations
@@ -9,12 +10,17 @@ from __future__ import annotations
 import random
 from typing import Any
 
-EOS_ID = 2
-
 
 class FakeLLMServiceClient:
-    def __init__(self, model_tag: str, seed: int = 0, latency_s: float = 0.0):
+    def __init__(self, model_tag: str, tokenizer: Any, seed: int = 0, latency_s: float = 0.0):
         self._model_tag = model_tag
+        self._tokenizer = tokenizer
+        self._choices = [
+            (tok, idx)
+            for tok, idx in tokenizer.get_vocab().items()
+            if idx not in set(tokenizer.all_special_ids)
+        ]
+        self._eos = tokenizer.eos_token_id
         self._rng = random.Random(seed)
         self._latency_s = latency_s
         self._version = 0
@@ -24,20 +30,20 @@ class FakeLLMServiceClient:
         self._controller = controller
 
     def _answer(self, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        digit = str(self._rng.randrange(10))
+        text, token = self._choices[self._rng.randrange(len(self._choices))]
         if isinstance(prompt, str):
             prompt_ids = self._prompt_ids.get(prompt)
             if prompt_ids is None:
-                prompt_ids = self._prompt_ids[prompt] = [1] + [ord(c) % 90 + 4 for c in prompt]
+                prompt_ids = self._prompt_ids[prompt] = self._tokenizer(prompt).input_ids
         else:
             prompt_ids = list(prompt)
         out = dict(kwargs)
         out.update(
             prompt=prompt,
-            response=digit,
+            response=text,
             finish_reason="stop",
             prompt_ids=prompt_ids,
-            response_ids=[ord(digit) % 90 + 4, EOS_ID],
+            response_ids=[token, self._eos],
             logprobs=[-2.3, -0.1],
             weight_version=self._version,
             model_tag=self._model_tag,

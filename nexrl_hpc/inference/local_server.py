@@ -35,6 +35,7 @@ class LocalInferenceServer:
         dtype: str = "float32",
         weight_version: int = 0,
         attn_implementation: str | None = None,
+        log_name: str = "inference_server.log",
     ):
         self.model_dir = model_dir
         self.config = config
@@ -49,7 +50,7 @@ class LocalInferenceServer:
         self._ready_file = ""
         self._deadline = 0.0
         self.base_url: str | None = None
-        self.log_path = os.path.join(log_dir, "inference_server.log")
+        self.log_path = os.path.join(log_dir, log_name)
 
     def start(self) -> str:
         """Launch, wait until it answers /health, return its base URL."""
@@ -59,7 +60,7 @@ class LocalInferenceServer:
     def launch(self) -> None:
         """Start the process without waiting (start-up overlaps with the trainer's)."""
         os.makedirs(self.log_dir, exist_ok=True)
-        ready_file = self._ready_file = os.path.join(self.log_dir, f"inference_server.{os.getpid()}.ready")
+        ready_file = self._ready_file = f"{self.log_path}.{os.getpid()}.ready"
         if os.path.exists(ready_file):
             os.remove(ready_file)
         cmd = [

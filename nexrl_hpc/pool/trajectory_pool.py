@@ -42,6 +42,10 @@ class TrajectoryPoolInstance:
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
         self._activity_tracker: ActivityTrackerProxy | None = None
+        self._seen: dict[
+            int, set[str]
+        ] = {}  # epoch -> sample keys accepted (a re-issued task is not trained twice)
+        self.duplicates = 0
 
     def set_module_references(
         self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None
@@ -54,7 +58,18 @@ class TrajectoryPoolInstance:
         with self._lock:
             if self._sync_blocked:
                 return "re-rollout"
+            key = self._sample_key(trajectory)
+            if key is not None:
+                epoch, sample = key
+                seen = self._seen.setdefault(epoch, set())
+                if sample in seen:
+                    self.duplicates += 1  # the task was re-issued after its first result already arrived
+                    return "success"
             result = self._store.add(trajectory)
+            if key is not None and result == "success":
+                seen.add(sample)
+                for old in [e for e in self._seen if e < epoch - 1]:
+                    del self._seen[old]
             ready_now = (
                 self._rule_name == "batch_size"
                 and not self._notified_ready
@@ -65,6 +80,12 @@ class TrajectoryPoolInstance:
         if ready_now:
             self._notify_ready()
         return result
+
+    @staticmethod
+    def _sample_key(trajectory: Trajectory) -> tuple[int, str] | None:
+        if "uid" not in trajectory or "epoch" not in trajectory or "sample_index" not in trajectory:
+            return None
+        return int(trajectory["epoch"]), f"{trajectory['uid']}#{trajectory['sample_index']}"
 
     def _notify_ready(self) -> None:
         if self._on_ready is not None:
@@ -170,6 +191,10 @@ class TrajectoryPool(NexRLModule):
     def _wake_waiters(self) -> None:
         with self._arrivals:
             self._arrivals.notify_all()
+
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        """``put_trajectory`` for many at once: one round trip when the pool is on another rank."""
+        return [self.put_trajectory(t) for t in trajectories]
 
     def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None) -> Batch | None:
         if model_tag is None:

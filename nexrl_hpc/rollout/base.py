@@ -21,6 +21,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.inference.factory import create_llm_client
 from nexrl_hpc.types import Trajectory
 
@@ -35,7 +36,8 @@ class BaseRolloutWorker(NexRLModule):
         rw = config["rollout_worker"]
         self._config = config
         self._max_concurrency = rw["max_concurrency"]
-        self._idle_wait_s = rw["idle_wait_s"]
+        self._fetch_size = rw["fetch_size"]
+        self._long_poll_s = rw["long_poll_s"]
         self._model_tag = config["service"]["inference_service"]["model_tag"]
         self._train_sampling = {
             "max_tokens": rw["max_response_length"],
@@ -48,6 +50,7 @@ class BaseRolloutWorker(NexRLModule):
             "top_p": rw["val_kwargs"]["top_p"],
         }
         self._llm_client: Any = None
+        self._inference_service: Any = None
         self._is_running_validate = False
         self._trajectory_pool: Any = None
         self._dataloader: Any = None
@@ -58,6 +61,8 @@ class BaseRolloutWorker(NexRLModule):
         self.num_completed = 0
         self.num_failed = 0
         self._inflight = 0
+        self._put_buffer: dict[int, tuple[Any, list[tuple[Trajectory, asyncio.Future]]]] = {}
+        self._put_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajectory-put")
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
@@ -76,11 +81,9 @@ class BaseRolloutWorker(NexRLModule):
         if self._llm_client is not None:
             self._llm_client.set_weight_sync_controller(weight_sync_controller)
 
-    def set_inference_endpoint(self, base_url: str | None, api_key: str | None) -> None:
-        """Where the inference service answers (known only once it has started)."""
-        self._llm_client = create_llm_client(self._config, base_url, api_key)
-        if self._weight_sync_controller is not None:
-            self._llm_client.set_weight_sync_controller(self._weight_sync_controller)
+    def set_inference_service(self, inference_service: Any) -> None:
+        """The engine this worker talks to (on its own rank: the endpoint and key stay local)."""
+        self._inference_service = inference_service
 
     def set_llm_client(self, client: Any) -> None:
         self._llm_client = client
@@ -88,7 +91,11 @@ class BaseRolloutWorker(NexRLModule):
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
         if self._llm_client is None:
-            raise RuntimeError(f"{self._module_name}: set_inference_endpoint must be called before run")
+            if self._inference_service is None:
+                raise RuntimeError(f"{self._module_name}: set_inference_service must be called before run")
+            base_url, api_key = execute(self._inference_service.get_endpoint)
+            self._llm_client = create_llm_client(self._config, base_url, api_key)
+            self._llm_client.set_weight_sync_controller(self._weight_sync_controller)
         self._start_thread(lambda: asyncio.run(self._main()))
 
     def stop(self) -> None:
@@ -108,21 +115,23 @@ class BaseRolloutWorker(NexRLModule):
                 max_workers=min(self._max_concurrency, 64), thread_name_prefix=self._module_name
             )
         )
+        # fetching long-polls the loader (maybe on another rank) on its own thread: the event loop
+        # keeps serving the steps in flight, and new work starts the moment it is handed out
+        fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._module_name}-fetch")
         groups: set[asyncio.Task] = set()
         self._inflight = 0
         slot_freed = asyncio.Event()
         try:
             while not self.stopped:
-                free = self._max_concurrency - self._inflight
+                free = min(self._max_concurrency - self._inflight, self._fetch_size)
                 if free <= 0:
                     slot_freed.clear()
                     await slot_freed.wait()
                     continue
-                # nothing in flight: block briefly in the loader until work appears (no timers to serve)
-                wait_s = self._idle_wait_s if self._inflight == 0 else 0.0
-                tasks, is_validate = self._fetch_tasks(free, wait_s)
+                tasks, is_validate = await loop.run_in_executor(
+                    fetcher, self._fetch_tasks, free, self._long_poll_s
+                )
                 if not tasks:
-                    await asyncio.sleep(0 if wait_s else self._idle_wait_s)
                     continue
                 self._inflight += len(tasks)
                 group = asyncio.create_task(self._run_group(tasks, is_validate, slot_freed))
@@ -130,6 +139,7 @@ class BaseRolloutWorker(NexRLModule):
                 group.add_done_callback(groups.discard)
                 await asyncio.sleep(0)  # let the new steps start (and their requests coalesce)
         finally:
+            fetcher.shutdown(wait=False)
             for g in list(groups):
                 g.cancel()
             if groups:
@@ -139,29 +149,36 @@ class BaseRolloutWorker(NexRLModule):
 
     def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
         if self._is_running_validate:
-            return execute(self._validate_dataloader.get_next_items, max_items, wait_s), True
+            return execute(
+                self._validate_dataloader.get_next_items, max_items, wait_s, self._module_name
+            ), True
         if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
-            if wait_s:
-                time.sleep(wait_s)
+            time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
             return [], False
-        return execute(self._dataloader.get_next_items, max_items, wait_s), False
+        return execute(self._dataloader.get_next_items, max_items, wait_s, self._module_name), False
 
     async def _run_group(
         self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event
     ) -> None:
-        """Tasks fetched together run concurrently under one activity token (one tracker call each way)."""
+        """Tasks fetched together run concurrently under one activity token (one tracker call each way)
+        and are acknowledged to their loader together once done (one call)."""
         assert self._activity_tracker is not None
         token = self._activity_tracker.start(self._module_name, "validate" if is_validate else "rollout")
+        _IS_VALIDATE.set(is_validate)  # the tasks below inherit this context
         try:
-            await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
+            done = await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
+            finished = [task_key(t) for t, ok in zip(tasks, done) if ok]
+            if finished:
+                loader = self._validate_dataloader if is_validate else self._dataloader
+                execute(loader.complete_items, self._module_name, finished)
         finally:
             self._activity_tracker.end(token)
 
     async def _run_task(
         self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None
-    ) -> None:
+    ) -> bool:
+        """Run one step; True once the task is done with (trajectory accepted, or dropped and reported)."""
         assert self._activity_tracker is not None
-        _IS_VALIDATE.set(is_validate)
         try:
             if self._step_is_async:
                 result = await self.step(task)
@@ -169,7 +186,8 @@ class BaseRolloutWorker(NexRLModule):
                 result = await asyncio.to_thread(self.step, task)
             if result == "re-rollout":
                 self._put_rollout_task(task, is_validate)
-            elif result in (None, "fail"):
+                return False
+            if result in (None, "fail"):
                 self.num_failed += 1
                 self._activity_tracker.report_error(
                     self._module_name,
@@ -180,6 +198,7 @@ class BaseRolloutWorker(NexRLModule):
                 )
             else:
                 self.num_completed += 1
+            return True
         except asyncio.CancelledError:
             self._put_rollout_task(task, is_validate)
             raise
@@ -189,6 +208,7 @@ class BaseRolloutWorker(NexRLModule):
             self._activity_tracker.report_exception(
                 self._module_name, "rollout", exc, details={"uid": task.get("uid")}
             )
+            return False
         finally:
             self._inflight -= 1
             if slot_freed is not None:
@@ -206,10 +226,42 @@ class BaseRolloutWorker(NexRLModule):
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
         return execute(destination.put_trajectory, trajectory)
 
+    async def _aput_trajectory(self, trajectory: Trajectory) -> str:
+        """``_put_trajectory`` for async steps: trajectories finishing together go out in one call."""
+        destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        key = id(destination)
+        if key not in self._put_buffer:
+            self._put_buffer[key] = (destination, [])
+            loop.call_soon(self._flush_puts, key)
+        self._put_buffer[key][1].append((trajectory, future))
+        return await future
+
+    def _flush_puts(self, key: int) -> None:
+        destination, items = self._put_buffer.pop(key)
+
+        async def send() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                results = await loop.run_in_executor(
+                    self._put_executor, execute, destination.put_trajectories, [t for t, _ in items]
+                )
+            except Exception as exc:
+                for _, future in items:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+            for (_, future), result in zip(items, results):
+                if not future.done():
+                    future.set_result(result)
+
+        asyncio.ensure_future(send())
+
     def _get_rollout_task(self) -> dict[str, Any] | None:
         tasks, _ = self._fetch_tasks(1)
         if not tasks:
-            time.sleep(self._idle_wait_s)
+            time.sleep(0.01)
             return None
         return tasks[0]
 

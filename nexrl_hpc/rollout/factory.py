@@ -6,14 +6,14 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.rollout.base import BaseRolloutWorker
 
 
-def create_rollout_worker(config: RLTrainConfig) -> BaseRolloutWorker:
+def rollout_worker_class(config: RLTrainConfig) -> type[BaseRolloutWorker]:
     kind = config["rollout_worker"]["type"]
     if kind == "single_turn":
         from nexrl_hpc.rollout.single_turn import SingleTurnRolloutWorker
 
-        return SingleTurnRolloutWorker(config)
+        return SingleTurnRolloutWorker
     if kind == "simple":
         from nexrl_hpc.rollout.simple import SimpleRolloutWorker
 
-        return SimpleRolloutWorker(config)
+        return SimpleRolloutWorker
     raise ValueError(f"rollout_worker.type={kind!r} is not a known worker")

@@ -14,4 +14,4 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             return None
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         reward = float(task.get("reward", 0.0))
-        return self._put_trajectory(self.make_trajectory(task, result, {"reward": reward}))
+        return await self._aput_trajectory(self.make_trajectory(task, result, {"reward": reward}))

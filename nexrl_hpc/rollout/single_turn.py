@@ -30,4 +30,4 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
             return None
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         scores = normalize_scores(self._reward_fn(task, result["response"]), self._reward_spec)
-        return self._put_trajectory(self.make_trajectory(task, result, scores))
+        return await self._aput_trajectory(self.make_trajectory(task, result, scores))

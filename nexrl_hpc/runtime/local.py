@@ -1,28 +1,34 @@
-"""Local launch mode: every role is a plain object in this process (seed 003's resource manager API)."""
+"""Local launch mode: every role is a plain object in this process (seed 003's resource manager API).
+
+A runtime builds the modules of the roles, gives each an activity-tracker proxy, and answers
+``get_actor_wrapper(role)`` with what callers use to reach them — here the objects themselves.
+The MPI runtime answers the same questions with remote handles; the controller does not care.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.runtime.roles import RunContext, build_module, role_counts
+from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.runtime.placement import module_name
+from nexrl_hpc.runtime.roles import RunContext, build_module, local_role_counts
 from nexrl_hpc.types import NexRLRole
 
 
-class LocalResourceManager:
-    """Builds each registered role ``count`` times; the "actor wrapper" of a local module is the module."""
-
-    def __init__(self, config: RLTrainConfig, ctx: RunContext):
+class LocalRuntime:
+    def __init__(self, config: RLTrainConfig):
         self._config = config
-        self._ctx = ctx
         self._modules: dict[NexRLRole, list[Any]] = {}
 
-    def create_all_actors(self) -> None:
-        for role, count in role_counts(self._config).items():
+    def create_all_actors(self, ctx: RunContext, tracker: ActivityTracker) -> None:
+        proxy = ActivityTrackerProxy(tracker)
+        for role, count in local_role_counts(self._config).items():
             modules = []
             for index in range(count):
-                module = build_module(role, self._config, self._ctx)
-                module.set_module_name(role.value if count == 1 else f"{role.value}_{index}")
+                module = build_module(role, self._config, ctx)
+                module.set_module_name(module_name(role, index, count))
+                module.set_activity_tracker(proxy)
                 modules.append(module)
             self._modules[role] = modules
 
@@ -32,5 +38,30 @@ class LocalResourceManager:
     def get_one(self, role: NexRLRole) -> Any:
         return self._modules[role][0]
 
-    def all_modules(self) -> list[Any]:
-        return [m for mods in self._modules.values() for m in mods]
+    def modules(self) -> list[tuple[str, NexRLRole, Any]]:
+        return [(m.get_module_name(), role, m) for role, mods in self._modules.items() for m in mods]
+
+    def location(self, name: str) -> str:
+        return "this process"
+
+    # --- nothing to watch or tear down across processes ---------------------------------------------
+    def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
+        return []
+
+    def retire_rank(self, rank: int, reason: str) -> None:
+        raise RuntimeError("local mode has no ranks")
+
+    def ranks_only_hosting(self, names: list[str]) -> list[int]:
+        return []
+
+    def describe_rank(self, rank: int) -> str:
+        return "this process"
+
+    def rpc_rejected_total(self) -> float:
+        return 0.0
+
+    def abort_startup(self) -> None:
+        return None
+
+    def shutdown(self, reason: str, exit_code: int) -> None:
+        return None

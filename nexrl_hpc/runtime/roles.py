@@ -20,7 +20,8 @@ class RunContext:
     pad_token_id: int
 
 
-def role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
+def local_role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
+    """Instances per role in local mode (mpi: the placement decides)."""
     return {
         NexRLRole.DATA_LOADER: 1,
         NexRLRole.VALIDATE_DATALOADER: 1,
@@ -30,50 +31,64 @@ def role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
         NexRLRole.TRAIN_WORKER: config["train_worker"]["num_workers"],
         NexRLRole.WEIGHT_SYNC_CONTROLLER: 1,
         NexRLRole.VALIDATOR: 1,
+        NexRLRole.INFERENCE_SERVICE: 1,
         NexRLRole.ROLLOUT_WORKER: config["rollout_worker"]["num_workers"],
     }
 
 
-def build_module(role: NexRLRole, config: RLTrainConfig, ctx: RunContext) -> Any:
-    if role == NexRLRole.DATA_LOADER:
+def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
+    """The class a role is built from (also what a remote handle mirrors)."""
+    if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
         from nexrl_hpc.data.loader import JsonlDataLoader
 
-        return JsonlDataLoader(config["data"], is_validate=False, data_files=ctx.train_files)
-    if role == NexRLRole.VALIDATE_DATALOADER:
-        from nexrl_hpc.data.loader import JsonlDataLoader
-
-        return JsonlDataLoader(config["validate"]["data"], is_validate=True, data_files=ctx.validation_files)
+        return JsonlDataLoader
     if role == NexRLRole.TRAJECTORY_POOL:
         from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
-        return TrajectoryPool(config)
+        return TrajectoryPool
     if role == NexRLRole.ALGORITHM_PROCESSOR:
         from nexrl_hpc.algorithm.grpo import GRPOProcessor
 
-        return GRPOProcessor(config, pad_token_id=ctx.pad_token_id)
+        return GRPOProcessor
     if role == NexRLRole.TRAIN_BATCH_POOL:
         from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
 
-        return TrainBatchPool(config)
+        return TrainBatchPool
     if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.train.service import create_train_service_client
         from nexrl_hpc.train.worker import TrainWorker
 
-        return TrainWorker(config, create_train_service_client(config, ctx.base_model_dir))
+        return TrainWorker
     if role == NexRLRole.WEIGHT_SYNC_CONTROLLER:
         from nexrl_hpc.weight_sync.controller import WeightSyncController
-        from nexrl_hpc.weight_sync.transport import create_weight_transport
 
-        service = config["service"]["inference_service"]
-        return WeightSyncController(
-            config, create_weight_transport(service["backend"], service["request_timeout_s"])
-        )
+        return WeightSyncController
     if role == NexRLRole.VALIDATOR:
         from nexrl_hpc.validate.validator import Validator
 
-        return Validator(config)
-    if role == NexRLRole.ROLLOUT_WORKER:
-        from nexrl_hpc.rollout.factory import create_rollout_worker
+        return Validator
+    if role == NexRLRole.INFERENCE_SERVICE:
+        from nexrl_hpc.inference.service import InferenceService
 
-        return create_rollout_worker(config)
+        return InferenceService
+    if role == NexRLRole.ROLLOUT_WORKER:
+        from nexrl_hpc.rollout.factory import rollout_worker_class
+
+        return rollout_worker_class(config)
     raise ValueError(f"unknown role {role}")
+
+
+def build_module(role: NexRLRole, config: RLTrainConfig, ctx: RunContext) -> Any:
+    cls = role_class(role, config)
+    if role == NexRLRole.DATA_LOADER:
+        return cls(config["data"], is_validate=False, data_files=ctx.train_files)
+    if role == NexRLRole.VALIDATE_DATALOADER:
+        return cls(config["validate"]["data"], is_validate=True, data_files=ctx.validation_files)
+    if role == NexRLRole.ALGORITHM_PROCESSOR:
+        return cls(config, pad_token_id=ctx.pad_token_id)
+    if role == NexRLRole.TRAIN_WORKER:
+        from nexrl_hpc.train.service import create_train_service_client
+
+        return cls(config, create_train_service_client(config, ctx.base_model_dir))
+    if role == NexRLRole.INFERENCE_SERVICE:
+        return cls(config, ctx.base_model_dir, ctx.run_dir)
+    return cls(config)

@@ -34,7 +34,7 @@ class TrainWorker(NexRLModule):
         self._client = client
         self._total_steps = tw["total_train_steps"]
         self._save_freq = tw["save_freq"]
-        self._idle_wait_s = tw["idle_wait_s"]
+        self._long_poll_s = tw["long_poll_s"]
         self._sync_path = tw["sync_weight_path"]
         self._model_tag = config["service"]["train_service"]["model_tag"]
         self._recompute = config["algorithm"]["recompute_old_log_prob"]
@@ -118,7 +118,7 @@ class TrainWorker(NexRLModule):
 
     def _loop(self) -> None:
         while not self.stopped and self._train_step < self._total_steps:
-            batch = self._get_batch(wait_s=self._idle_wait_s)
+            batch = self._get_batch(wait_s=self._long_poll_s)
             if batch is None:
                 continue
             assert self._activity_tracker is not None

@@ -27,18 +27,23 @@ class Validator(NexRLModule):
             self._trajectories.append(trajectory)
         return "success"
 
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        with self._lock:
+            self._trajectories.extend(trajectories)
+        return ["success"] * len(trajectories)
+
     def num_collected(self) -> int:
         with self._lock:
             return len(self._trajectories)
 
     def is_complete(self) -> bool:
-        """Every validation task came back (or the loader is drained and no rollout is in flight)."""
-        expected = execute(self._validate_dataloader.total_tasks)
-        if self.num_collected() >= expected:
+        """Every validation task came back, or all were handed out and every worker is done with its
+        share (a task whose step failed for good counts as done: it was reported)."""
+        if self.num_collected() >= execute(self._validate_dataloader.total_tasks):
             return True
-        if not execute(self._validate_dataloader.is_finished):
-            return False
-        return self._activity_tracker is None or self._activity_tracker.is_rollout_worker_quiescent()
+        return execute(self._validate_dataloader.is_finished) and not execute(
+            self._validate_dataloader.outstanding
+        )
 
     def compute_metrics(self) -> dict[str, float]:
         with self._lock:

@@ -17,10 +17,10 @@ import threading
 from typing import Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
-from nexrl_hpc.weight_sync.transport import WeightTransport
+from nexrl_hpc.weight_sync.transport import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def sync_weight_dir(base: str, version: int) -> str:
 
 
 class WeightSyncController(NexRLModule):
-    def __init__(self, config: RLTrainConfig, transport: WeightTransport):
+    def __init__(self, config: RLTrainConfig):
         super().__init__()
         weight = config["weight"]
         self._mode = weight["sync_mode"]
@@ -41,7 +41,7 @@ class WeightSyncController(NexRLModule):
         self._validate_at_end = config["validate"]["validate_at_end"]
         self._total_steps = config["train_worker"]["total_train_steps"]
         self._batch_items = config["trajectory_pool"]["batch_size"]
-        self._transport = transport
+        self._inference_services: list[Any] = []
         self._lock = threading.RLock()
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}
@@ -58,8 +58,9 @@ class WeightSyncController(NexRLModule):
         if self._mode == "sync":
             execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
 
-    def set_inference_endpoint(self, base_url: str, api_key: str | None) -> None:
-        self._transport.set_endpoint(base_url, api_key)
+    def set_inference_services(self, services: list[Any]) -> None:
+        """The inference services that must serve every new version (all rollout ranks' engines)."""
+        self._inference_services = list(services)
 
     # --- versions -------------------------------------------------------------------------------
     def set_versions(self, model_tag: ModelTag, version: int) -> None:
@@ -115,13 +116,29 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             self._syncing.add(model_tag)
         try:
-            self._transport.publish(path, version)  # raises WeightSyncError: version stays where it was
+            self._publish(path, version)  # raises WeightSyncError: the version stays where it was
         finally:
             with self._lock:
                 self._syncing.discard(model_tag)
         with self._lock:
             self._rollout_version[model_tag] = version
         self._prune(version)
+
+    def _publish(self, path: str, version: int) -> None:
+        """Every inference service reloads ``path`` (in parallel); any failure fails the sync."""
+        futures = [(s, execute_async(s.reload_weights, path, version)) for s in self._inference_services]
+        failures = []
+        for service, future in futures:
+            try:
+                future.result()
+            except Exception as exc:
+                name = execute(service.get_module_name)
+                if name not in {execute(s.get_module_name) for s in self._inference_services}:
+                    logger.warning("%s was removed while reloading version %d: %s", name, version, exc)
+                    continue  # lost meanwhile (policy continue): the others serve the version
+                failures.append(f"{name}: {exc}")
+        if failures:
+            raise WeightSyncError(f"weight version {version} not served: " + "; ".join(failures))
 
     def _validation_due(self, version: int) -> bool:
         if self._validate_freq > 0 and version % self._validate_freq == 0:

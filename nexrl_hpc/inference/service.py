@@ -1,0 +1,87 @@
+"""InferenceService: the inference engine a rollout worker talks to, as a module on the worker's rank.
+
+It starts nexrl_hpc's local server (``backend=local`` without ``base_url``) or stands for a given
+server (``base_url``), hands the endpoint to colocated rollout workers (the per-run API key never
+leaves the rank), and reloads weights through the transport its backend needs — so the weight sync
+controller publishes the same way whatever the engine and wherever it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.weight_sync.transport import create_weight_transport
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceService(NexRLModule):
+    def __init__(self, config: RLTrainConfig, model_dir: str, run_dir: str):
+        super().__init__()
+        self._service = config["service"]["inference_service"]
+        self._train = config["service"]["train_service"]
+        self._attn = config["model"]["attn_implementation"]
+        self._model_dir = model_dir
+        self._run_dir = run_dir
+        self._server: Any = None
+        self._base_url: str | None = self._service["base_url"]
+        self._api_key: str | None = self._service["api_key"]
+        self._transport = create_weight_transport(
+            self._service["backend"], self._service["request_timeout_s"]
+        )
+
+    @property
+    def _manages_server(self) -> bool:
+        return self._service["backend"] == "local" and not self._service["base_url"]
+
+    def launch(self) -> None:
+        """Start the server process (if this service runs one) without waiting for it."""
+        if not self._manages_server or self._server is not None:
+            return
+        from nexrl_hpc.inference.local_server import LocalInferenceServer
+
+        self._server = LocalInferenceServer(
+            self._model_dir,
+            self._service["local"],
+            os.path.join(self._run_dir, "logs"),
+            self._service["model"],
+            device=self._train["device"],
+            dtype=self._train["dtype"],
+            attn_implementation=self._attn,
+            log_name=f"{self._module_name}.log",
+        )
+        self._server.launch()
+
+    def wait_ready(self) -> str | None:
+        """Block until the server answers; returns its base URL (None for the fake backend)."""
+        if self._server is not None and self._base_url is None:
+            self._base_url = self._server.wait_ready()
+            self._api_key = self._server.api_key
+        if self._base_url is not None:
+            self._transport.set_endpoint(self._base_url, self._api_key)
+        return self._base_url
+
+    def get_endpoint(self) -> tuple[str | None, str | None]:
+        """(base URL, API key) for the rollout workers on this rank."""
+        return self.wait_ready(), self._api_key
+
+    def reload_weights(self, model_path: str, version: int) -> None:
+        """Serve the weights in ``model_path`` as ``version`` (raises WeightSyncError on failure)."""
+        self._transport.publish(model_path, version)
+
+    def health_check(self) -> bool:
+        return self._server is None or self._server.is_alive()
+
+    def describe(self) -> str:
+        if self._server is not None:
+            pid = self._server.process.pid if self._server.process else None
+            return f"{self._base_url} (pid {pid}, log {self._server.log_path})"
+        return str(self._base_url)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()

@@ -1,0 +1,330 @@
+"""MPI launch mode: ``mpirun -n N`` / ``srun --mpi=pmi2``; rank 0 runs the controller.
+
+MPI only starts the job: plan the placement (every rank computes the same), split COMM_WORLD by
+colocation group, broadcast a per-job random key (it never crosses the RPC sockets and is never
+written to disk), gather every rank's ZMQ endpoint, broadcast the run context, build the modules,
+barrier. From then on ranks talk through signed ZMQ calls only, so a dead rank cannot hang a
+collective: other ranks see its heartbeats stop (or rank 0's replies stop) and act on it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.core.execute import execute_async
+from nexrl_hpc.rpc.endpoint import RPC_MODULE, RpcEndpoint
+from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
+from nexrl_hpc.runtime.placement import Placement, RankSpec, plan_placement
+from nexrl_hpc.runtime.roles import RunContext, build_module, role_class
+from nexrl_hpc.types import NexRLRole
+
+logger = logging.getLogger(__name__)
+TRACKER = "activity_tracker"
+
+
+def interface_address(spec: str) -> str:
+    """The address to bind: an IP as given, ``hostname`` (this host's address), or an interface name (Linux)."""
+    try:
+        ipaddress.ip_address(spec)
+        return spec
+    except ValueError:
+        pass
+    if spec == "hostname":
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", spec[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise ValueError(
+                f"runtime.rpc.interface={spec!r}: not an IP address, 'hostname' or a network interface ({exc})"
+            ) from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+@dataclass
+class MPIWorld:
+    comm: Any
+    rank: int
+    placement: Placement
+    spec: RankSpec
+    group_comm: Any
+    endpoint: RpcEndpoint
+    registry: ModuleRegistry
+    directory: Directory
+    host: str
+    peers: list[dict[str, Any]]
+
+
+def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
+    """Everything MPI is used for (besides the context broadcast and the barrier)."""
+    rank = comm.Get_rank()
+    placement = plan_placement(config, comm.Get_size())  # identical on every rank; raises on every rank
+    spec = placement.ranks[rank]
+    group_names = [g.name for g in placement.groups]
+    group_comm = comm.Split(color=group_names.index(spec.group), key=rank)
+    key = comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
+    rpc = config["runtime"]["rpc"]
+    registry = ModuleRegistry()
+    locations: dict[str, tuple[int, type]] = {
+        name: (r, role_class(role, config)) for name, (r, role, _) in placement.modules().items()
+    }
+    locations[TRACKER] = (0, ActivityTracker)
+    directory_box: list[Directory] = []
+    endpoint = RpcEndpoint(
+        rank,
+        interface_address(rpc["interface"]),
+        key,
+        max_message_bytes=rpc["max_message_mb"] << 20,
+        server_threads=rpc["server_threads"],
+        call_timeout_s=rpc["call_timeout_s"],
+        dispatch=registry.dispatch,
+        resolve_handle=lambda name: directory_box[0].resolve(name),
+    )
+    directory = Directory(rank, endpoint, registry, locations)
+    directory_box.append(directory)
+    host = socket.gethostname()
+    peers = comm.allgather(
+        {"address": endpoint.address, "host": host, "pid": os.getpid(), "modules": spec.module_names}
+    )
+    endpoint.connect({r: p["address"] for r, p in enumerate(peers)})
+    registry.add_builtin("ping", lambda: True)
+    return MPIWorld(comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers)
+
+
+def _build_rank_modules(
+    world: MPIWorld, config: RLTrainConfig, ctx: RunContext, proxy: ActivityTrackerProxy
+) -> list[Any]:
+    modules = []
+    for name, role in zip(world.spec.module_names, world.spec.roles):
+        module = build_module(role, config, ctx)
+        module.set_module_name(name)
+        module.set_activity_tracker(proxy)
+        world.registry.add(name, module)
+        modules.append(module)
+    return modules
+
+
+class MPIRuntime:
+    """Rank 0's view of the job: handles to every module, rank liveness, shutdown of the others."""
+
+    def __init__(self, config: RLTrainConfig, world: MPIWorld):
+        self._config = config
+        self._world = world
+        self._context_sent = False
+
+    def create_all_actors(self, ctx: RunContext, tracker: ActivityTracker) -> None:
+        w = self._world
+        w.registry.add(TRACKER, tracker)
+        w.comm.bcast(asdict(ctx), root=0)
+        self._context_sent = True
+        _build_rank_modules(w, self._config, ctx, ActivityTrackerProxy(tracker))
+        w.comm.barrier()  # every rank has built and registered its modules: MPI's job is done
+        for r, peer in enumerate(w.peers):
+            if r != 0:
+                tracker.heartbeat(r, peer["host"], peer["modules"])  # silence is measured from here
+        logger.info("placement: %s", w.placement.describe())
+        # who runs where (no secrets): for operators, the status tool and tests
+        ranks = [{"rank": r, **peer, "group": w.placement.ranks[r].group} for r, peer in enumerate(w.peers)]
+        path = os.path.join(ctx.run_dir, "logs", "ranks.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(ranks, f, indent=1)
+        os.replace(f"{path}.tmp", path)
+
+    def abort_startup(self) -> None:
+        """Rank 0 failed before sending the context: release the ranks waiting for it."""
+        if not self._context_sent:
+            self._context_sent = True
+            self._world.comm.bcast(None, root=0)
+
+    def _names_of(self, role: NexRLRole) -> list[str]:
+        found = [(idx, name) for name, (_, r, idx) in self._world.placement.modules().items() if r == role]
+        return [name for _, name in sorted(found)]
+
+    def get_actor_wrapper(self, role: NexRLRole) -> list[Any]:
+        return [self._world.directory.resolve(name) for name in self._names_of(role)]
+
+    def get_one(self, role: NexRLRole) -> Any:
+        return self.get_actor_wrapper(role)[0]
+
+    def modules(self) -> list[tuple[str, NexRLRole, Any]]:
+        return [
+            (name, role, self._world.directory.resolve(name))
+            for name, (_, role, _) in self._world.placement.modules().items()
+        ]
+
+    def location(self, name: str) -> str:
+        rank = self._world.directory.rank_of(name)
+        return f"rank {rank} ({self._world.peers[rank]['host']})"
+
+    def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
+        tracker = self._world.registry.get(TRACKER)
+        return [r for r in tracker.silent_ranks(timeout) if not self._world.endpoint.is_dead(r["rank"])]
+
+    def retire_rank(self, rank: int, reason: str) -> None:
+        self._world.endpoint.fail_peer(rank, reason)
+        self._world.registry.get(TRACKER).forget_rank(rank)
+
+    def describe_rank(self, rank: int) -> str:
+        peer = self._world.peers[rank]
+        return f"rank {rank} on {peer['host']} ({', '.join(peer['modules'])})"
+
+    def ranks_only_hosting(self, names: list[str]) -> list[int]:
+        """Ranks all of whose modules are in ``names`` (lost modules: the rank has nothing left to do)."""
+        lost = set(names)
+        return [spec.rank for spec in self._world.placement.ranks if spec.module_names and set(spec.module_names) <= lost]
+
+    def rpc_rejected_total(self) -> float:
+        tracker = self._world.registry.get(TRACKER)
+        return self._world.endpoint.stats()["rejected"] + tracker.rank_stats_total("rejected")
+
+    def shutdown(self, reason: str, exit_code: int) -> None:
+        """Tell every live rank to stop (with the reason and exit code); wait a little for the replies."""
+        w = self._world
+        futures = [
+            w.endpoint.call_async(r, RPC_MODULE, "shutdown", (reason, exit_code), {}, timeout=10.0)
+            for r in range(1, len(w.peers))
+            if not w.endpoint.is_dead(r)
+        ]
+        deadline = time.monotonic() + 10.0
+        for f in futures:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+
+
+def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
+    """Ranks > 0: build this rank's modules, heartbeat to rank 0, stop when told or when rank 0 is gone."""
+    msg = world.comm.bcast(None, root=0)
+    if msg is None:
+        return 1  # rank 0 failed before anything started; it reports why
+    ctx = RunContext(**msg)
+    tracker = world.directory.resolve(TRACKER)
+    stop = threading.Event()
+    verdict = {"reason": "", "code": 0}
+
+    def shutdown(reason: str, exit_code: int) -> bool:
+        verdict.update(reason=reason, code=exit_code)
+        stop.set()
+        return True
+
+    world.registry.add_builtin("shutdown", shutdown)
+    modules = _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
+    world.comm.barrier()
+
+    health = config["runtime_monitor"]["health_check"]
+    interval, timeout = health["check_interval"], health["timeout"]
+    last_ok = time.monotonic()
+    while not stop.wait(interval):
+        try:
+            execute_async(
+                tracker.heartbeat, world.rank, world.host, world.spec.module_names, world.endpoint.stats()
+            ).result(timeout=timeout)
+            last_ok = time.monotonic()
+        except Exception as exc:
+            if time.monotonic() - last_ok > timeout:
+                verdict.update(reason=f"rank 0 stopped answering ({exc})", code=1)
+                break
+    if verdict["code"]:
+        print(
+            f"error: rank {world.rank} ({', '.join(world.spec.module_names)}) stopping: {verdict['reason']}",
+            file=sys.stderr,
+        )
+    _stop_modules(modules)
+    world.endpoint.close()
+    return int(verdict["code"])
+
+
+def _stop_modules(modules: list[Any], timeout: float = 20.0) -> None:
+    """Stop what this rank runs, bounded in time: an exit must never hang."""
+
+    def stop_all() -> None:
+        for m in modules:
+            if hasattr(m, "stop"):
+                try:
+                    m.stop()
+                except Exception:
+                    logger.exception("stopping %s", m.get_module_name())
+
+    t = threading.Thread(target=stop_all, daemon=True)
+    t.start()
+    t.join(timeout)
+
+
+def configure_rank_logging(run_dir: str, rank: int) -> None:
+    """Rank 0 keeps Hydra's train.log; other ranks log to logs/rank_<k>.log. Every line names its rank."""
+    root = logging.getLogger()
+    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+    for handler in list(root.handlers):
+        if rank != 0 and isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+        else:
+            handler.setFormatter(fmt)
+    if rank != 0:
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        fh = logging.FileHandler(os.path.join(run_dir, "logs", f"rank_{rank}.log"))
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+
+
+def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None = None) -> int:
+    """Every rank: bootstrap; rank 0 runs ``run_controller(config, runtime)``, the others serve.
+
+    Rank 0's config (and so its run dir, which may hold a timestamp) is the job's config.
+    Returns the process exit code: 2 when the placement does not fit (rank 0 says why).
+    """
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
+    from mpi4py import MPI
+
+    from nexrl_hpc.runtime.placement import PlacementError
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    config = comm.bcast(config if rank == 0 else None, root=0)
+    run_dir = os.path.abspath(config["run_dir"])
+    if rank != 0 and launcher_dir and os.path.abspath(launcher_dir) != run_dir:
+        _remove_if_only_logs(launcher_dir)  # this rank's Hydra resolved another timestamp
+    configure_rank_logging(run_dir, rank)
+    try:
+        world = bootstrap(config, comm)
+    except PlacementError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    if rank != 0:
+        return serve_rank(config, world)
+    runtime = MPIRuntime(config, world)
+    try:
+        return int(run_controller(config, runtime))
+    finally:
+        runtime.abort_startup()
+        world.endpoint.close()
+
+
+def _remove_if_only_logs(path: str) -> None:
+    try:
+        entries = os.listdir(path)
+        if all(e.endswith(".log") for e in entries):
+            for e in entries:
+                os.remove(os.path.join(path, e))
+            os.rmdir(path)
+    except OSError:
+        pass

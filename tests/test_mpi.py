@@ -1,0 +1,243 @@
+"""MPI mode under mpirun: learning, placement errors, a killed rank (continue / stop_on_error), hostile input."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import h5py
+import pytest
+
+from nexrl_hpc.config.preflight import preflight
+from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.data.loader import JsonlDataLoader
+from tests.conftest import CONFIG_DIR, REPO, compose_config
+from tests.test_rpc import attack
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (pip mpich) not installed"),
+]
+
+FAST = [
+    "validate.validate_before_train=false",
+    "validate.validate_at_end=false",
+    "validate.eval.validate_freq=0",
+    "logger.backend=[]",
+]
+
+
+def mpirun(n: int, args: list[str], *, no_cleanup: bool = False) -> list[str]:
+    flags = ["-disable-auto-cleanup"] if no_cleanup else []
+    return ["mpirun", *flags, "-n", str(n), sys.executable, "-m", "launch.train", "launch_mode=mpi", *args]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
+    """mpirun -n 4 learns the default task like local mode; every rank's port survives attacks."""
+    run_dir = tmp_path / "mpi"
+    proc = subprocess.Popen(
+        mpirun(4, [f"run_dir={run_dir}", "seed=5"]),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ranks_file = run_dir / "logs" / "ranks.json"
+    wait_for(ranks_file, proc)
+    ranks = json.loads(ranks_file.read_text())
+    assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
+    marker = tmp_path / "pwned"
+    for r in ranks:
+        attack(r["address"], secrets.token_bytes(32), marker)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert not marker.exists()
+    rows = metrics(run_dir)
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    assert val[0] == (0, pytest.approx(val[0][1])) and val[0][1] <= 0.3
+    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    steps = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 51))
+    assert steps[-1]["rpc/rejected"] >= 4 * len(ranks)  # every attack on every rank was counted
+    for name in (
+        "config.yaml",
+        "data/validation.jsonl",
+        "checkpoints/global_step_50/COMPLETE",
+        "checkpoints/latest",
+    ):
+        assert (run_dir / name).exists(), name
+    assert (run_dir / "logs" / "rank_2.log").exists() and (
+        run_dir / "logs" / "inference_service_1.log"
+    ).exists()
+    assert "last validation" in out
+
+
+def start_run(tmp_path: Path, policy: str, steps: int) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / policy
+    args = [
+        f"run_dir={run_dir}", f"train_worker.total_train_steps={steps}", "logger.dump_rollouts=true",
+        "service.inference_service.backend=fake", "service.inference_service.fake_latency_ms=150",
+        f"runtime_monitor.exception_handling.policy={policy}", "runtime_monitor.health_check.check_interval=1.0",
+        "runtime_monitor.health_check.timeout=1.5", "data.batch_size=8", *FAST,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        mpirun(4, args),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    wait_for(run_dir / "logs" / "ranks.json", proc)
+    deadline = time.monotonic() + 300
+    while (
+        not (run_dir / "metrics.jsonl").exists()
+        or len([r for r in metrics(run_dir) if "train/reward_mean" in r]) < 3
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return proc, run_dir
+
+
+def declared_dead_at(run_dir: Path, rank: int) -> tuple[float, str]:
+    """When rank 0 first acted on the loss of ``rank`` (its heartbeats, or its modules' health checks)."""
+    for line in (run_dir / "train.log").read_text().splitlines():
+        if f"rank {rank}" in line and ("continuing without it" in line or "policy stop_on_error" in line):
+            stamp = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", line).group(1)
+            return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp(), line
+    raise AssertionError("the dead rank was never declared dead")
+
+
+def test_hung_rollout_rank_with_continue_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    """A rollout rank that stops answering (SIGSTOP: no exit, no error) is declared dead within 2x the
+    heartbeat interval; with policy continue its tasks are re-issued and training goes on to the end.
+    (A SIGKILLed rank is the same to the controller, but mpich's mpirun then tears the job down itself;
+    under srun the job survives — see the Slurm tests.)"""
+    steps = 16
+    proc, run_dir = start_run(tmp_path, "continue", steps)
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    victim = [r for r in ranks if r["group"] == "rollout"][1]
+    stopped_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 120
+        while os.path.exists(f"/proc/{ranks[0]['pid']}"):  # rank 0 finishes the run and exits
+            assert time.monotonic() < deadline, "the run did not finish without the hung rank"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)  # (mpirun may already have reaped it)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=120)
+    when, line = declared_dead_at(run_dir, victim["rank"])
+    assert when - stopped_at <= 2 * 1.0 + 0.1, line  # within 2x the heartbeat interval
+    assert "rollout_worker_1" in line and "inference_service_1" in line
+    rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # every prompt was trained exactly as planned: the batches match an uninterrupted run's data order
+    cfg = compose_config(["data.batch_size=8"])
+    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
+    per_step = cfg["trajectory_pool"]["batch_size"]
+    for step in range(1, steps + 1):
+        expected = collections.Counter(
+            (t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step))
+        )
+        with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
+            got = collections.Counter(zip([u.decode() for u in f["uid"][()]], f["epoch"][()].tolist()))
+        assert got == expected, step
+
+
+def test_killed_rollout_rank_with_stop_on_error_stops_every_rank(tmp_path: Path) -> None:
+    proc, run_dir = start_run(tmp_path, "stop_on_error", 400)
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    killed_at = time.time()
+    os.kill([r for r in ranks if r["group"] == "rollout"][1]["pid"], signal.SIGKILL)
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode != 0 and time.time() - killed_at <= 30
+    for r in ranks:
+        assert not os.path.exists(f"/proc/{r['pid']}"), f"rank {r['rank']} is still running"
+
+
+def test_hung_rollout_rank_with_stop_on_error_stops_the_others_with_the_reason(tmp_path: Path) -> None:
+    proc, run_dir = start_run(tmp_path, "stop_on_error", 400)
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    victim = [r for r in ranks if r["group"] == "rollout"][1]
+    stopped_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        others = [r for r in ranks if r is not victim]
+        while any(os.path.exists(f"/proc/{r['pid']}") for r in others):
+            assert time.monotonic() < deadline, "ranks still running 30 s after the failure"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.time() - stopped_at <= 60
+    assert f"rank {victim['rank']} on" in err and "stopped answering" in err and "policy stop_on_error" in err
+    assert err.count("error: rank ") >= 2  # ranks 1 and 2 print why they stop
+
+
+def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        mpirun(2, [f"run_dir={tmp_path / 'x'}"]), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2
+    assert "world size 2 does not fit placement=auto" in proc.stderr and "at least 3 ranks" in proc.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_seed_003_placement_errors_before_start() -> None:
+    base = ["launch_mode=mpi", "placement.mode=manual"]
+    roles = {
+        "data_loader": ("driver", 1), "validate_dataloader": ("driver", 1), "trajectory_pool": ("driver", 1),
+        "algorithm_processor": ("driver", 1), "train_batch_pool": ("driver", 1), "weight_sync_controller": ("driver", 1),
+        "validator": ("driver", 1), "train_worker": (None, 1), "rollout_worker": ("rollout", 2), "inference_service": ("rollout", 1),
+    }  # fmt: skip
+    spec = [
+        f"+placement.roles.{k}={{count:{c},colocation_group:{g if g else 'null'}}}"
+        for k, (g, c) in roles.items()
+    ]
+    with pytest.raises(ConfigError) as err:
+        preflight(
+            CONFIG_DIR, "rl_train", [*base, *spec, "+placement.roles.teacher={count:1,colocation_group:null}"]
+        )
+    messages = {p.path: p.message for p in err.value.problems}
+    assert messages["placement.roles.teacher"].startswith("unknown role 'teacher'")
+    assert messages["placement.roles (rollout)"] == (
+        "All roles in colocation group must have same count: rollout_worker=2, inference_service=1"
+    )
+    fixed = [a.replace("inference_service={count:1", "inference_service={count:2") for a in spec]
+    preflight(CONFIG_DIR, "rl_train", [*base, *fixed])  # valid

@@ -1,0 +1,244 @@
+"""Signed ZMQ calls: codec round trips, calls and errors, and hostile input that must be dropped and counted."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from nexrl_hpc.core.errors import ErrorSeverity
+from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
+from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint
+from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
+from nexrl_hpc.rpc.wire import seal
+from nexrl_hpc.types import Batch
+
+
+def test_codec_round_trip_without_pickle() -> None:
+    value = {
+        "f32": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "i64": torch.tensor([[1, 2]], dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "tuple": (1, "a", None),
+        "batch": Batch(values={"x": torch.ones(2)}, metadata={"model_tag": "m"}),
+        "enum": ErrorSeverity.WARNING,
+        "exc": ValueError("boom"),
+        "ref": HandleRef("trajectory_pool"),
+        "nested": [{"a": [1.5, True]}],
+    }
+    header, buffers = encode(value)
+    out = decode(header, [bytes(b) for b in buffers])
+    assert torch.equal(out["f32"], value["f32"]) and out["f32"].dtype == torch.float32
+    assert torch.equal(out["bf16"], value["bf16"]) and out["bf16"].dtype == torch.bfloat16
+    assert torch.equal(out["i64"], value["i64"]) and out["empty"].shape == (0, 4)
+    assert out["tuple"] == (1, "a", None) and out["enum"] is ErrorSeverity.WARNING
+    assert isinstance(out["batch"], Batch) and torch.equal(out["batch"].values["x"], torch.ones(2))
+    assert (
+        isinstance(out["exc"], RemoteError)
+        and out["exc"].type_name == "ValueError"
+        and "boom" in str(out["exc"])
+    )
+    assert out["ref"] == HandleRef("trajectory_pool") and out["nested"] == [{"a": [1.5, True]}]
+    with pytest.raises(TypeError, match="cannot send a builtins.object"):
+        encode({"x": object()})
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, k: int = 1) -> int:
+        self.n += k
+        return self.n
+
+    def fail(self) -> None:
+        raise KeyError("no such thing")
+
+    def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    def echo(self, x: Any) -> Any:
+        return x
+
+    def _secret(self) -> str:
+        return "never"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
+    key = secrets.token_bytes(32)
+    registry = ModuleRegistry()
+    counter = Counter()
+    registry.add("counter", counter)
+    server = RpcEndpoint(1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.dispatch)
+    client = RpcEndpoint(0, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().dispatch)
+    client.connect({1: server.address})
+    yield client, server, counter, key
+    client.close()
+    server.close()
+
+
+def handle(client: RpcEndpoint) -> Any:
+    return RemoteModuleHandle(client, 1, "counter", Counter)
+
+
+def test_calls_mirror_the_module_and_errors_come_back_with_their_type(pair: Any) -> None:
+    client, server, counter, _ = pair
+    h = handle(client)
+    assert execute(h.add, 2) == 2 and execute(h.add, k=3) == 5 and counter.n == 5
+    futures = [execute_async(h.add) for _ in range(50)]  # pipelined
+    assert sorted(f.result() for f in futures) == list(range(6, 56))
+    with pytest.raises(RemoteError) as err:
+        execute(h.fail)
+    assert (
+        err.value.type_name == "KeyError" and "no such thing" in str(err.value) and "rank 1" in str(err.value)
+    )
+    assert "Traceback" in err.value.remote_traceback
+    with pytest.raises(RemoteError, match="PermissionError"):
+        client.call_async(1, "counter", "_secret", (), {}).result()
+    with pytest.raises(RemoteError, match="LookupError"):
+        client.call_async(1, "nothere", "add", (), {}).result()
+    tensor = torch.randn(64, 1024)
+    assert torch.equal(execute(h.echo, tensor), tensor)
+    with pytest.raises(MessageTooLarge, match="exceeds runtime.rpc.max_message_mb"):
+        execute(h.echo, torch.randn(512, 1024))  # refused before sending, not dropped silently
+    assert not hasattr(h, "_secret") and h.get_module_name() == "counter"
+
+
+def test_a_long_call_does_not_block_others(pair: Any) -> None:
+    client, *_ = pair
+    h = handle(client)
+    slow = execute_async(h.slow, 0.5)
+    t0 = time.monotonic()
+    assert execute(h.add) == 1
+    assert time.monotonic() - t0 < 0.4
+    assert slow.result() == "done"
+
+
+def test_deadline_and_dead_peer_never_hang(pair: Any) -> None:
+    client, *_ = pair
+    with pytest.raises(CallTimeout, match="counter.slow on rank 1"):
+        client.call_async(1, "counter", "slow", (2.0,), {}, timeout=0.3).result()
+    pending = client.call_async(1, "counter", "slow", (2.0,), {})
+    client.fail_peer(1, "heartbeats stopped")
+    with pytest.raises(PeerDeadError, match="rank 1 is dead"):
+        pending.result(timeout=1)
+    with pytest.raises(PeerDeadError):
+        client.call_async(1, "counter", "add", (), {}).result(timeout=1)
+
+
+def test_directory_resolves_local_objects_and_remote_handles(pair: Any) -> None:
+    client, *_ = pair
+    registry = ModuleRegistry()
+    mine = Counter()
+    registry.add("mine", mine)
+    directory = Directory(0, client, registry, {"mine": (0, Counter), "counter": (1, Counter)})
+    assert directory.resolve("mine") is mine
+    remote = directory.resolve("counter")
+    assert isinstance(remote, RemoteModuleHandle) and remote.rank == 1 and execute(remote.add) == 1
+    with pytest.raises(LookupError):
+        directory.resolve("ghost")
+
+
+class Evil:
+    """Unpickling this would run a shell command that creates a file."""
+
+    path = ""
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.path}",))
+
+
+def raw_zmtp_client(port: int) -> socket.socket:
+    """A raw TCP peer that completes a ZMTP 3.0 NULL handshake as a DEALER."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+    )
+    props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    cmd = b"\x05READY" + props
+    s.sendall(b"\x04" + bytes([len(cmd)]) + cmd)
+    s.recv(64)
+    return s
+
+
+def attack(address: str, key_guess: bytes, marker: Path) -> None:
+    """The four hostile inputs of the MPI issue, against one listening endpoint."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    # 1. random bytes
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(os.urandom(512))
+        time.sleep(0.2)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    # 2. a well-formed request signed with the wrong key
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "s": "attacker", "q": 1, "m": "counter", "f": "add"}
+    )
+    payload, _ = encode([[1000], {}])
+    dealer.send_multipart(seal(key_guess, envelope, [payload]))
+    # 3. a pickled object whose __reduce__ would create a file (unsigned)
+    Evil.path = str(marker)
+    dealer.send_multipart([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())])
+    time.sleep(0.2)
+    dealer.close()
+    ctx.term()
+    # 4. a frame header announcing 2 GiB
+    s = raw_zmtp_client(int(port))
+    s.sendall(b"\x02" + struct.pack(">Q", 2**31))
+    time.sleep(0.2)
+    s.close()
+
+
+def test_hostile_input_is_dropped_counted_and_nothing_runs(pair: Any, tmp_path: Path, caplog: Any) -> None:
+    client, server, counter, _ = pair
+    marker = tmp_path / "pwned"
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    attack(server.address, secrets.token_bytes(32), marker)
+    deadline = time.monotonic() + 5
+    while "oversized" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # each input is counted at least once (a connection can also be counted when it is torn down)
+    assert server.stats()["rejected"] >= 4
+    assert caplog.text.count("bad signature") == 2  # wrong key; the pickle (never unpickled)
+    assert "oversized frame" in caplog.text  # the 2 GiB header: libzmq drops the connection
+    assert "not a ZMQ peer" in caplog.text or "frame(s), expected a signature" in caplog.text  # random bytes
+    assert "from 127.0.0.1" in caplog.text  # logged with the peer address
+    assert not marker.exists() and counter.n == 0
+    assert execute(handle(client).add) == 1  # still serving
+
+
+def test_a_replayed_signed_message_is_rejected(pair: Any) -> None:
+    client, server, counter, key = pair
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.address)
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "s": "recorded", "q": 5, "m": "counter", "f": "add"}
+    )
+    payload, _ = encode([[10], {}])
+    frames = seal(key, envelope, [payload])
+    dealer.send_multipart(frames)
+    assert dealer.poll(2000) and dealer.recv_multipart()  # the original is served
+    dealer.send_multipart(frames)  # the same bytes again
+    time.sleep(0.3)
+    assert counter.n == 10 and server.stats()["rejected"] == 1
+    dealer.close()
+    ctx.term()
