@@ -332,7 +332,10 @@ class NexRLController:
             silent = self.runtime.ranks_only_hosting(dead_modules)  # nothing on them answers
             where = ", ".join(f"{name} ({self.runtime.location(name)})" for name in dead_modules)
             if silent:
-                reason = "; ".join(f"{self.runtime.describe_rank(r)} stopped answering: health checks timed out" for r in silent)
+                reason = "; ".join(
+                    f"{self.runtime.describe_rank(r)} stopped answering: health checks timed out"
+                    for r in silent
+                )
             else:
                 reason = f"module(s) not alive: {where}"
             try:
@@ -343,11 +346,13 @@ class NexRLController:
 
     def _lose_modules(self, names: list[str], reason: str) -> None:
         """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
+        assert self.activity_tracker is not None
+        for name in names:  # their in-flight work will never end: shutdown must not wait for it
+            self.activity_tracker.unregister_module(name)
         replaceable = all(self._module_roles.get(m) in REPLACEABLE_ROLES for m in names)
         if self._policy != "continue" or not replaceable:
             raise RunFailed(f"{reason} (policy {self._policy})")
         logger.error("%s; continuing without it (policy continue)", reason)
-        assert self.activity_tracker is not None
         self.activity_tracker.report_error("controller", "health_check", reason, ErrorSeverity.WARNING)
         gone = set(names)
         self._rollout_workers = [w for w in self._rollout_workers if execute(w.get_module_name) not in gone]
@@ -358,7 +363,6 @@ class NexRLController:
             raise RunFailed(f"{reason}: no rollout worker or inference service is left")
         execute(self.weight_sync_controller.set_inference_services, self._inference_services)
         for name in gone:
-            self.activity_tracker.unregister_module(name)
             if self._module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
                 n = execute(self.dataloader.requeue_consumer, name)
                 m = execute(self.validate_dataloader.requeue_consumer, name)
@@ -366,14 +370,16 @@ class NexRLController:
 
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:
-        timeout = self._monitor["stop_timeout_s"]
+        """Stop producers before consumers, all within one ``stop_timeout_s`` budget: an exit never hangs."""
+        deadline = time.monotonic() + self._monitor["stop_timeout_s"]
         if self._modules_built:
-            self._stop_all(self._rollout_workers)
-            self._stop_all([self.algorithm_processor])
-            self._stop_all([self.train_worker])
-            if self.activity_tracker is not None and not self.activity_tracker.wait_quiescent(timeout):
-                logger.warning("still busy at stop: %s", self.activity_tracker.get_running_status_summary())
-            self._stop_all(self._inference_services)
+            self._stop_all(self._rollout_workers, deadline)
+            self._stop_all([self.algorithm_processor], deadline)
+            self._stop_all([self.train_worker], deadline)
+            tracker = self.activity_tracker
+            if tracker is not None and not tracker.wait_quiescent(max(0.0, deadline - time.monotonic())):
+                logger.warning("still busy at stop: %s", tracker.get_running_status_summary())
+            self._stop_all(self._inference_services, deadline)
         if self.experiment_logger is not None:
             self._quietly(self.experiment_logger.close)
         self._quietly(self.runtime.abort_startup)
@@ -381,10 +387,9 @@ class NexRLController:
             lambda: self.runtime.shutdown(self.exit_reason or "run finished", 1 if self.exit_reason else 0)
         )
 
-    def _stop_all(self, handles: list[Any]) -> None:
-        """Stop modules in parallel (remote ones may be slow or gone), within one stop timeout."""
+    def _stop_all(self, handles: list[Any], deadline: float) -> None:
+        """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""
         futures = [execute_async(h.stop) for h in handles]
-        deadline = time.monotonic() + self._monitor["stop_timeout_s"]
         for f in futures:
             self._quietly(lambda f=f: f.result(timeout=max(0.0, deadline - time.monotonic())))
 

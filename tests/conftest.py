@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,19 @@ def run_train(
         timeout=timeout,
         env=full_env,
     )
+
+
+@pytest.fixture(scope="session")
+def slurm_env() -> Iterator[dict[str, str]]:
+    """Start the dev cluster (slurm/dev/start.sh) once; the environment that points clients at it."""
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm dev cluster needs root (it runs its daemons as root)")
+    start = subprocess.run(
+        ["bash", str(REPO / "slurm" / "dev" / "start.sh")], capture_output=True, text=True, timeout=600
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    env = dict(os.environ)
+    env["NEXRL_SLURM_DIR"] = env.get("NEXRL_SLURM_DIR", "/tmp/nexrl-slurm-dev")
+    env["SLURM_CONF"] = f"{env['NEXRL_SLURM_DIR']}/etc/slurm.conf"
+    assert shutil.which("srun")
+    yield env

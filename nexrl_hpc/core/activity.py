@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
-from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.core.execute import execute, execute_async, quick
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class ActivityTracker:
         self.experiment_logger = experiment_logger
 
     # --- in-flight work -------------------------------------------------------------------------
+    @quick
     def start(self, module: str, work: str) -> int:
         with self._lock:
             token = next(self._tokens)
@@ -56,6 +57,7 @@ class ActivityTracker:
                 self._rollout_inflight += 1
             return token
 
+    @quick
     def end(self, token: int) -> None:
         with self._lock:
             item = self._inflight.pop(token, None)
@@ -72,6 +74,7 @@ class ActivityTracker:
         with self._lock:
             return self._lock.wait_for(lambda: not self._inflight, timeout=timeout)
 
+    @quick
     def is_rollout_worker_quiescent(self) -> bool:
         with self._lock:
             return self._rollout_inflight == 0
@@ -108,6 +111,7 @@ class ActivityTracker:
             return list(self._modules)
 
     # --- ranks (mpi) ----------------------------------------------------------------------------
+    @quick
     def heartbeat(
         self, rank: int, host: str, modules: list[str], stats: dict[str, Any] | None = None
     ) -> bool:
@@ -139,6 +143,7 @@ class ActivityTracker:
         with self._lock:
             return float(sum(h["stats"].get(key, 0) for h in self._heartbeats.values()))
 
+    @quick
     def set_gauge(self, name: str, value: float) -> None:
         """A value added to every training-step metrics line (e.g. rpc/rejected)."""
         with self._lock:
@@ -164,6 +169,7 @@ class ActivityTracker:
         return dead
 
     # --- errors ---------------------------------------------------------------------------------
+    @quick
     def report_exception(
         self,
         module: str,
@@ -186,6 +192,7 @@ class ActivityTracker:
         )
         return self.error_reporter.report_exception(module, work, exception, severity, details)
 
+    @quick
     def report_error(
         self,
         module: str,
@@ -207,9 +214,11 @@ class ActivityTracker:
         return self.error_reporter.get_health_status()
 
     # --- training step and metrics --------------------------------------------------------------
+    @quick
     def set_training_step(self, step: int) -> None:
         self._training_step = step
 
+    @quick
     def get_training_step(self) -> int:
         return self._training_step
 

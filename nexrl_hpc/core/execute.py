@@ -7,8 +7,18 @@ provided by the distributed runtimes) is sent over the wire. ``execute_async`` r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def quick(fn: F) -> F:
+    """Mark a method cheap enough to be answered on the receiving rank's RPC thread, without a
+    hand-off to a worker thread. Only for methods that never block and never call another module."""
+    fn.__nexrl_quick__ = True  # type: ignore[attr-defined]
+    return fn
 
 
 def execute(func: Any, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nexrl_hpc.core.activity import ActivityTrackerProxy
+from nexrl_hpc.core.execute import quick
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class NexRLModule:
     def set_module_name(self, module_name: str) -> None:
         self._module_name = module_name
 
+    @quick
     def get_module_name(self) -> str:
         return self._module_name
 
@@ -36,6 +38,7 @@ class NexRLModule:
         """Sent to another rank, a module travels as its registered name."""
         return self._module_name
 
+    @quick
     def health_check(self) -> bool:
         """Alive: answers, and its loop thread (if any) is running or ended without an error."""
         if self._thread is None or self._stop_event.is_set():

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 from nexrl_hpc.config.schema import DataConfig
+from nexrl_hpc.core.execute import quick
 from nexrl_hpc.core.module import NexRLModule
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,11 @@ class BaseDataLoader(NexRLModule):
     def get_next_item(self) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    @quick
     def is_finished(self) -> bool:
         raise NotImplementedError
 
+    @quick
     def can_return_item(self) -> bool:
         raise NotImplementedError
 
@@ -183,6 +186,7 @@ class JsonlDataLoader(BaseDataLoader):
     def num_rows(self) -> int:
         return len(self._rows)
 
+    @quick
     def total_tasks(self) -> int:
         """Tasks one epoch hands out (rows x rollout_repeat_n)."""
         return len(self._rows) * self._repeat
@@ -239,6 +243,7 @@ class JsonlDataLoader(BaseDataLoader):
         with self._lock:
             self._lock.notify_all()
 
+    @quick
     def complete_items(self, consumer: str, keys: list[str]) -> None:
         """``consumer`` is done with these tasks (their trajectories are in the pool)."""
         with self._lock:
@@ -254,6 +259,7 @@ class JsonlDataLoader(BaseDataLoader):
             self._lock.notify_all()
         return len(keys)
 
+    @quick
     def outstanding(self) -> dict[str, int]:
         """Outstanding tasks per consumer."""
         with self._lock:
@@ -304,6 +310,7 @@ class JsonlDataLoader(BaseDataLoader):
         with self._lock:
             return self._budget
 
+    @quick
     def get_skipped_rows(self) -> int:
         return self.skipped_rows
 

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.execute import quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.weight_sync.transport import create_weight_transport
 
@@ -73,6 +74,7 @@ class InferenceService(NexRLModule):
         """Serve the weights in ``model_path`` as ``version`` (raises WeightSyncError on failure)."""
         self._transport.publish(model_path, version)
 
+    @quick
     def health_check(self) -> bool:
         return self._server is None or self._server.is_alive()
 

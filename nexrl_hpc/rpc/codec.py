@@ -1,8 +1,9 @@
 """Encode call arguments and results for the wire: msgpack structure + raw buffers. No pickle.
 
-Tensors and numpy arrays travel as separate frames (their bytes, with dtype and shape in the
-header); ``Batch``, tuples, exceptions, enums and module handles have explicit markers. Anything
-else that msgpack cannot represent is refused at encode time with the offending type named.
+Plain data (dicts, lists, str, numbers, bytes, None) is msgpack and decodes at C speed. Everything
+else is a msgpack extension type: tensors and numpy arrays (their bytes travel as separate frames,
+dtype and shape in the extension), tuples, sets, ``Batch``, exceptions, enums, module references.
+Anything msgpack cannot represent is refused at encode time with the offending type named.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import torch
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.types import Batch, NexRLRole
 
-MARK = "__nx__"
 _ENUMS: dict[str, type[enum.Enum]] = {"ErrorSeverity": ErrorSeverity, "NexRLRole": NexRLRole}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool,
 )}  # fmt: skip
+TENSOR, NDARRAY, TUPLE, SET, BATCH, EXC, ENUM, HANDLE = range(1, 9)
 
 
 class RemoteError(Exception):
@@ -48,103 +49,101 @@ class HandleRef:
     name: str
 
 
+def exception_fields(exc: BaseException) -> list[str]:
+    if isinstance(exc, RemoteError):
+        return [exc.type_name, str(exc.args[0]), exc.remote_traceback, exc.origin]
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return [type(exc).__name__, str(exc), tb, ""]
+
+
 class Encoder:
     def __init__(self) -> None:
         self.buffers: list[memoryview] = []
 
+    def _pack(self, obj: Any) -> bytes:
+        return msgpack.packb(obj, default=self._default, use_bin_type=True, strict_types=True)
+
     def _default(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
-            if t.dtype == torch.bfloat16:
-                raw = t.view(torch.int16).numpy()
-            else:
-                raw = t.numpy()
+            raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
             self.buffers.append(memoryview(raw).cast("B") if raw.size else memoryview(b""))
-            return {
-                MARK: "tensor",
-                "i": len(self.buffers) - 1,
-                "d": str(t.dtype).removeprefix("torch."),
-                "s": list(t.shape),
-            }
+            return msgpack.ExtType(
+                TENSOR,
+                self._pack([len(self.buffers) - 1, str(t.dtype).removeprefix("torch."), list(t.shape)]),
+            )
         if isinstance(obj, np.ndarray):
             a = np.ascontiguousarray(obj)
             if a.dtype == object:
                 raise TypeError("numpy object arrays cannot be sent")
             self.buffers.append(memoryview(a).cast("B") if a.size else memoryview(b""))
-            return {MARK: "ndarray", "i": len(self.buffers) - 1, "d": a.dtype.str, "s": list(a.shape)}
+            return msgpack.ExtType(NDARRAY, self._pack([len(self.buffers) - 1, a.dtype.str, list(a.shape)]))
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, tuple):
-            return {MARK: "tuple", "v": list(obj)}
-        if isinstance(obj, Batch):
-            return {MARK: "batch", "v": obj.values, "m": obj.metadata}
-        if isinstance(obj, BaseException):
-            return encode_exception(obj)
-        if isinstance(obj, enum.Enum) and type(obj).__name__ in _ENUMS:
-            return {MARK: "enum", "c": type(obj).__name__, "v": obj.value}
-        if isinstance(obj, HandleRef):
-            return {MARK: "handle", "n": obj.name}
+            return msgpack.ExtType(TUPLE, self._pack(list(obj)))
         if isinstance(obj, (set, frozenset)):
-            return {MARK: "set", "v": list(obj)}
+            return msgpack.ExtType(SET, self._pack(list(obj)))
+        if isinstance(obj, Batch):
+            return msgpack.ExtType(BATCH, self._pack([obj.values, obj.metadata]))
+        if isinstance(obj, BaseException):
+            return msgpack.ExtType(EXC, self._pack(exception_fields(obj)))
+        if isinstance(obj, enum.Enum) and type(obj).__name__ in _ENUMS:
+            return msgpack.ExtType(ENUM, self._pack([type(obj).__name__, obj.value]))
+        if isinstance(obj, HandleRef):
+            return msgpack.ExtType(HANDLE, obj.name.encode())
         ref = getattr(obj, "__nexrl_handle_ref__", None)
         if ref is not None:
-            return {MARK: "handle", "n": ref()}
+            return msgpack.ExtType(HANDLE, ref().encode())
         raise TypeError(f"cannot send a {type(obj).__module__}.{type(obj).__qualname__} over the wire")
-
-    def encode(self, obj: Any) -> bytes:
-        return msgpack.packb(obj, default=self._default, use_bin_type=True, strict_types=True)
-
-
-def encode_exception(exc: BaseException) -> dict[str, Any]:
-    if isinstance(exc, RemoteError):
-        return {
-            MARK: "exc",
-            "t": exc.type_name,
-            "m": str(exc.args[0]),
-            "tb": exc.remote_traceback,
-            "o": exc.origin,
-        }
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {MARK: "exc", "t": type(exc).__name__, "m": str(exc), "tb": tb, "o": ""}
 
 
 def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
-    """(msgpack header, raw buffers) for ``obj``."""
+    """(msgpack bytes, raw buffers) for ``obj``."""
     enc = Encoder()
-    return enc.encode(obj), enc.buffers
+    return enc._pack(obj), enc.buffers
 
 
-def decode(header: bytes, buffers: list[Any], resolve_handle: Any = None) -> Any:
+def encode_exception(exc: BaseException) -> RemoteError:
+    """What a failed call sends back: the exception's type name, message and traceback."""
+    return RemoteError(*exception_fields(exc))
+
+
+def decode(data: bytes, buffers: list[Any], resolve_handle: Any = None) -> Any:
     """Inverse of ``encode``; ``resolve_handle(name)`` maps module references to local handles."""
 
-    def hook(d: dict[str, Any]) -> Any:
-        kind = d.get(MARK)
-        if kind is None:
-            return d
-        if kind == "tensor":
-            dtype = _TORCH_DTYPES[d["d"]]
-            buf = buffers[d["i"]]
-            shape = tuple(d["s"])
-            if dtype == torch.bfloat16:
-                arr = np.frombuffer(buf, dtype=np.int16).reshape(shape)
-                return torch.from_numpy(arr.copy()).view(torch.bfloat16)
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-            arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
-            return torch.from_numpy(arr.copy())
-        if kind == "ndarray":
-            return np.frombuffer(buffers[d["i"]], dtype=np.dtype(d["d"])).reshape(tuple(d["s"])).copy()
-        if kind == "tuple":
-            return tuple(d["v"])
-        if kind == "set":
-            return set(d["v"])
-        if kind == "batch":
-            return Batch(values=d["v"], metadata=d["m"])
-        if kind == "exc":
-            return RemoteError(d["t"], d["m"], d["tb"], d.get("o", ""))
-        if kind == "enum":
-            return _ENUMS[d["c"]](d["v"])
-        if kind == "handle":
-            return resolve_handle(d["n"]) if resolve_handle is not None else HandleRef(d["n"])
-        raise ValueError(f"unknown wire marker {kind!r}")
+    def unpack(raw: bytes) -> Any:
+        return msgpack.unpackb(raw, ext_hook=ext, raw=False, strict_map_key=False)
 
-    return msgpack.unpackb(header, object_hook=hook, raw=False, strict_map_key=False, use_list=True)
+    def ext(code: int, raw: bytes) -> Any:
+        if code == TENSOR:
+            index, dtype_name, shape = unpack(raw)
+            dtype = _TORCH_DTYPES[dtype_name]
+            buf = buffers[index]
+            if dtype == torch.bfloat16:
+                return torch.from_numpy(np.frombuffer(buf, dtype=np.int16).reshape(shape).copy()).view(
+                    torch.bfloat16
+                )
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).reshape(shape).copy())
+        if code == NDARRAY:
+            index, dtype_str, shape = unpack(raw)
+            return np.frombuffer(buffers[index], dtype=np.dtype(dtype_str)).reshape(shape).copy()
+        if code == TUPLE:
+            return tuple(unpack(raw))
+        if code == SET:
+            return set(unpack(raw))
+        if code == BATCH:
+            values, metadata = unpack(raw)
+            return Batch(values=values, metadata=metadata)
+        if code == EXC:
+            return RemoteError(*unpack(raw))
+        if code == ENUM:
+            cls_name, value = unpack(raw)
+            return _ENUMS[cls_name](value)
+        if code == HANDLE:
+            name = raw.decode()
+            return resolve_handle(name) if resolve_handle is not None else HandleRef(name)
+        raise ValueError(f"unknown wire extension {code}")
+
+    return unpack(data)

@@ -1,12 +1,12 @@
-"""One RPC endpoint per rank: a ZMQ ROUTER that serves this rank's modules, DEALERs to the peers.
+"""One RPC endpoint per rank: a ZMQ ROUTER that receives, a DEALER per peer that sends.
 
-Threads: an IO thread owns every ZMQ socket (ROUTER, DEALERs, the monitor, the in-process outbox);
-callers and server workers encode + sign in their own thread and hand finished frames to the IO
-thread through per-thread in-process PUSH sockets (so each sender's sequence numbers stay in
-order). Requests run on a thread pool, so a long poll never blocks another call. Every frame is
-verified (size, HMAC, sequence) before anything in it is decoded; failures are dropped, counted
-and logged with the peer address. A call to a rank declared dead fails at once; every call has a
-deadline, so nothing waits forever.
+Requests and replies both travel to the destination's ROUTER, so a caller (or a server thread
+answering) sends straight from its own thread on the peer's DEALER (one lock per peer keeps each
+sender's messages in order) — no hand-off to another thread on the way out. One IO thread owns
+the ROUTER: it checks every message (size, HMAC, sender sequence) before decoding anything,
+queues requests for a thread pool (a long poll never blocks another call) and completes the
+futures of replies. Failures are dropped, counted and logged with the peer address. A call to a
+rank declared dead fails at once; every call has a deadline, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ _WIRE_ERRORS = (
     msgpack.StackError,
 )
 _SUSPICIOUS_LIFETIME_S = 5.0
+_ZERO_COPY_BYTES = 64 << 10
 
 
 class PeerDeadError(ConnectionError):
@@ -77,13 +78,21 @@ class RpcFuture(Future):
         raw = super().result(timeout)
         if not self._decoded:
             payload, buffers, ok = raw
-            value = decode(payload, buffers, self._resolve_handle)
-            self._value = (value, ok)
+            self._value = (decode(payload, buffers, self._resolve_handle), ok)
             self._decoded = True
         value, ok = self._value
         if not ok:
             raise value
         return value
+
+
+class _Peer:
+    """The sending side towards one rank: a DEALER any thread may use, one at a time."""
+
+    __slots__ = ("socket", "lock", "address")
+
+    def __init__(self, sock: zmq.Socket, address: str):
+        self.socket, self.lock, self.address = sock, threading.Lock(), address
 
 
 class RpcEndpoint:
@@ -95,14 +104,14 @@ class RpcEndpoint:
         max_message_bytes: int,
         server_threads: int,
         call_timeout_s: float,
-        dispatch: Callable[[str, str, list[Any], dict[str, Any]], Any],
+        lookup: Callable[[str, str], Callable[..., Any]],
         resolve_handle: Callable[[str], Any] | None = None,
     ):
         self.rank = rank
         self._key = key
         self._max_bytes = max_message_bytes
         self._call_timeout = call_timeout_s
-        self._dispatch = dispatch
+        self._lookup = lookup
         self._resolve_handle = resolve_handle
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -110,25 +119,21 @@ class RpcEndpoint:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._monitor = self._router.get_monitor_socket(
+        events = (
             zmq.EVENT_ACCEPTED
             | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         )
-        self._outbox_addr = f"inproc://nexrl-outbox-{id(self)}"
-        self._outbox = self._ctx.socket(zmq.PULL)
-        self._outbox.bind(self._outbox_addr)
+        self._monitor = self._router.get_monitor_socket(events)
+        self._peers: dict[int, _Peer] = {}
         self._local = threading.local()
-        self._dealers: dict[int, zmq.Socket] = {}
-        self._peer_addresses: dict[int, str] = {}
         self._pending: dict[int, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._dead: dict[int, str] = {}
-        self._request_guard = SequenceGuard()  # requests and replies travel on different connections:
-        self._reply_guard = SequenceGuard()  # each channel keeps its own order
         self._sender_ids = itertools.count()
+        self._dead: dict[int, str] = {}
+        self._guard = SequenceGuard()
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         self._rejected = 0
         self._stats_lock = threading.Lock()
@@ -140,9 +145,16 @@ class RpcEndpoint:
 
     # --- set-up -----------------------------------------------------------------------------------
     def connect(self, peers: dict[int, str]) -> None:
-        """Open DEALERs to the peers' ROUTERs (done by the IO thread, which owns all sockets)."""
-        self._peer_addresses.update(peers)
-        self._send_to_io([b"connect", msgpack.packb(peers)])
+        """Open a DEALER to every peer's ROUTER (the own rank is skipped)."""
+        for rank, address in peers.items():
+            if rank == self.rank or rank in self._peers:
+                continue
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}".encode())
+            sock.connect(address)
+            self._peers[rank] = _Peer(sock, address)
 
     # --- calls ----------------------------------------------------------------------------------
     def call_async(
@@ -155,30 +167,31 @@ class RpcEndpoint:
         timeout: float | None = None,
     ) -> Future:
         future = RpcFuture(self._resolve_handle)
+        if threading.current_thread() is self._io:  # would wait for a reply only this thread can read
+            raise RuntimeError(
+                f"{module}.{method} called from a @quick method: quick methods must not call other modules"
+            )
         if rank in self._dead:
             future.set_exception(
                 PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} not sent")
             )
             return future
+        peer = self._peers.get(rank)
+        if peer is None:
+            future.set_exception(PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent"))
+            return future
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
-        sender, seq = self._sender()
-        envelope = msgpack.packb(
-            {"t": "req", "id": call_id, "src": self.rank, "s": sender, "q": seq, "m": module, "f": method}
-        )
-        frames = seal(self._key, envelope, [payload, *buffers])
-        size = sum(memoryview(f).nbytes for f in frames)
-        if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
-            future.set_exception(
-                MessageTooLarge(
-                    f"{module}.{method}: a {size}-byte message exceeds runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
-                )
-            )
-            return future
         deadline = time.monotonic() + (timeout if timeout is not None else self._call_timeout)
         with self._pending_lock:
             self._pending[call_id] = _Pending(future, rank, f"{module}.{method}", deadline)
-        self._send_to_io([b"req", str(rank).encode(), *frames])
+        error = self._send(
+            peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, buffers
+        )
+        if error is not None:
+            with self._pending_lock:
+                self._pending.pop(call_id, None)
+            future.set_exception(MessageTooLarge(f"{module}.{method}: {error}"))
         return future
 
     def fail_peer(self, rank: int, reason: str) -> None:
@@ -198,121 +211,90 @@ class RpcEndpoint:
         with self._stats_lock:
             return {"rejected": self._rejected}
 
-    # --- internals: sending -----------------------------------------------------------------------
-    def _sender(self) -> tuple[str, int]:
+    # --- sending (any thread) -------------------------------------------------------------------
+    def _send(self, peer: _Peer, envelope: dict[str, Any], payload: bytes, buffers: list[Any]) -> str | None:
+        """Sign and send; returns why not when the message is over the size limit."""
         local = self._local
         if not hasattr(local, "sender"):  # unique per thread for the endpoint's life (idents get reused)
             local.sender = f"{self.rank}:{os.getpid()}:{next(self._sender_ids)}"
             local.seq = 0
         local.seq += 1
-        return local.sender, local.seq
-
-    def _send_to_io(self, frames: list[Any]) -> None:
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = self._ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(self._outbox_addr)
-            self._local.push = push
-        push.send_multipart(frames, copy=False)
+        envelope["s"], envelope["q"] = local.sender, local.seq
+        frames = seal(self._key, msgpack.packb(envelope), [payload, *buffers])
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
+            return f"a {size}-byte message exceeds runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
+        with peer.lock:
+            if not self._closing:
+                # zero-copy pays off only for big buffers; small frames are cheaper copied
+                peer.socket.send_multipart(frames, copy=size < _ZERO_COPY_BYTES)
+        return None
 
     def _reject(self, reason: str, peer: str) -> None:
         with self._stats_lock:
             self._rejected += 1
         logger.warning("rank %d: rejected a message from %s: %s", self.rank, peer or "<unknown peer>", reason)
 
-    # --- internals: IO thread -------------------------------------------------------------------
+    # --- receiving (IO thread) ------------------------------------------------------------------
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._outbox, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        by_socket: dict[zmq.Socket, int] = {}
         next_deadline_check = time.monotonic() + 0.1
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(100))
             except zmq.ZMQError:
                 break
-            if self._outbox in events:
-                for _ in range(1000):
-                    try:
-                        msg = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    kind = msg[0].bytes
-                    if kind == b"req":
-                        dealer = self._dealers.get(int(msg[1].bytes))
-                        if dealer is not None:
-                            dealer.send_multipart(msg[2:], copy=False)
-                    elif kind == b"rep":
-                        try:
-                            self._router.send_multipart(msg[1:], copy=False)
-                        except zmq.ZMQError as exc:  # the caller went away
-                            logger.debug("reply not delivered: %s", exc)
-                    elif kind == b"connect":
-                        for rank, address in msgpack.unpackb(msg[1].bytes, strict_map_key=False).items():
-                            if rank == self.rank or rank in self._dealers:
-                                continue
-                            dealer = self._ctx.socket(zmq.DEALER)
-                            dealer.setsockopt(zmq.LINGER, 0)
-                            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
-                            dealer.setsockopt(zmq.ROUTING_ID, f"r{self.rank}".encode())
-                            dealer.connect(address)
-                            self._dealers[rank] = dealer
-                            by_socket[dealer] = rank
-                            poller.register(dealer, zmq.POLLIN)
-                    elif kind == b"stop":
-                        self._stop.set()
             if self._router in events:
                 for _ in range(1000):
                     try:
                         msg = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_request(msg)
-            for sock, rank in list(by_socket.items()):
-                if sock in events:
-                    for _ in range(1000):
-                        try:
-                            msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_reply(msg, rank)
+                    self._on_message(msg)
             if self._monitor in events:
                 self._on_monitor()
             now = time.monotonic()
             if now >= next_deadline_check:
                 self._expire(now)
                 next_deadline_check = now + 0.1
-        for sock in [self._router, self._outbox, self._monitor, *self._dealers.values()]:
-            sock.close(linger=0)
+        self._router.close(linger=0)
+        self._monitor.close(linger=0)
 
-    def _peer_of(self, frame: zmq.Frame) -> str:
-        try:
-            return frame.get("Peer-Address") or ""
-        except zmq.ZMQError:
-            return ""
-
-    def _on_request(self, msg: list[zmq.Frame]) -> None:
+    def _on_message(self, msg: list[zmq.Frame]) -> None:
         routing_id, frames = msg[0], msg[1:]
-        peer = self._peer_of(routing_id)
         try:
             envelope_bytes, rest = open_frames(self._key, [f.buffer for f in frames], self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            if not isinstance(envelope, dict) or envelope.get("t") != "req" or not rest:
-                raise RejectedMessage("not a request")
-            self._request_guard.check(str(envelope["s"]), int(envelope["q"]))
+            if not isinstance(envelope, dict) or envelope.get("t") not in ("req", "rep") or not rest:
+                raise RejectedMessage("neither a request nor a reply")
+            self._guard.check(str(envelope["s"]), int(envelope["q"]))
         except _WIRE_ERRORS as exc:
-            self._reject(str(exc), peer)
+            self._reject(str(exc), _peer_address(routing_id))
             return
-        self._pool.submit(self._serve, routing_id.bytes, envelope, rest[0], rest[1:])
+        if envelope["t"] == "req":
+            try:
+                fn = self._lookup(envelope["m"], envelope["f"])
+            except Exception as exc:
+                fn = _raiser(exc)
+            if getattr(fn, "__nexrl_quick__", False):
+                self._serve(fn, envelope, rest[0], rest[1:])  # answered right here: no thread hand-off
+            else:
+                self._pool.submit(self._serve, fn, envelope, rest[0], rest[1:])
+            return
+        with self._pending_lock:
+            pending = self._pending.pop(envelope["id"], None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_result((bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"])))
 
-    def _serve(self, routing_id: bytes, envelope: dict[str, Any], payload: Any, buffers: list[Any]) -> None:
+    def _serve(
+        self, fn: Callable[..., Any], envelope: dict[str, Any], payload: Any, buffers: list[Any]
+    ) -> None:
         ok = True
         try:
             args, kwargs = decode(bytes(payload), buffers, self._resolve_handle)
-            result = self._dispatch(envelope["m"], envelope["f"], args, kwargs)
+            result = fn(*args, **kwargs)
         except BaseException as exc:  # delivered to the caller
             ok = False
             result = exc
@@ -321,31 +303,18 @@ class RpcEndpoint:
         except TypeError as exc:
             ok = False
             body, out_buffers = encode(encode_exception(exc))
-        size = len(body) + sum(memoryview(b).nbytes for b in out_buffers)
-        if size > self._max_bytes:
-            ok = False
-            too_large = MessageTooLarge(
-                f"{envelope['m']}.{envelope['f']}: a {size}-byte reply exceeds runtime.rpc.max_message_mb"
-            )
-            body, out_buffers = encode(encode_exception(too_large))
-        sender, seq = self._sender()
-        reply_env = msgpack.packb({"t": "rep", "id": envelope["id"], "ok": ok, "s": sender, "q": seq})
-        self._send_to_io([b"rep", routing_id, *seal(self._key, reply_env, [body, *out_buffers])])
-
-    def _on_reply(self, msg: list[zmq.Frame], rank: int) -> None:
-        try:
-            envelope_bytes, rest = open_frames(self._key, [f.buffer for f in msg], self._max_bytes)
-            envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            if not isinstance(envelope, dict) or envelope.get("t") != "rep" or not rest:
-                raise RejectedMessage("not a reply")
-            self._reply_guard.check(str(envelope["s"]), int(envelope["q"]))
-        except _WIRE_ERRORS as exc:
-            self._reject(str(exc), self._peer_addresses.get(rank, f"rank {rank}"))
+        peer = self._peers.get(int(envelope["src"]))
+        if peer is None:
+            logger.warning("rank %d: no connection back to rank %s for a reply", self.rank, envelope["src"])
             return
-        with self._pending_lock:
-            pending = self._pending.pop(envelope["id"], None)
-        if pending is not None and not pending.future.done():
-            pending.future.set_result((bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"])))
+        reply = {"t": "rep", "id": envelope["id"], "ok": ok}
+        error = self._send(peer, reply, body, out_buffers)
+        if error is not None:
+            reply["ok"] = False
+            body, out_buffers = encode(
+                encode_exception(MessageTooLarge(f"{envelope['m']}.{envelope['f']} reply: {error}"))
+            )
+            self._send(peer, reply, body, out_buffers)
 
     def _on_monitor(self) -> None:
         while True:
@@ -390,9 +359,12 @@ class RpcEndpoint:
 
     def close(self) -> None:
         self._closing = True
-        self._send_to_io([b"stop"])
+        self._stop.set()
         self._io.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for peer in self._peers.values():
+            with peer.lock:
+                peer.socket.close(linger=0)
         with self._pending_lock:
             pendings = list(self._pending.values())
             self._pending.clear()
@@ -402,9 +374,17 @@ class RpcEndpoint:
                     PeerDeadError(f"endpoint of rank {self.rank} closed; {p.what} abandoned")
                 )
         try:
-            self._ctx.destroy(linger=0)
+            self._ctx.term()
         except zmq.ZMQError:
             pass
+
+
+def _raiser(exc: Exception) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    fail.__nexrl_quick__ = True  # type: ignore[attr-defined]
+    return fail
 
 
 def _with_origin(exc: BaseException, rank: int) -> BaseException:
@@ -412,6 +392,13 @@ def _with_origin(exc: BaseException, rank: int) -> BaseException:
         return exc
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return RemoteError(type(exc).__name__, str(exc), tb, f"rank {rank}")
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def _peername(fd: int) -> str:

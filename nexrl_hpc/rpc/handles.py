@@ -86,12 +86,13 @@ class ModuleRegistry:
     def names(self) -> list[str]:
         return list(self._modules)
 
-    def dispatch(self, module: str, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    def lookup(self, module: str, method: str) -> Any:
+        """The bound method an RPC names (only public methods of registered modules, or built-ins)."""
         if module == RPC_MODULE:
             fn = self._builtins.get(method)
             if fn is None:
                 raise AttributeError(f"no built-in RPC {method!r}")
-            return fn(*args, **kwargs)
+            return fn
         target = self._modules.get(module)
         if target is None:
             raise LookupError(f"no module {module!r} here (hosted: {sorted(self._modules)})")
@@ -100,7 +101,7 @@ class ModuleRegistry:
         fn = getattr(target, method, None)
         if not callable(fn):
             raise AttributeError(f"{module} has no method {method!r}")
-        return fn(*args, **kwargs)
+        return fn
 
 
 class Directory:

@@ -20,6 +20,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -91,7 +92,7 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
         max_message_bytes=rpc["max_message_mb"] << 20,
         server_threads=rpc["server_threads"],
         call_timeout_s=rpc["call_timeout_s"],
-        dispatch=registry.dispatch,
+        lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
     )
     directory = Directory(rank, endpoint, registry, locations)
@@ -186,71 +187,108 @@ class MPIRuntime:
     def ranks_only_hosting(self, names: list[str]) -> list[int]:
         """Ranks all of whose modules are in ``names`` (lost modules: the rank has nothing left to do)."""
         lost = set(names)
-        return [spec.rank for spec in self._world.placement.ranks if spec.module_names and set(spec.module_names) <= lost]
+        return [
+            spec.rank
+            for spec in self._world.placement.ranks
+            if spec.module_names and set(spec.module_names) <= lost
+        ]
 
     def rpc_rejected_total(self) -> float:
         tracker = self._world.registry.get(TRACKER)
         return self._world.endpoint.stats()["rejected"] + tracker.rank_stats_total("rejected")
 
     def shutdown(self, reason: str, exit_code: int) -> None:
-        """Tell every live rank to stop (with the reason and exit code); wait a little for the replies."""
+        """Tell every live rank to stop its modules (with the reason and exit code); wait for them.
+
+        The ranks stay up after replying, until ``release_ranks``: mpich's mpirun kills every rank
+        still running once one exits without MPI_Finalize, so rank 0 must be the first to go.
+        """
         w = self._world
+        timeout = self._config["runtime_monitor"]["stop_timeout_s"]
         futures = [
-            w.endpoint.call_async(r, RPC_MODULE, "shutdown", (reason, exit_code), {}, timeout=10.0)
+            w.endpoint.call_async(r, RPC_MODULE, "shutdown", (reason, exit_code), {}, timeout=timeout)
             for r in range(1, len(w.peers))
             if not w.endpoint.is_dead(r)
         ]
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + timeout
         for f in futures:
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:
                 pass
 
+    def release_ranks(self) -> None:
+        """Rank 0 is about to exit (its output flushed): the other ranks may exit now."""
+        w = self._world
+        for r in range(1, len(w.peers)):
+            if not w.endpoint.is_dead(r):
+                w.endpoint.call_async(r, RPC_MODULE, "release", (), {}, timeout=1.0)
+
 
 def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
-    """Ranks > 0: build this rank's modules, heartbeat to rank 0, stop when told or when rank 0 is gone."""
+    """Ranks > 0: build this rank's modules, heartbeat to rank 0, stop when told or when rank 0 is gone.
+
+    Told to stop, a rank stops its modules, answers, and waits until rank 0 releases it (or is
+    gone): under mpirun the first rank to exit without MPI_Finalize takes the others down with it.
+    """
     msg = world.comm.bcast(None, root=0)
     if msg is None:
         return 1  # rank 0 failed before anything started; it reports why
     ctx = RunContext(**msg)
     tracker = world.directory.resolve(TRACKER)
-    stop = threading.Event()
+    monitor = config["runtime_monitor"]
+    stop, stopped, released = threading.Event(), threading.Event(), threading.Event()
     verdict = {"reason": "", "code": 0}
 
     def shutdown(reason: str, exit_code: int) -> bool:
         verdict.update(reason=reason, code=exit_code)
         stop.set()
-        return True
+        return stopped.wait(monitor["stop_timeout_s"])
 
     world.registry.add_builtin("shutdown", shutdown)
+    world.registry.add_builtin("release", lambda: released.set())
     modules = _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
     world.comm.barrier()
 
-    health = config["runtime_monitor"]["health_check"]
-    interval, timeout = health["check_interval"], health["timeout"]
-    last_ok = time.monotonic()
-    while not stop.wait(interval):
-        try:
-            execute_async(
-                tracker.heartbeat, world.rank, world.host, world.spec.module_names, world.endpoint.stats()
-            ).result(timeout=timeout)
-            last_ok = time.monotonic()
-        except Exception as exc:
-            if time.monotonic() - last_ok > timeout:
-                verdict.update(reason=f"rank 0 stopped answering ({exc})", code=1)
-                break
+    def beat() -> None:
+        execute_async(
+            tracker.heartbeat, world.rank, world.host, world.spec.module_names, world.endpoint.stats()
+        ).result(timeout=monitor["health_check"]["timeout"])
+
+    if not _until_rank0_gone(beat, stop, monitor["health_check"]):
+        verdict.update(reason="rank 0 stopped answering", code=1)
     if verdict["code"]:
         print(
             f"error: rank {world.rank} ({', '.join(world.spec.module_names)}) stopping: {verdict['reason']}",
             file=sys.stderr,
         )
-    _stop_modules(modules)
+    _stop_modules(modules, monitor["stop_timeout_s"])
+    stopped.set()
+    if stop.is_set():  # rank 0 is alive and asked: wait for its go (or its end)
+        _until_rank0_gone(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
     world.endpoint.close()
     return int(verdict["code"])
 
 
-def _stop_modules(modules: list[Any], timeout: float = 20.0) -> None:
+def _until_rank0_gone(
+    beat: Callable[[], None], event: threading.Event, health: dict[str, Any], max_s: float | None = None
+) -> bool:
+    """Heartbeat every interval until ``event`` is set (True) or rank 0 stops answering (False)."""
+    interval, timeout = health["check_interval"], health["timeout"]
+    last_ok = start = time.monotonic()
+    while not event.wait(interval):
+        try:
+            beat()
+            last_ok = time.monotonic()
+        except Exception:
+            if time.monotonic() - last_ok > timeout:
+                return False
+        if max_s is not None and time.monotonic() - start > max_s:
+            return True
+    return True
+
+
+def _stop_modules(modules: list[Any], timeout: float) -> None:
     """Stop what this rank runs, bounded in time: an exit must never hang."""
 
     def stop_all() -> None:
@@ -316,6 +354,9 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         return int(run_controller(config, runtime))
     finally:
         runtime.abort_startup()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        runtime.release_ranks()
         world.endpoint.close()
 
 

@@ -16,7 +16,7 @@ import torch
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.train.service import TrainServiceClient
@@ -77,12 +77,14 @@ class TrainWorker(NexRLModule):
         self._client.initialize_worker(self.train_service_config(), role="actor", world_size=ts["world_size"])
         self._client.init_model()
 
+    @quick
     def get_train_step(self) -> int:
         return self._train_step
 
     def set_train_step(self, step: int) -> None:
         self._train_step = step
 
+    @quick
     def is_done(self) -> bool:
         """All planned steps trained, exported and handed to the weight sync controller."""
         return self._train_step >= self._total_steps and not self._in_step

@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import Trajectory
 
@@ -32,6 +32,7 @@ class Validator(NexRLModule):
             self._trajectories.extend(trajectories)
         return ["success"] * len(trajectories)
 
+    @quick
     def num_collected(self) -> int:
         with self._lock:
             return len(self._trajectories)

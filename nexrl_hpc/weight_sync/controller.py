@@ -17,7 +17,7 @@ import threading
 from typing import Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
 from nexrl_hpc.weight_sync.transport import WeightSyncError
@@ -69,10 +69,12 @@ class WeightSyncController(NexRLModule):
             self._train_version[model_tag] = version
             self._validation_version = version
 
+    @quick
     def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
         with self._lock:
             return self._rollout_version.get(model_tag, 0)
 
+    @quick
     def get_train_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
         with self._lock:
             return self._train_version.get(model_tag, 0)
@@ -82,6 +84,7 @@ class WeightSyncController(NexRLModule):
         """Release the first batch of rollouts (after the initial sync / pre-training validation)."""
         self._release_rollouts(model_tag)
 
+    @quick
     def check_rollout_service_status(
         self, model_tag: ModelTag = DEFAULT_MODEL_TAG
     ) -> Literal["continue", "block"]:
@@ -145,6 +148,7 @@ class WeightSyncController(NexRLModule):
             return True
         return self._validate_at_end and version == self._total_steps
 
+    @quick
     def is_waiting_for_validation(self) -> bool:
         with self._lock:
             return self._waiting_validation is not None
