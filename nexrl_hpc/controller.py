@@ -209,8 +209,9 @@ class NexRLController:
         execute(self.weight_sync_controller.start, self._model_tag)
         execute(self.algorithm_processor.run)
         execute(self.train_worker.run)
-        while True:
-            time.sleep(self._poll_s)
+        seen = -1
+        while True:  # wakes at once on a new version or validation request, else every poll interval
+            seen = execute(self.weight_sync_controller.wait_for_progress, seen, self._poll_s)
             if execute(self.weight_sync_controller.is_waiting_for_validation):
                 tag = execute(self.weight_sync_controller.waiting_validation_model_tag)
                 self._run_validate(tag or self._model_tag)
@@ -236,14 +237,10 @@ class NexRLController:
 
     def _run_validate(self, model_tag: ModelTag) -> None:
         self._start_validate(model_tag)
-        self._wait_until(lambda: execute(self.validator.is_complete))
-        self._end_validate(model_tag)
-
-    def _wait_until(self, condition: Any) -> None:
-        while not condition():
-            time.sleep(self._poll_s)
+        while not execute(self.validator.wait_complete, self._poll_s):
             self._check_module_exceptions()
             self._check_health()
+        self._end_validate(model_tag)
 
     def _start_validate(self, model_tag: ModelTag) -> None:
         execute(self.validator.clear)

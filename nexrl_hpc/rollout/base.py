@@ -14,12 +14,13 @@ import contextvars
 import inspect
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.inference.factory import create_llm_client
@@ -62,7 +63,6 @@ class BaseRolloutWorker(NexRLModule):
         self.num_failed = 0
         self._inflight = 0
         self._put_buffer: dict[int, tuple[Any, list[tuple[Trajectory, asyncio.Future]]]] = {}
-        self._put_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajectory-put")
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
@@ -128,9 +128,11 @@ class BaseRolloutWorker(NexRLModule):
                     slot_freed.clear()
                     await slot_freed.wait()
                     continue
-                tasks, is_validate = await loop.run_in_executor(
-                    fetcher, self._fetch_tasks, free, self._long_poll_s
-                )
+                tasks, is_validate = await asyncio.wrap_future(self._fetch_tasks_now(free))
+                if not tasks:  # nothing ready: wait for work off the loop
+                    tasks, is_validate = await loop.run_in_executor(
+                        fetcher, self._fetch_tasks, free, self._long_poll_s
+                    )
                 if not tasks:
                     continue
                 self._inflight += len(tasks)
@@ -146,6 +148,21 @@ class BaseRolloutWorker(NexRLModule):
                 await asyncio.gather(*groups, return_exceptions=True)
             if hasattr(self._llm_client, "aclose"):
                 await self._llm_client.aclose()
+
+    def _fetch_tasks_now(self, max_items: int) -> Future:
+        """What is ready now, without waiting: (tasks, is_validate) in a future. A local loader
+        answers inline and a remote one over the wire — the event loop never blocks on either."""
+        if self._is_running_validate:
+            request = execute_async(
+                self._validate_dataloader.get_next_items, max_items, 0.0, self._module_name
+            )
+            return _mapped(request, lambda tasks: (tasks, True))
+        if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
+            done: Future = Future()
+            done.set_result(([], False))
+            return done
+        request = execute_async(self._dataloader.get_next_items, max_items, 0.0, self._module_name)
+        return _mapped(request, lambda tasks: (tasks, False))
 
     def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
         if self._is_running_validate:
@@ -242,10 +259,9 @@ class BaseRolloutWorker(NexRLModule):
         destination, items = self._put_buffer.pop(key)
 
         async def send() -> None:
-            loop = asyncio.get_running_loop()
-            try:
-                results = await loop.run_in_executor(
-                    self._put_executor, execute, destination.put_trajectories, [t for t, _ in items]
+            try:  # a local pool answers inline, a remote one over the wire: no thread hop either way
+                results = await asyncio.wrap_future(
+                    execute_async(destination.put_trajectories, [t for t, _ in items])
                 )
             except Exception as exc:
                 for _, future in items:
@@ -301,3 +317,17 @@ class BaseRolloutWorker(NexRLModule):
             trajectory["scores"] = scores
             trajectory["reward"] = float(scores["reward"])
         return trajectory
+
+
+def _mapped(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of ``fn(result)`` (errors pass through)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    future.add_done_callback(done)
+    return out

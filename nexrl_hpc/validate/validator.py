@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -16,6 +17,7 @@ class Validator(NexRLModule):
         super().__init__()
         self._config = config
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._trajectories: list[Trajectory] = []
         self._validate_dataloader: Any = None
 
@@ -25,11 +27,13 @@ class Validator(NexRLModule):
     def put_trajectory(self, trajectory: Trajectory) -> str:
         with self._lock:
             self._trajectories.append(trajectory)
+            self._arrived.notify_all()
         return "success"
 
     def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
         with self._lock:
             self._trajectories.extend(trajectories)
+            self._arrived.notify_all()
         return ["success"] * len(trajectories)
 
     @quick
@@ -45,6 +49,17 @@ class Validator(NexRLModule):
         return execute(self._validate_dataloader.is_finished) and not execute(
             self._validate_dataloader.outstanding
         )
+
+    def wait_complete(self, timeout: float) -> bool:
+        """Long poll for the controller: ``is_complete()``, waiting up to ``timeout`` for it."""
+        deadline = time.monotonic() + timeout
+        while not self.is_complete():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._arrived:  # woken by every arrival; re-checked often for failed tasks
+                self._arrived.wait(min(remaining, 0.02))
+        return True
 
     def compute_metrics(self) -> dict[str, float]:
         with self._lock:

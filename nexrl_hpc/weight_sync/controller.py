@@ -43,6 +43,8 @@ class WeightSyncController(NexRLModule):
         self._batch_items = config["trajectory_pool"]["batch_size"]
         self._inference_services: list[Any] = []
         self._lock = threading.RLock()
+        self._progress = threading.Condition(self._lock)
+        self._events = 0  # bumped on every new version and validation request (see wait_for_progress)
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}
         self._syncing: set[ModelTag] = set()
@@ -68,6 +70,7 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             self._train_version[model_tag] = version
             self._validation_version = version
+            self._bump()
 
     @quick
     def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
@@ -109,8 +112,22 @@ class WeightSyncController(NexRLModule):
             if self._validation_due(new_version):
                 self._waiting_validation = model_tag
                 self._validation_version = new_version
+                self._bump()
                 return  # the next training batch is released by end_validate
         self._release_rollouts(model_tag)
+        with self._lock:
+            self._bump()
+
+    def _bump(self) -> None:
+        self._events += 1
+        self._progress.notify_all()
+
+    def wait_for_progress(self, seen: int, timeout: float) -> int:
+        """Long poll for the controller loop: the event count, as soon as it differs from ``seen``
+        (a new version, a validation request) or after ``timeout``."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._events != seen, timeout)
+            return self._events
 
     def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
         """Publish the trainer's current version; clients hold new requests while the reload runs."""
