@@ -146,6 +146,58 @@ def bench_nexrl(calls: int) -> dict[str, float]:
     return out
 
 
+def bare_echo_server(address: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(address)
+    while True:
+        msg = sock.recv_multipart()
+        if msg[1] == b"stop":
+            break
+        sock.send_multipart(msg)
+    ctx.destroy(linger=0)
+
+
+def bench_bare_zmq(calls: int) -> dict[str, float]:
+    """The floor: one unsigned frame each way between two processes, blocking recv, no decoding."""
+    import socket
+
+    import zmq
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    proc = mp.get_context("spawn").Process(target=bare_echo_server, args=(address,), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"x")
+    sock.recv()
+
+    def call(i: int) -> None:
+        sock.send(b"ping")
+        sock.recv()
+
+    latency = latency_us(call, 2000)
+    t0 = time.perf_counter()
+    window = 256
+    for i in range(calls):
+        sock.send(b"ping")
+        if i >= window:
+            sock.recv()
+    for _ in range(min(calls, window)):
+        sock.recv()
+    rate = calls / (time.perf_counter() - t0)
+    sock.send(b"stop")
+    proc.join(5)
+    ctx.destroy(linger=0)
+    nan = float("nan")
+    return {"latency_us": latency, "calls_per_s": rate, "traj_per_s_single": nan, "traj_per_s_batched": nan}
+
+
 def bench_inprocess(calls: int) -> dict[str, float]:
     echo, pool = Echo(), make_pool()
     out = {
@@ -218,6 +270,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {
         "in-process call": bench_inprocess(args.calls),
+        "bare pyzmq frame, unsigned (2 processes; the floor)": bench_bare_zmq(args.calls),
         "nexrl_hpc RPC (2 processes)": bench_nexrl(args.calls),
     }
     ray_result = bench_ray(args.calls)

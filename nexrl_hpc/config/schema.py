@@ -147,11 +147,18 @@ class ActorConfig(TypedDict):
     optim: OptimConfig
 
 
+class FSDPConfig(TypedDict):
+    param_dtype: Literal["float32", "bfloat16"]
+    reduce_dtype: Literal["float32", "bfloat16"]
+
+
 class TrainServiceConfig(TypedDict):
     backend: Literal["local", "noop"]  # noop: trains nothing (data-path benchmarks)
     model_tag: str
     identifier: str
-    world_size: Annotated[int, Ge(1), Le(1)]
+    world_size: Annotated[int, Ge(1), Le(1)]  # more trainer ranks: with the trainer-group bootstrap
+    engine: Literal["single", "fsdp"]
+    fsdp: FSDPConfig
     num_threads: Annotated[int, Ge(1)]
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16"]

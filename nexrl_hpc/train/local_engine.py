@@ -1,9 +1,12 @@
-"""The ``local`` train backend: one process, one model, the whole PPO/GRPO update.
+"""The ``local`` train backend: the whole PPO/GRPO update on this process's trainer rank(s).
 
 Token-level PPO-clip loss, optional KL to a frozen reference, mini-batches (one optimizer step
 each) split into micro-batches whose gradients accumulate with a mini-batch-wide normaliser,
 grad-norm clipping, AdamW, linear LR warm-up then constant or cosine. A non-finite loss or
 gradient skips that optimizer step and is reported in the metrics (``actor/nan_skipped``).
+The parallelism (one process, or FSDP2 over the trainer ranks) is a ``ParallelStrategy``: every
+rank runs this same code on its slice of each mini-batch, with the same number of forward/backward
+passes (a rank short of rows runs a zero-weighted pass: the collectives must line up).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
 from nexrl_hpc.checkpoint.hf import fsync_path, read_safetensors_dir, write_hf_model_dir
 from nexrl_hpc.models.tiny import load_model
+from nexrl_hpc.train.parallel import ParallelStrategy, create_parallel_strategy, dp_slices
 from nexrl_hpc.train.service import TrainServiceClient
 
 logger = logging.getLogger(__name__)
@@ -77,13 +81,18 @@ class LocalTrainEngine(TrainServiceClient):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.device = torch.device("cpu")
+        self.parallel: ParallelStrategy | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_worker(
         self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
     ) -> None:
-        if world_size != 1:
-            raise ValueError(f"backend=local runs one process; got world_size={world_size}")
+        engine = config_dict["engine"]
+        if engine == "single" and world_size != 1:
+            raise ValueError(
+                f"service.train_service.engine=single runs one process; got world_size={world_size}"
+            )
+        self._world_size = world_size
         self._cfg = config_dict
         torch.set_num_threads(config_dict["num_threads"])
 
@@ -100,10 +109,17 @@ class LocalTrainEngine(TrainServiceClient):
             attn_implementation=cfg["attn_implementation"],
         )
         self.model.train()
-        if cfg["algorithm"]["kl_loss_coef"] > 0:
+        if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        self.parallel = create_parallel_strategy(cfg["engine"], cfg, self.device, self._world_size)
+        if self.parallel.world_size != self._world_size:
+            raise ValueError(
+                f"service.train_service.world_size={self._world_size} but {self.parallel.world_size} "
+                "trainer rank(s) are running"
+            )
+        self.model = self.parallel.wrap(self.model)
         optim = cfg["actor"]["optim"]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -118,6 +134,11 @@ class LocalTrainEngine(TrainServiceClient):
             self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
         )
 
+    def _require_parallel(self) -> ParallelStrategy:
+        if self.parallel is None:
+            raise RuntimeError("init_model must be called before training")
+        return self.parallel
+
     def _require_cfg(self) -> dict[str, Any]:
         if self._cfg is None:
             raise RuntimeError("initialize_worker must be called before init_model")
@@ -127,33 +148,62 @@ class LocalTrainEngine(TrainServiceClient):
     def _to_device(self, tensors: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
+    def _local_rows(self, start: int, end: int) -> tuple[int, int]:
+        """This rank's contiguous share of rows [start, end)."""
+        par = self._require_parallel()
+        lo, hi = dp_slices(end - start, par.world_size)[par.rank]
+        return start + lo, start + hi
+
+    def _passes(self, start: int, end: int, micro: int) -> int:
+        """Forward/backward passes every rank makes over rows [start, end) (the same on all ranks)."""
+        par = self._require_parallel()
+        widest = max(hi - lo for lo, hi in dp_slices(end - start, par.world_size))
+        return max(1, math.ceil(widest / micro))
+
+    def _micro(self, tensors: dict[str, Any], lo: int, hi: int, index: int, micro: int) -> tuple[dict, bool]:
+        """Micro-batch ``index`` of rows [lo, hi); (a stand-in row, False) when this rank has none left."""
+        start = lo + index * micro
+        end = min(start + micro, hi)
+        real = start < end
+        if not real:
+            start, end = 0, 1
+        part = {k: v[start:end] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+        return self._to_device(part), real
+
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
         tensors = batch["batch"]
         n = check_training_batch(tensors, REQUIRED_KEYS)
+        par = self._require_parallel()
         micro = self._require_cfg()["actor"]["ppo_micro_batch_size"]
         was_training = self.model.training
         self.model.eval()
+        lo, hi = self._local_rows(0, n)
         chunks = []
-        for start in range(0, n, micro):
-            part = self._to_device(
-                {k: v[start : start + micro] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-            )
-            chunks.append(response_log_probs(self.model, part).cpu())
+        for i in range(self._passes(0, n, micro)):
+            part, real = self._micro(tensors, lo, hi, i, micro)
+            logp = response_log_probs(self.model, part).cpu()
+            if real:
+                chunks.append(logp)
         self.model.train(was_training)
-        return {"batch": {"old_log_probs": torch.cat(chunks, dim=0)}, "meta_info": {}}
+        r = tensors["responses"].shape[1]
+        local = torch.cat(chunks, dim=0) if chunks else torch.zeros((0, r))
+        counts = [b - a for a, b in dp_slices(n, par.world_size)]
+        return {"batch": {"old_log_probs": par.all_gather_rows(local, counts)}, "meta_info": {}}
 
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         cfg = self._require_cfg()
+        par = self._require_parallel()
         actor = cfg["actor"]
         algo = cfg["algorithm"]
         tensors = batch["batch"]
         n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
-        behaviour = tensors.get("behaviour_log_probs")
+        has_behaviour = "behaviour_log_probs" in tensors
         mini, micro = min(actor["ppo_mini_batch_size"], n), actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
         assert self.optimizer is not None and self.scheduler is not None
-        sums = {"pg_loss": 0.0, "kl_loss": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0, "tokens": 0.0}
+        # per-rank sums: pg_loss, kl_loss, clipfrac, ppo_kl, tokens
+        sums = [0.0, 0.0, 0.0, 0.0, 0.0]
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
@@ -165,16 +215,14 @@ class LocalTrainEngine(TrainServiceClient):
                 normalizer = (
                     float(mask_all.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
                 )
+                lo, hi = self._local_rows(m_start, m_end)
                 self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                for start in range(m_start, m_end, micro):
-                    end = min(start + micro, m_end)
-                    part = self._to_device(
-                        {k: v[start:end] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-                    )
+                for i in range(self._passes(m_start, m_end, micro)):
+                    part, real = self._micro(tensors, lo, hi, i, micro)
+                    weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
                     logp = response_log_probs(self.model, part)
                     mask = part["response_mask"]
-                    if behaviour is not None and steps_done == 0:
+                    if has_behaviour and steps_done == 0 and real:
                         diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
                         mismatch_max = max(mismatch_max, float(diff.max()) if diff.numel() else 0.0)
                     loss, stats = ppo_clip_loss(
@@ -187,7 +235,8 @@ class LocalTrainEngine(TrainServiceClient):
                         agg,
                         normalizer,
                     )
-                    sums["pg_loss"] += float(loss.detach())
+                    pg_value = float(loss.detach())
+                    kl = None
                     if self.ref_model is not None:
                         with torch.no_grad():
                             ref_logp = response_log_probs(self.ref_model, part)
@@ -195,20 +244,15 @@ class LocalTrainEngine(TrainServiceClient):
                             kl_penalty(logp, ref_logp, algo["kl_loss_type"]), mask, agg, normalizer
                         )
                         loss = loss + algo["kl_loss_coef"] * kl
-                        sums["kl_loss"] += float(kl.detach())
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
-                    sums["clipfrac"] += float(stats["clipfrac_sum"])
-                    sums["ppo_kl"] += float(stats["ppo_kl_sum"])
-                    sums["tokens"] += float(stats["tokens"])
-                grad_norm = (
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor["grad_clip"])
-                    if finite
-                    else torch.tensor(float("nan"))
-                )
-                if not finite or not torch.isfinite(grad_norm):
+                    (loss * weight).backward()  # a non-finite loss shows up in the grad norm below
+                    if real:
+                        sums[0] += pg_value
+                        sums[1] += float(kl.detach()) if kl is not None else 0.0
+                        sums[2] += float(stats["clipfrac_sum"])
+                        sums[3] += float(stats["ppo_kl_sum"])
+                        sums[4] += float(stats["tokens"])
+                grad_norm = par.clip_grad_norm(self.model, actor["grad_clip"])  # global over ranks
+                if not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
                     nan_skipped += 1
                     logger.warning("non-finite loss or gradient: optimizer step skipped")
@@ -222,83 +266,95 @@ class LocalTrainEngine(TrainServiceClient):
         ):  # a step whose optimizer steps were all skipped still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
-        tokens = max(sums["tokens"], 1.0)
+        pg_loss, kl_loss, clipfrac, ppo_kl, tokens = par.all_reduce_sum(sums)
+        tokens = max(tokens, 1.0)
         metrics = {
-            "actor/pg_loss": sums["pg_loss"] / steps_done,
-            "actor/kl_loss": sums["kl_loss"] / steps_done,
-            "actor/loss": (sums["pg_loss"] + algo["kl_loss_coef"] * sums["kl_loss"]) / steps_done,
-            "actor/pg_clipfrac": sums["clipfrac"] / tokens,
-            "actor/ppo_kl": sums["ppo_kl"] / tokens,
+            "actor/pg_loss": pg_loss / steps_done,
+            "actor/kl_loss": kl_loss / steps_done,
+            "actor/loss": (pg_loss + algo["kl_loss_coef"] * kl_loss) / steps_done,
+            "actor/pg_clipfrac": clipfrac / tokens,
+            "actor/ppo_kl": ppo_kl / tokens,
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
             "actor/lr": lr,
             "actor/nan_skipped": nan_skipped,
             "actor/optimizer_steps": steps_done - nan_skipped,
         }
-        if behaviour is not None:
-            metrics["actor/logprob_mismatch_max"] = mismatch_max
+        if has_behaviour:
+            metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
         return {"meta_info": {"metrics": metrics}}
 
     # --- weights and checkpoints ----------------------------------------------------------------
-    def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype)
-            for k, v in self.model.state_dict().items()
-        }
+    def _write_model(self, path: str, fsync: bool) -> None:
+        """Gather the full weights to rank 0, which writes the HF-layout directory."""
+        par = self._require_parallel()
+        state = par.full_state_dict(self.model)
+        if par.rank == 0:
+            max_shard = self._require_cfg()["export_max_shard_mb"] << 20
+            write_hf_model_dir(state, self._base_model_dir, path, max_shard, fsync=fsync)
+        par.barrier()
 
     def export_weights(self, path: str) -> None:
-        cfg = self._require_cfg()
-        write_hf_model_dir(
-            self._state_dict(), self._base_model_dir, path, cfg["export_max_shard_mb"] << 20, fsync=False
-        )
+        self._write_model(path, fsync=False)
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
-        cfg = self._require_cfg()
-        write_hf_model_dir(
-            self._state_dict(),
-            self._base_model_dir,
-            os.path.join(local_path, "model"),
-            cfg["export_max_shard_mb"] << 20,
-            fsync=True,
-        )
+        par = self._require_parallel()
+        self._write_model(os.path.join(local_path, "model"), fsync=True)
         if save_weight_only:
             return
         assert self.optimizer is not None and self.scheduler is not None
         opt_dir = os.path.join(local_path, "optimizer")
         os.makedirs(opt_dir, exist_ok=True)
-        path = os.path.join(opt_dir, "rank_0.pt")
+        path = os.path.join(opt_dir, f"rank_{par.rank}.pt")
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": par.optimizer_state(self.model, self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
                 "global_step": global_step,
-                "world_size": 1,
+                "world_size": par.world_size,
+                "engine": self._require_cfg()["engine"],
             },
             path,
         )
         fsync_path(path)
-        fsync_path(opt_dir)
+        par.barrier()
+        if par.rank == 0:
+            fsync_path(opt_dir)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        """Weights load at any world size; optimizer state only at the world size and engine that
+        wrote it (its shards follow that layout) — otherwise the error says so."""
+        par = self._require_parallel()
         model_dir = os.path.join(local_path, "model")
-        state = read_safetensors_dir(model_dir)
-        missing, unexpected = self.model.load_state_dict(
-            {k: v.to(self.device) for k, v in state.items()}, strict=False
-        )
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if unexpected or set(missing) - tied:
-            raise ValueError(
-                f"{model_dir}: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}"
-            )
+        state = read_safetensors_dir(model_dir) if par.rank == 0 else {}
+        if par.rank == 0:
+            expected = set(_plain_state_keys(self.model))
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            missing, unexpected = expected - set(state) - tied, set(state) - expected
+            if missing or unexpected:
+                raise ValueError(
+                    f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+                )
+        par.load_full_state_dict(self.model, state)
         if not load_optimizer:
             return
-        opt_path = os.path.join(local_path, "optimizer", "rank_0.pt")
+        opt_path = os.path.join(local_path, "optimizer", f"rank_{par.rank}.pt")
         if not os.path.exists(opt_path):
             raise FileNotFoundError(
-                f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only?)"
+                f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
+                "or by fewer trainer ranks?)"
             )
-        saved = torch.load(opt_path, map_location="cpu", weights_only=True)
-        if saved.get("world_size", 1) != 1:
-            raise ValueError(f"{opt_path} was written by {saved['world_size']} ranks; backend=local needs 1")
+        saved = torch.load(opt_path, map_location="cpu", weights_only=False)
+        engine = self._require_cfg()["engine"]
+        if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
+            raise ValueError(
+                f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
+                f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+                "resume with the same layout, or load the weights only (load_optimizer=False)"
+            )
         assert self.optimizer is not None and self.scheduler is not None
-        self.optimizer.load_state_dict(saved["optimizer"])
+        par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
+
+
+def _plain_state_keys(model: torch.nn.Module) -> list[str]:
+    return list(model.state_dict().keys())

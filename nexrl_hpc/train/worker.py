@@ -64,6 +64,8 @@ class TrainWorker(NexRLModule):
         return {
             "actor": ts["actor"],
             "algorithm": {k: self._config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
+            "engine": ts["engine"],
+            "fsdp": ts["fsdp"],
             "device": ts["device"],
             "dtype": ts["dtype"],
             "num_threads": ts["num_threads"],

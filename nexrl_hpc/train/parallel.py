@@ -1,0 +1,201 @@
+"""How a train engine spreads one model over its ranks: the parts of a training step that differ.
+
+The PPO update in ``local_engine`` is written once against this interface; a strategy wraps the
+unchanged HF model (torchtitan style) and owns what depends on the parallelism: backward, gradient
+clipping and the optimizer step, full-state-dict gathering and loading, per-rank optimizer state.
+Chosen by ``service.train_service.engine`` through ``create_parallel_strategy``:
+
+- ``single``: one process, plain model and AdamW.
+- ``fsdp``: FSDP2 ``fully_shard`` per decoder layer and at the root over a 1-D device mesh of the
+  trainer ranks (gloo on CPU, NCCL on GPU), mixed precision from the config.
+
+Data parallelism: every rank sees the same mini-batch boundaries and computes its own contiguous
+slice of each one; the loss normaliser is global (computed from the whole mini-batch), and since
+the gradient reduction averages over ranks the per-rank loss is scaled by the world size — so the
+summed gradient equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelStrategy(ABC):
+    rank: int = 0
+    world_size: int = 1
+
+    @abstractmethod
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model to train (sharded or not); its parameters are what the optimizer gets."""
+
+    def loss_scale(self) -> float:
+        """Multiplier of a rank's loss so that the reduced gradient is the whole batch's sum."""
+        return float(self.world_size)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+        return full() if full is not None else norm
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum per-rank metric contributions (identity on one rank)."""
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def all_reduce_max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def all_gather_rows(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Concatenate every rank's rows (rank order); ``counts`` are the rows each rank holds."""
+        if self.world_size == 1:
+            return local
+        width = max(counts)
+        padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)], dim=0)
+
+    @abstractmethod
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0 (CPU, fp32); other ranks get an empty dict."""
+
+    @abstractmethod
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights (given on rank 0; other ranks may pass an empty dict)."""
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+class SingleProcess(ParallelStrategy):
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype)
+            for k, v in model.state_dict().items()
+        }
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        device = next(model.parameters()).device
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
+
+
+class FSDP2(ParallelStrategy):
+    """FSDP2 over every rank of the default process group (one data-parallel dimension)."""
+
+    def __init__(self, device: torch.device, param_dtype: str, reduce_dtype: str):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "service.train_service.engine=fsdp needs torch.distributed initialised on every trainer rank"
+            )
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._device = device
+        self._param_dtype = getattr(torch, param_dtype)
+        self._reduce_dtype = getattr(torch, reduce_dtype)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self._device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype)
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return {}
+        return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            model,
+            state,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP shards one by one (HF causal LMs keep them at ``model.layers``)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def dp_slices(n: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges of ``n`` rows for each rank (sizes differ by at most 1)."""
+    base, extra = divmod(n, world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        size = base + (1 if r < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def create_parallel_strategy(
+    engine: str, cfg: dict[str, Any], device: torch.device, world_size: int
+) -> ParallelStrategy:
+    if engine == "single":
+        return SingleProcess()
+    if engine == "fsdp":
+        if not dist.is_initialized() and world_size == 1:
+            # one trainer rank (local mode, or one trainer rank in an MPI job): a 1-rank group
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        fsdp = cfg["fsdp"]
+        return FSDP2(device, fsdp["param_dtype"], fsdp["reduce_dtype"])
+    raise ValueError(f"service.train_service.engine={engine!r} is not available")
+
+
+def init_trainer_process_group(device: str) -> None:
+    """torch.distributed from the launcher's environment (torchrun / the MPI runtime): NCCL on GPU,
+    gloo on CPU."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+    )

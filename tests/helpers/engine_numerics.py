@@ -1,0 +1,52 @@
+"""Run the train engine on fixed batches and write what it computed (one process or every
+torchrun rank): ``compute_log_prob`` before training, then N ``update_actor`` calls, then the
+exported weights. The FSDP test compares this against the single-process engine.
+
+    python -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR single
+    torchrun --nproc_per_node 2 -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR fsdp
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main() -> None:
+    model_dir, out_dir, engine_name = sys.argv[1:4]
+    updates = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    torch.set_num_threads(1)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.parallel import init_trainer_process_group
+    from nexrl_hpc.train.worker import TrainWorker
+    from tests.conftest import compose_config
+    from tests.test_local_engine import make_batch
+
+    if world_size > 1:
+        init_trainer_process_group("cpu")
+    overrides = [
+        f"service.train_service.engine={engine_name}",
+        "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
+        "service.train_service.actor.ppo_micro_batch_size=3",  # ranks get 4/4 then 3/2 rows: 2 vs 1 passes
+    ]
+    cfg = compose_config(overrides)
+    eng = LocalTrainEngine(model_dir)
+    payload = TrainWorker(cfg, eng).train_service_config()
+    eng.initialize_worker(payload, world_size=world_size)
+    eng.init_model()
+    batches = [make_batch(13, seed=s) for s in range(updates)]
+    logp = eng.compute_log_prob({"batch": dict(batches[0])})["batch"]["old_log_probs"]
+    metrics = [eng.update_actor({"batch": dict(b)})["meta_info"]["metrics"] for b in batches]
+    eng.export_weights(os.path.join(out_dir, "weights"))
+    if eng.parallel.rank == 0:
+        torch.save(logp, os.path.join(out_dir, "logp.pt"))
+        with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f)
+
+
+if __name__ == "__main__":
+    main()
