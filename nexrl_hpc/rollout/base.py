@@ -256,23 +256,15 @@ class BaseRolloutWorker(NexRLModule):
         return await future
 
     def _flush_puts(self, key: int) -> None:
+        """Send what accumulated for one destination in one call: a local pool answers inline, a
+        remote one over the wire (its reply resolves the waiting steps on this loop)."""
         destination, items = self._put_buffer.pop(key)
-
-        async def send() -> None:
-            try:  # a local pool answers inline, a remote one over the wire: no thread hop either way
-                results = await asyncio.wrap_future(
-                    execute_async(destination.put_trajectories, [t for t, _ in items])
-                )
-            except Exception as exc:
-                for _, future in items:
-                    if not future.done():
-                        future.set_exception(exc)
-                return
-            for (_, future), result in zip(items, results):
-                if not future.done():
-                    future.set_result(result)
-
-        asyncio.ensure_future(send())
+        request = execute_async(destination.put_trajectories, [t for t, _ in items])
+        if request.done():
+            _resolve_puts(items, request)
+        else:
+            loop = asyncio.get_running_loop()
+            request.add_done_callback(lambda f: loop.call_soon_threadsafe(_resolve_puts, items, f))
 
     def _get_rollout_task(self) -> dict[str, Any] | None:
         tasks, _ = self._fetch_tasks(1)
@@ -331,3 +323,16 @@ def _mapped(future: Future, fn: Callable[[Any], Any]) -> Future:
 
     future.add_done_callback(done)
     return out
+
+
+def _resolve_puts(items: list[tuple[Trajectory, asyncio.Future]], request: Future) -> None:
+    try:
+        results = request.result()
+    except Exception as exc:
+        for _, future in items:
+            if not future.done():
+                future.set_exception(exc)
+        return
+    for (_, future), result in zip(items, results):
+        if not future.done():
+            future.set_result(result)
