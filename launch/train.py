@@ -67,7 +67,7 @@ def run_controller(config: dict, runtime: object = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    summary = controller.last_validation or {}
+    summary = controller.final_validation()
     print(f"run dir: {controller.run_dir}")
     if summary:
         print("last validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.items())))

@@ -70,6 +70,20 @@ class NexRLController:
         self.exit_reason = ""
 
     # --- public ---------------------------------------------------------------------------------
+    def final_validation(self) -> dict[str, float]:
+        """This session's last validation, or (a resumed run that had nothing left to do) the last
+        one the run logged."""
+        if self.last_validation:
+            return self.last_validation
+        if self.experiment_logger is None:
+            return {}
+        rows = [
+            r
+            for r in read_metrics(self.experiment_logger.metrics_path)
+            if any(k.startswith("val/") for k in r)
+        ]
+        return {k: v for k, v in rows[-1].items() if k.startswith("val/")} if rows else {}
+
     def run(self) -> None:
         """Train to the end; raise ``RunFailed`` (with the reason) if the run cannot go on."""
         try:

@@ -84,6 +84,12 @@ def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path
     assert result["checkpoint"].endswith("global_step_50")
     assert abs(result["accuracy"] - val[-1][1]) <= 0.1
 
+    # the same command again: the run is finished, nothing is added, its last validation is reported
+    again = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["step"] for r in metrics(run_dir) if "train/reward_mean" in r] == list(range(1, 51))
+    assert f"last validation: val/accuracy={val[-1][1]:.4f}" in again.stdout
+
 
 def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "resume"
