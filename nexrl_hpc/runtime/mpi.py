@@ -218,11 +218,20 @@ class MPIRuntime:
                 pass
 
     def release_ranks(self) -> None:
-        """Rank 0 is about to exit (its output flushed): the other ranks may exit now."""
+        """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
+        for the answers: closing the endpoint at once could drop the queued messages."""
         w = self._world
-        for r in range(1, len(w.peers)):
-            if not w.endpoint.is_dead(r):
-                w.endpoint.call_async(r, RPC_MODULE, "release", (), {}, timeout=1.0)
+        futures = [
+            w.endpoint.call_async(r, RPC_MODULE, "release", (), {}, timeout=1.0)
+            for r in range(1, len(w.peers))
+            if not w.endpoint.is_dead(r)
+        ]
+        deadline = time.monotonic() + 1.0
+        for f in futures:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
 
 
 def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
@@ -255,7 +264,7 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
             tracker.heartbeat, world.rank, world.host, world.spec.module_names, world.endpoint.stats()
         ).result(timeout=monitor["health_check"]["timeout"])
 
-    if not _until_rank0_gone(beat, stop, monitor["health_check"]):
+    if not _heartbeat_until(beat, stop, monitor["health_check"]):
         verdict.update(reason="rank 0 stopped answering", code=1)
     if verdict["code"]:
         print(
@@ -265,15 +274,16 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     _stop_modules(modules, monitor["stop_timeout_s"])
     stopped.set()
     if stop.is_set():  # rank 0 is alive and asked: wait for its go (or its end)
-        _until_rank0_gone(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
+        _heartbeat_until(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
     world.endpoint.close()
     return int(verdict["code"])
 
 
-def _until_rank0_gone(
+def _heartbeat_until(
     beat: Callable[[], None], event: threading.Event, health: dict[str, Any], max_s: float | None = None
 ) -> bool:
-    """Heartbeat every interval until ``event`` is set (True) or rank 0 stops answering (False)."""
+    """Heartbeat to rank 0 every interval until ``event`` is set or ``max_s`` passed (True), or
+    rank 0 stops answering (False)."""
     interval, timeout = health["check_interval"], health["timeout"]
     last_ok = start = time.monotonic()
     while not event.wait(interval):
