@@ -61,3 +61,28 @@ def test_fsdp2_on_two_ranks_matches_the_single_process_engine(tiny_model_dir: st
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=1e-6)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
         assert b["actor/optimizer_steps"] == a["actor/optimizer_steps"] == 2
+    for engine in ("single", "fsdp"):
+        resumed = json.loads((tmp_path / engine / "resumed.json").read_text())
+        assert resumed["same_logp"] and resumed["next_update_diff"] == 0.0, (engine, resumed)
+
+
+def test_checkpoint_of_two_fsdp_ranks_loads_weights_anywhere_and_refuses_its_optimizer_elsewhere(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.worker import TrainWorker
+    from tests.conftest import compose_config
+
+    run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
+    ckpt = tmp_path / "fsdp" / "ckpt"
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    eng = LocalTrainEngine(tiny_model_dir)
+    eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
+    eng.init_model()
+    with pytest.raises(ValueError) as err:
+        eng.load_checkpoint(str(ckpt))
+    assert "engine=fsdp on 2 rank(s)" in str(err.value) and "engine=single on 1" in str(err.value)
+    eng.load_checkpoint(str(ckpt), load_optimizer=False)  # the weights load at any world size
+    saved = read_safetensors_dir(str(ckpt / "model"))
+    for k, v in eng.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k

@@ -343,7 +343,7 @@ class LocalTrainEngine(TrainServiceClient):
                 f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
                 "or by fewer trainer ranks?)"
             )
-        saved = torch.load(opt_path, map_location="cpu", weights_only=False)
+        saved = torch.load(opt_path, map_location="cpu", weights_only=True)
         engine = self._require_cfg()["engine"]
         if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
             raise ValueError(

@@ -42,7 +42,29 @@ def main() -> None:
     logp = eng.compute_log_prob({"batch": dict(batches[0])})["batch"]["old_log_probs"]
     metrics = [eng.update_actor({"batch": dict(b)})["meta_info"]["metrics"] for b in batches]
     eng.export_weights(os.path.join(out_dir, "weights"))
+    # a checkpoint, reloaded into a fresh engine of the same layout, gives the same log-probs and
+    # the same next update (weights and optimizer state both restored)
+    ckpt = os.path.join(out_dir, "ckpt")
+    eng.save_checkpoint(ckpt, global_step=updates)
+    fresh = LocalTrainEngine(model_dir)
+    fresh.initialize_worker(payload, world_size=world_size)
+    fresh.init_model()
+    fresh.load_checkpoint(ckpt)
+    probe = make_batch(13, seed=100)
+    same_logp = torch.equal(
+        eng.compute_log_prob({"batch": dict(probe)})["batch"]["old_log_probs"],
+        fresh.compute_log_prob({"batch": dict(probe)})["batch"]["old_log_probs"],
+    )
+    eng.update_actor({"batch": dict(probe)})
+    fresh.update_actor({"batch": dict(probe)})
+    a, b = eng.parallel.full_state_dict(eng.model), fresh.parallel.full_state_dict(fresh.model)
     if eng.parallel.rank == 0:
+        resumed = {
+            "same_logp": same_logp,
+            "next_update_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        }
+        with open(os.path.join(out_dir, "resumed.json"), "w") as f:
+            json.dump(resumed, f)
         torch.save(logp, os.path.join(out_dir, "logp.pt"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
