@@ -151,7 +151,8 @@ class BaseRolloutWorker(NexRLModule):
 
     def _fetch_tasks_now(self, max_items: int) -> Future:
         """What is ready now, without waiting: (tasks, is_validate) in a future. A local loader
-        answers inline and a remote one over the wire — the event loop never blocks on either."""
+        answers inline and a remote one over the wire, so the loop does not wait for the loader;
+        only the weight-sync status check is a (quick) blocking call."""
         if self._is_running_validate:
             request = execute_async(
                 self._validate_dataloader.get_next_items, max_items, 0.0, self._module_name
