@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,15 @@ from nexrl_hpc.data.loader import JsonlDataLoader
 from tests.conftest import CONFIG_DIR, REPO, compose_config
 from tests.test_rpc import attack
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (pip mpich) not installed"),
-]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _mpirun_installed() -> None:
+    """A missing MPI is an install failure (scripts/install.sh --dev installs it), not a skip."""
+    if shutil.which("mpirun") is None:
+        pytest.fail("mpirun not found: install the dev extra (bash scripts/install.sh --dev: mpi4py + mpich)")
+
 
 FAST = [
     "validate.validate_before_train=false",
@@ -96,31 +103,72 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert "last validation" in out, out[-1500:]
 
 
-def start_run(tmp_path: Path, policy: str, steps: int) -> tuple[subprocess.Popen, Path]:
-    run_dir = tmp_path / policy
-    args = [
+def failure_run_args(run_dir: Path, policy: str, steps: int) -> list[str]:
+    """A short run with a fake LLM, 1 s heartbeats and rollout dumps: the failure tests' run."""
+    return [
         f"run_dir={run_dir}", f"train_worker.total_train_steps={steps}", "logger.dump_rollouts=true",
         "service.inference_service.backend=fake", "service.inference_service.fake_latency_ms=150",
         f"runtime_monitor.exception_handling.policy={policy}", "runtime_monitor.health_check.check_interval=1.0",
         "runtime_monitor.health_check.timeout=1.5", "data.batch_size=8", *FAST,
     ]  # fmt: skip
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int = 3, timeout: float = 300) -> None:
+    """Until the run has logged ``steps`` training steps (it must not end before)."""
+    deadline = time.monotonic() + timeout
+    while (
+        not (run_dir / "logs" / "ranks.json").exists()
+        or not (run_dir / "metrics.jsonl").exists()
+        or len([r for r in metrics(run_dir) if "train/reward_mean" in r]) < steps
+    ):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def start_run(tmp_path: Path, policy: str, steps: int) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / policy
     proc = subprocess.Popen(
-        mpirun(4, args),
+        mpirun(4, failure_run_args(run_dir, policy, steps)),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
-    wait_for(run_dir / "logs" / "ranks.json", proc)
-    deadline = time.monotonic() + 300
-    while (
-        not (run_dir / "metrics.jsonl").exists()
-        or len([r for r in metrics(run_dir) if "train/reward_mean" in r]) < 3
-    ):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_steps(run_dir, proc)
     return proc, run_dir
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[float]:
+    """SIGSTOP ``pid`` (a rank that hangs without dying) for the block; yields when it stopped."""
+    stopped_at = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield stopped_at
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # mpirun may already have reaped it
+            pass
+
+
+def assert_trained_as_planned(run_dir: Path, steps: int) -> None:
+    """Every step logged once, and every prompt trained exactly as often as in an uninterrupted run
+    (the rollout dumps of each step against the data order)."""
+    rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    cfg = compose_config(["data.batch_size=8"])
+    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
+    per_step = cfg["trajectory_pool"]["batch_size"]
+    for step in range(1, steps + 1):
+        expected = collections.Counter(
+            (t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step))
+        )
+        with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
+            got = collections.Counter(zip([u.decode() for u in f["uid"][()]], f["epoch"][()].tolist()))
+        assert got == expected, step
 
 
 def declared_dead_at(run_dir: Path, rank: int) -> tuple[float, str]:
@@ -141,35 +189,16 @@ def test_hung_rollout_rank_with_continue_loses_and_doubles_nothing(tmp_path: Pat
     proc, run_dir = start_run(tmp_path, "continue", steps)
     ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
     victim = [r for r in ranks if r["group"] == "rollout"][1]
-    stopped_at = time.time()
-    os.kill(victim["pid"], signal.SIGSTOP)
-    try:
+    with stopped(victim["pid"]) as stopped_at:
         deadline = time.monotonic() + 120
         while os.path.exists(f"/proc/{ranks[0]['pid']}"):  # rank 0 finishes the run and exits
             assert time.monotonic() < deadline, "the run did not finish without the hung rank"
             time.sleep(0.2)
-    finally:
-        try:
-            os.kill(victim["pid"], signal.SIGCONT)  # (mpirun may already have reaped it)
-        except ProcessLookupError:
-            pass
     proc.communicate(timeout=120)
     when, line = declared_dead_at(run_dir, victim["rank"])
     assert when - stopped_at <= 2 * 1.0 + 0.1, line  # within 2x the heartbeat interval
     assert "rollout_worker_1" in line and "inference_service_1" in line
-    rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    # every prompt was trained exactly as planned: the batches match an uninterrupted run's data order
-    cfg = compose_config(["data.batch_size=8"])
-    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
-    per_step = cfg["trajectory_pool"]["batch_size"]
-    for step in range(1, steps + 1):
-        expected = collections.Counter(
-            (t["uid"], t["epoch"]) for t in (reference.get_next_item() for _ in range(per_step))
-        )
-        with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
-            got = collections.Counter(zip([u.decode() for u in f["uid"][()]], f["epoch"][()].tolist()))
-        assert got == expected, step
+    assert_trained_as_planned(run_dir, steps)
 
 
 def test_killed_rollout_rank_with_stop_on_error_stops_every_rank(tmp_path: Path) -> None:
@@ -191,19 +220,12 @@ def test_hung_rollout_rank_with_stop_on_error_stops_the_others_with_the_reason(t
     proc, run_dir = start_run(tmp_path, "stop_on_error", 400)
     ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
     victim = [r for r in ranks if r["group"] == "rollout"][1]
-    stopped_at = time.time()
-    os.kill(victim["pid"], signal.SIGSTOP)
-    try:
+    with stopped(victim["pid"]) as stopped_at:
         deadline = time.monotonic() + 30
         others = [r for r in ranks if r is not victim]
         while any(os.path.exists(f"/proc/{r['pid']}") for r in others):
             assert time.monotonic() < deadline, "ranks still running 30 s after the failure"
             time.sleep(0.2)
-    finally:
-        try:
-            os.kill(victim["pid"], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.time() - stopped_at <= 60
     assert f"rank {victim['rank']} on" in err and "stopped answering" in err and "policy stop_on_error" in err

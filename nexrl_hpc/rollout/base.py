@@ -128,7 +128,7 @@ class BaseRolloutWorker(NexRLModule):
                     slot_freed.clear()
                     await slot_freed.wait()
                     continue
-                tasks, is_validate = await asyncio.wrap_future(self._fetch_tasks_now(free))
+                tasks, is_validate = await asyncio.wrap_future(self._request_tasks(free, 0.0))
                 if not tasks:  # nothing ready: wait for work off the loop
                     tasks, is_validate = await loop.run_in_executor(
                         fetcher, self._fetch_tasks, free, self._long_poll_s
@@ -149,31 +149,25 @@ class BaseRolloutWorker(NexRLModule):
             if hasattr(self._llm_client, "aclose"):
                 await self._llm_client.aclose()
 
-    def _fetch_tasks_now(self, max_items: int) -> Future:
-        """What is ready now, without waiting: (tasks, is_validate) in a future. A local loader
-        answers inline and a remote one over the wire, so the loop does not wait for the loader;
-        only the weight-sync status check is a (quick) blocking call."""
+    def _request_tasks(self, max_items: int, wait_s: float) -> Future:
+        """(tasks, is_validate) in a future; the loader long-polls up to ``wait_s``. A local loader
+        answers inline and a remote one over the wire, so with ``wait_s=0`` the event loop does not
+        wait for the loader (only the weight-sync status check is a quick blocking call)."""
         if self._is_running_validate:
             request = execute_async(
-                self._validate_dataloader.get_next_items, max_items, 0.0, self._module_name
+                self._validate_dataloader.get_next_items, max_items, wait_s, self._module_name
             )
             return _mapped(request, lambda tasks: (tasks, True))
         if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
+            time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
             done: Future = Future()
             done.set_result(([], False))
             return done
-        request = execute_async(self._dataloader.get_next_items, max_items, 0.0, self._module_name)
+        request = execute_async(self._dataloader.get_next_items, max_items, wait_s, self._module_name)
         return _mapped(request, lambda tasks: (tasks, False))
 
     def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
-        if self._is_running_validate:
-            return execute(
-                self._validate_dataloader.get_next_items, max_items, wait_s, self._module_name
-            ), True
-        if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
-            time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
-            return [], False
-        return execute(self._dataloader.get_next_items, max_items, wait_s, self._module_name), False
+        return self._request_tasks(max_items, wait_s).result()
 
     async def _run_group(
         self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event

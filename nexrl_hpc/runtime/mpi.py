@@ -203,10 +203,20 @@ class MPIRuntime:
         The ranks stay up after replying, until ``release_ranks``: mpich's mpirun kills every rank
         still running once one exits without MPI_Finalize, so rank 0 must be the first to go.
         """
+        self._call_live_ranks(
+            "shutdown", (reason, exit_code), self._config["runtime_monitor"]["stop_timeout_s"]
+        )
+
+    def release_ranks(self) -> None:
+        """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
+        for the answers: closing the endpoint at once could drop the queued messages."""
+        self._call_live_ranks("release", (), 1.0)
+
+    def _call_live_ranks(self, builtin: str, args: tuple, timeout: float) -> None:
+        """Call a rank built-in on every rank not declared dead; wait up to ``timeout`` for all."""
         w = self._world
-        timeout = self._config["runtime_monitor"]["stop_timeout_s"]
         futures = [
-            w.endpoint.call_async(r, RPC_MODULE, "shutdown", (reason, exit_code), {}, timeout=timeout)
+            w.endpoint.call_async(r, RPC_MODULE, builtin, args, {}, timeout=timeout)
             for r in range(1, len(w.peers))
             if not w.endpoint.is_dead(r)
         ]
@@ -215,23 +225,7 @@ class MPIRuntime:
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:
-                pass
-
-    def release_ranks(self) -> None:
-        """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
-        for the answers: closing the endpoint at once could drop the queued messages."""
-        w = self._world
-        futures = [
-            w.endpoint.call_async(r, RPC_MODULE, "release", (), {}, timeout=1.0)
-            for r in range(1, len(w.peers))
-            if not w.endpoint.is_dead(r)
-        ]
-        deadline = time.monotonic() + 1.0
-        for f in futures:
-            try:
-                f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
+                pass  # a rank that does not answer is gone or going: nothing more to tell it
 
 
 def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:

@@ -327,7 +327,7 @@ class LocalTrainEngine(TrainServiceClient):
         model_dir = os.path.join(local_path, "model")
         state = read_safetensors_dir(model_dir) if par.rank == 0 else {}
         if par.rank == 0:
-            expected = set(_plain_state_keys(self.model))
+            expected = set(self.model.state_dict())
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
             missing, unexpected = expected - set(state) - tied, set(state) - expected
             if missing or unexpected:
@@ -354,7 +354,3 @@ class LocalTrainEngine(TrainServiceClient):
         assert self.optimizer is not None and self.scheduler is not None
         par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
-
-
-def _plain_state_keys(model: torch.nn.Module) -> list[str]:
-    return list(model.state_dict().keys())
