@@ -119,15 +119,18 @@ class LocalTrainEngine(TrainServiceClient):
                 f"service.train_service.world_size={self._world_size} but {self.parallel.world_size} "
                 "trainer rank(s) are running"
             )
-        self.model = self.parallel.wrap(self.model)
         optim = cfg["actor"]["optim"]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim["lr"],
-            betas=tuple(optim["betas"]),
-            eps=optim["eps"],
-            weight_decay=optim["weight_decay"],
-        )
+
+        def make_optimizer(params: Any) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(
+                params,
+                lr=optim["lr"],
+                betas=tuple(optim["betas"]),
+                eps=optim["eps"],
+                weight_decay=optim["weight_decay"],
+            )
+
+        self.model, self.optimizer = self.parallel.setup(self.model, make_optimizer)
         warmup, schedule = optim["lr_warmup_steps"], optim["lr_scheduler"]
         total, min_ratio = cfg["total_training_steps"], optim["min_lr_ratio"]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -144,62 +147,109 @@ class LocalTrainEngine(TrainServiceClient):
             raise RuntimeError("initialize_worker must be called before init_model")
         return self._cfg
 
-    # --- compute --------------------------------------------------------------------------------
-    def _to_device(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    # --- how a batch is split over the trainer ranks --------------------------------------------
+    def plan_batch(
+        self, operation: str, tensors: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Split a whole batch for the trainer ranks: (plan, one shard per rank).
 
-    def _local_rows(self, start: int, end: int) -> tuple[int, int]:
-        """This rank's contiguous share of rows [start, end)."""
-        par = self._require_parallel()
-        lo, hi = dp_slices(end - start, par.world_size)[par.rank]
-        return start + lo, start + hi
+        Every mini-batch (for ``compute_log_prob`` the whole batch is one) is cut into contiguous
+        per-rank slices; a rank's shard is its slices one after another. The plan, the same for
+        every rank, holds what a rank cannot see from its shard: each mini-batch's rows per rank,
+        its global loss normaliser and the number of forward/backward passes (equal on all ranks
+        so that the collectives line up). Rank 0 of a trainer group calls this and scatters.
+        """
+        cfg = self._require_cfg()
+        actor = cfg["actor"]
+        world = self._world_size
+        if operation == "compute_log_prob":
+            n = check_training_batch(tensors, REQUIRED_KEYS)
+            bounds = [(0, n)]
+        elif operation == "update_actor":
+            n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
+            mini = min(actor["ppo_mini_batch_size"], n)
+            bounds = [(m, min(m + mini, n)) for m in range(0, n, mini)]
+        else:
+            raise ValueError(f"no batch plan for operation {operation!r}")
+        micro = actor["ppo_micro_batch_size"]
+        agg = actor["loss_agg_mode"]
+        counts, normalizers, passes = [], [], []
+        rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        for m_start, m_end in bounds:
+            slices = dp_slices(m_end - m_start, world)
+            counts.append([hi - lo for lo, hi in slices])
+            passes.append(max(1, math.ceil(max(counts[-1]) / micro)))
+            mask = tensors["response_mask"][m_start:m_end]
+            normalizers.append(
+                float(mask.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
+            )
+            for r, (lo, hi) in enumerate(slices):
+                rows[r].append((m_start + lo, m_start + hi))
+        shards = []
+        for r in range(world):
+            index = torch.cat([torch.arange(lo, hi) for lo, hi in rows[r]])
+            if index.numel() == 0:  # no real rows: one stand-in row for the zero-weighted passes
+                index = torch.zeros(1, dtype=torch.long)
+            shards.append(
+                {k: v.index_select(0, index) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+            )
+        plan = {
+            "operation": operation,
+            "rows": n,
+            "counts": counts,
+            "normalizers": normalizers,
+            "passes": passes,
+        }
+        return plan, shards
 
-    def _passes(self, start: int, end: int, micro: int) -> int:
-        """Forward/backward passes every rank makes over rows [start, end) (the same on all ranks)."""
-        par = self._require_parallel()
-        widest = max(hi - lo for lo, hi in dp_slices(end - start, par.world_size))
-        return max(1, math.ceil(widest / micro))
-
-    def _micro(self, tensors: dict[str, Any], lo: int, hi: int, index: int, micro: int) -> tuple[dict, bool]:
-        """Micro-batch ``index`` of rows [lo, hi); (a stand-in row, False) when this rank has none left."""
+    def _micro(self, shard: dict[str, Any], lo: int, hi: int, index: int, micro: int) -> tuple[dict, bool]:
+        """Micro-batch ``index`` of shard rows [lo, hi); (a stand-in row, False) when this rank has none left."""
         start = lo + index * micro
         end = min(start + micro, hi)
         real = start < end
         if not real:
             start, end = 0, 1
-        part = {k: v[start:end] for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-        return self._to_device(part), real
+        part = {k: v[start:end].to(self.device) for k, v in shard.items() if isinstance(v, torch.Tensor)}
+        return part, real
 
-    @torch.no_grad()
+    # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
-        tensors = batch["batch"]
-        n = check_training_batch(tensors, REQUIRED_KEYS)
+        par = self._require_parallel()
+        plan, shards = self.plan_batch("compute_log_prob", batch["batch"])
+        local = self.compute_log_prob_shard(shards[par.rank], plan)
+        return {"batch": {"old_log_probs": par.all_gather_rows(local, plan["counts"][0])}, "meta_info": {}}
+
+    def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
+        par = self._require_parallel()
+        plan, shards = self.plan_batch("update_actor", batch["batch"])
+        return {"meta_info": {"metrics": self.update_actor_shard(shards[par.rank], plan)}}
+
+    # --- compute on this rank's shard -----------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_prob_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> torch.Tensor:
+        """Log-probs of this rank's real rows, [rows, R]."""
         par = self._require_parallel()
         micro = self._require_cfg()["actor"]["ppo_micro_batch_size"]
         was_training = self.model.training
         self.model.eval()
-        lo, hi = self._local_rows(0, n)
+        rows = plan["counts"][0][par.rank]
         chunks = []
-        for i in range(self._passes(0, n, micro)):
-            part, real = self._micro(tensors, lo, hi, i, micro)
+        for i in range(plan["passes"][0]):
+            part, real = self._micro(shard, 0, rows, i, micro)
             logp = response_log_probs(self.model, part).cpu()
             if real:
                 chunks.append(logp)
         self.model.train(was_training)
-        r = tensors["responses"].shape[1]
-        local = torch.cat(chunks, dim=0) if chunks else torch.zeros((0, r))
-        counts = [b - a for a, b in dp_slices(n, par.world_size)]
-        return {"batch": {"old_log_probs": par.all_gather_rows(local, counts)}, "meta_info": {}}
+        return torch.cat(chunks, dim=0) if chunks else torch.zeros((0, shard["responses"].shape[1]))
 
-    def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def update_actor_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+        """One training step over this rank's shard; the metrics are global (reduced over ranks)."""
         cfg = self._require_cfg()
         par = self._require_parallel()
         actor = cfg["actor"]
         algo = cfg["algorithm"]
-        tensors = batch["batch"]
-        n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
-        has_behaviour = "behaviour_log_probs" in tensors
-        mini, micro = min(actor["ppo_mini_batch_size"], n), actor["ppo_micro_batch_size"]
+        has_behaviour = "behaviour_log_probs" in shard
+        micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
         assert self.optimizer is not None and self.scheduler is not None
         # per-rank sums: pg_loss, kl_loss, clipfrac, ppo_kl, tokens
@@ -209,16 +259,12 @@ class LocalTrainEngine(TrainServiceClient):
         mismatch_max = 0.0
         steps_done = 0
         for _ in range(actor["ppo_epochs"]):
-            for m_start in range(0, n, mini):
-                m_end = min(m_start + mini, n)
-                mask_all = tensors["response_mask"][m_start:m_end]
-                normalizer = (
-                    float(mask_all.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
-                )
-                lo, hi = self._local_rows(m_start, m_end)
-                self.optimizer.zero_grad(set_to_none=True)
-                for i in range(self._passes(m_start, m_end, micro)):
-                    part, real = self._micro(tensors, lo, hi, i, micro)
+            lo = 0
+            for counts, normalizer, passes in zip(plan["counts"], plan["normalizers"], plan["passes"]):
+                hi = lo + counts[par.rank]
+                par.zero_grad(self.model, self.optimizer)
+                for i in range(passes):
+                    part, real = self._micro(shard, lo, hi, i, micro)
                     weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
                     logp = response_log_probs(self.model, part)
                     mask = part["response_mask"]
@@ -244,22 +290,21 @@ class LocalTrainEngine(TrainServiceClient):
                             kl_penalty(logp, ref_logp, algo["kl_loss_type"]), mask, agg, normalizer
                         )
                         loss = loss + algo["kl_loss_coef"] * kl
-                    (loss * weight).backward()  # a non-finite loss shows up in the grad norm below
+                    # a non-finite loss shows up in the grad norm of the step
+                    par.backward(self.model, loss * weight, last_in_step=i == passes - 1)
                     if real:
                         sums[0] += pg_value
                         sums[1] += float(kl.detach()) if kl is not None else 0.0
                         sums[2] += float(stats["clipfrac_sum"])
                         sums[3] += float(stats["ppo_kl_sum"])
                         sums[4] += float(stats["tokens"])
-                grad_norm = par.clip_grad_norm(self.model, actor["grad_clip"])  # global over ranks
-                if not torch.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
+                grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
+                if not stepped:
                     nan_skipped += 1
                     logger.warning("non-finite loss or gradient: optimizer step skipped")
-                else:
-                    self.optimizer.step()
-                grad_norms.append(float(grad_norm))
+                grad_norms.append(grad_norm)
                 steps_done += 1
+                lo = hi
         lr = self.scheduler.get_last_lr()[0]
         with (
             warnings.catch_warnings()
@@ -281,7 +326,7 @@ class LocalTrainEngine(TrainServiceClient):
         }
         if has_behaviour:
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
-        return {"meta_info": {"metrics": metrics}}
+        return metrics
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def _write_model(self, path: str, fsync: bool) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,6 +33,34 @@ class ParallelStrategy(ABC):
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model to train (sharded or not); its parameters are what the optimizer gets."""
+
+    def setup(
+        self,
+        model: torch.nn.Module,
+        make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Wrap the model and build its optimizer (an engine like DeepSpeed does both at once)."""
+        model = self.wrap(model)
+        return model, make_optimizer(model.parameters())
+
+    def zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, model: torch.nn.Module, loss: torch.Tensor, last_in_step: bool) -> None:
+        """Accumulate ``loss``'s gradient; ``last_in_step`` marks the last micro-batch before the
+        optimizer step (engines that reduce gradients at that boundary need to know)."""
+        loss.backward()
+
+    def step(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+    ) -> tuple[float, bool]:
+        """Clip to ``max_norm`` and step; (global grad norm, stepped). A non-finite norm skips the step."""
+        norm = self.clip_grad_norm(model, max_norm)
+        if not torch.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            return float(norm), False
+        optimizer.step()
+        return float(norm), True
 
     def loss_scale(self) -> float:
         """Multiplier of a rank's loss so that the reduced gradient is the whole batch's sum."""
