@@ -329,6 +329,8 @@ class NexRLController:
                 try:
                     if set(dead["modules"]) & set(self.activity_tracker.registered_modules()):
                         self._lose_modules(dead["modules"], reason)
+                    elif self.runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
+                        raise RunFailed(f"{reason}: the trainer group cannot train without it")
                 finally:
                     self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
             assert self.activity_tracker is not None

@@ -139,6 +139,34 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "service.inference_service.model_tag",
         "must equal service.train_service.model_tag (one policy model)",
     )
+    check(
+        lambda: g("service.train_service.backend") != "direct-zmq" or bool(g("service.train_service.url")),
+        "service.train_service.url",
+        "backend=direct-zmq needs the API server's URL (python -m launch.train_service)",
+    )
+    check(
+        lambda: (
+            g("service.train_service.world_size") == 1
+            or g("launch_mode") == "mpi"
+            or g("service.train_service.backend") != "local"
+        ),
+        "service.train_service.world_size",
+        "more than one trainer rank needs launch_mode=mpi (trainer ranks in the job) or backend=direct-zmq "
+        "(a standalone service)",
+    )
+    check(
+        lambda: g("service.train_service.engine") != "single" or g("service.train_service.world_size") == 1,
+        "service.train_service.engine",
+        "engine=single runs one process: use fsdp or deepspeed for world_size > 1",
+    )
+    check(
+        lambda: (
+            g("service.train_service.config.zmq_recv_timeout_ms")
+            <= g("service.train_service.config.zmq_total_timeout_ms")
+        ),
+        "service.train_service.config.zmq_recv_timeout_ms",
+        "must not exceed service.train_service.config.zmq_total_timeout_ms",
+    )
     if g_safe(cfg, "model.path") is None:
         check(
             lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,

@@ -152,11 +152,23 @@ class FSDPConfig(TypedDict):
     reduce_dtype: Literal["float32", "bfloat16"]
 
 
+class TrainServiceTimeouts(TypedDict):
+    zmq_recv_timeout_ms: Annotated[int, Ge(1)]
+    zmq_total_timeout_ms: Annotated[int, Ge(1)]
+
+
 class TrainServiceConfig(TypedDict):
-    backend: Literal["local", "noop"]  # noop: trains nothing (data-path benchmarks)
+    backend: Literal["local", "noop", "direct-zmq"]  # noop: trains nothing (data-path benchmarks)
+    url: str | None
+    token_env: str
     model_tag: str
     identifier: str
-    world_size: Annotated[int, Ge(1), Le(1)]  # more trainer ranks: with the trainer-group bootstrap
+    world_size: Annotated[int, Ge(1)]
+    config: TrainServiceTimeouts
+    connect_timeout_s: Annotated[float, Gt(0.0)]
+    heartbeat_timeout_s: Annotated[float, Gt(0.0)]
+    collective_timeout_s: Annotated[float, Gt(0.0)]
+    idle_tick_s: Annotated[float, Gt(0.0)]
     engine: Literal["single", "fsdp"]
     fsdp: FSDPConfig
     num_threads: Annotated[int, Ge(1)]

@@ -48,6 +48,9 @@ class LocalRuntime:
     def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
         return []
 
+    def is_trainer_rank(self, rank: int) -> bool:
+        return False
+
     def retire_rank(self, rank: int, reason: str) -> None:
         raise RuntimeError("local mode has no ranks")
 

@@ -29,7 +29,7 @@ from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute_async
 from nexrl_hpc.rpc.endpoint import RPC_MODULE, RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
-from nexrl_hpc.runtime.placement import Placement, RankSpec, plan_placement
+from nexrl_hpc.runtime.placement import TRAINER_GROUP, Placement, RankSpec, plan_placement
 from nexrl_hpc.runtime.roles import RunContext, build_module, role_class
 from nexrl_hpc.types import NexRLRole
 
@@ -68,6 +68,13 @@ class MPIWorld:
     directory: Directory
     host: str
     peers: list[dict[str, Any]]
+    key: bytes
+    trainer: Any = None  # this rank's TrainerRank when it is a trainer rank
+
+    def trainer_group(self) -> tuple[str, bytes] | None:
+        """(trainer rank 0's address, job key) if the job has trainer ranks."""
+        address = next((p["trainer_address"] for p in self.peers if p.get("trainer_address")), None)
+        return (address, self.key) if address else None
 
 
 def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
@@ -98,12 +105,70 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
     directory = Directory(rank, endpoint, registry, locations)
     directory_box.append(directory)
     host = socket.gethostname()
+    trainer = None
+    names = spec.module_names
+    if spec.group == TRAINER_GROUP:
+        trainer = start_trainer_rank(config, group_comm, interface_address(rpc["interface"]), key)
+        names = [f"trainer_rank_{spec.instance}"]
     peers = comm.allgather(
-        {"address": endpoint.address, "host": host, "pid": os.getpid(), "modules": spec.module_names}
+        {
+            "address": endpoint.address,
+            "host": host,
+            "pid": os.getpid(),
+            "modules": names,
+            "trainer_address": trainer.address if trainer is not None else None,
+        }
     )
     endpoint.connect({r: p["address"] for r, p in enumerate(peers)})
     registry.add_builtin("ping", lambda: True)
-    return MPIWorld(comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers)
+    return MPIWorld(
+        comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers, key, trainer
+    )
+
+
+def start_trainer_rank(config: RLTrainConfig, group_comm: Any, host: str, key: bytes) -> Any:
+    """torch.distributed over the trainer group (its rendezvous address exchanged over MPI), then
+    this rank's TrainerRank (rank 0 binds the socket the train worker sends batches to)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.trainer_rank import TrainerRank
+
+    ts = config["service"]["train_service"]
+    grank, size = group_comm.Get_rank(), group_comm.Get_size()
+    local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
+    if grank == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    rendezvous = group_comm.bcast(f"tcp://{host}:{port}" if grank == 0 else None, root=0)
+    os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
+    if ts["device"] == "cuda":
+        torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(
+        "nccl" if ts["device"] == "cuda" else "gloo",
+        init_method=rendezvous,
+        rank=grank,
+        world_size=size,
+        timeout=timedelta(seconds=ts["collective_timeout_s"]),
+    )
+    return TrainerRank(
+        LocalTrainEngine(),
+        torch.device(ts["device"]),
+        key,
+        host=host,
+        max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
+        idle_tick_s=ts["idle_tick_s"],
+    )
+
+
+def _comm_type_shared() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
 
 
 def _build_rank_modules(
@@ -111,7 +176,7 @@ def _build_rank_modules(
 ) -> list[Any]:
     modules = []
     for name, role in zip(world.spec.module_names, world.spec.roles):
-        module = build_module(role, config, ctx)
+        module = build_module(role, config, ctx, world.trainer_group())
         module.set_module_name(name)
         module.set_activity_tracker(proxy)
         world.registry.add(name, module)
@@ -175,6 +240,9 @@ class MPIRuntime:
     def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
         tracker = self._world.registry.get(TRACKER)
         return [r for r in tracker.silent_ranks(timeout) if not self._world.endpoint.is_dead(r["rank"])]
+
+    def is_trainer_rank(self, rank: int) -> bool:
+        return self._world.placement.ranks[rank].group == TRAINER_GROUP
 
     def retire_rank(self, rank: int, reason: str) -> None:
         self._world.endpoint.fail_peer(rank, reason)
@@ -252,25 +320,46 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     world.registry.add_builtin("release", lambda: released.set())
     modules = _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
     world.comm.barrier()
+    names = world.peers[world.rank]["modules"]
+    trainer_stop = threading.Event()
+    trainer_thread = None
+    if world.trainer is not None:
+        trainer_thread = threading.Thread(
+            target=_serve_trainer, args=(world.trainer, trainer_stop), name="trainer-rank", daemon=True
+        )
+        trainer_thread.start()
 
     def beat() -> None:
-        execute_async(
-            tracker.heartbeat, world.rank, world.host, world.spec.module_names, world.endpoint.stats()
-        ).result(timeout=monitor["health_check"]["timeout"])
+        stats = dict(world.endpoint.stats())
+        if world.trainer is not None:
+            stats["rejected"] += world.trainer.rejected
+        execute_async(tracker.heartbeat, world.rank, world.host, names, stats).result(
+            timeout=monitor["health_check"]["timeout"]
+        )
 
     if not _heartbeat_until(beat, stop, monitor["health_check"]):
         verdict.update(reason="rank 0 stopped answering", code=1)
     if verdict["code"]:
         print(
-            f"error: rank {world.rank} ({', '.join(world.spec.module_names)}) stopping: {verdict['reason']}",
+            f"error: rank {world.rank} ({', '.join(names)}) stopping: {verdict['reason']}",
             file=sys.stderr,
         )
     _stop_modules(modules, monitor["stop_timeout_s"])
+    if trainer_thread is not None:  # trainer rank 0 stops and tells the other trainer ranks to
+        trainer_stop.set()
+        trainer_thread.join(monitor["stop_timeout_s"])
     stopped.set()
     if stop.is_set():  # rank 0 is alive and asked: wait for its go (or its end)
         _heartbeat_until(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
     world.endpoint.close()
     return int(verdict["code"])
+
+
+def _serve_trainer(trainer: Any, stop: threading.Event) -> None:
+    try:
+        trainer.serve(stop)
+    except Exception as exc:  # the group broke (a trainer rank died): rank 0's clients get the error
+        logger.error("trainer rank %d: trainer group broke: %s", trainer.rank, exc)
 
 
 def _heartbeat_until(

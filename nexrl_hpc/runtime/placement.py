@@ -3,10 +3,11 @@
 A colocation group is a set of roles that share one process; each of its ``count`` instances is one
 rank. Rules (seed 003): every role in a group has the same count; a role without a group gets its
 own ranks; unknown roles are errors. ``mode: auto`` puts the driver roles (loaders, pools,
-processor, weight sync, validator — and the controller and activity tracker) on rank 0,
-``service.train_service.world_size`` trainer ranks next, and every remaining rank becomes a rollout
-rank (rollout worker + its inference service). Rank 0 is always instance 0 of the group that holds
-the data loader.
+processor, weight sync, validator, train worker — and the controller and activity tracker) on
+rank 0, ``service.train_service.world_size`` trainer ranks next (in both modes: a group hosting no
+module, the torch.distributed group the train worker drives), and every remaining rank becomes a
+rollout rank (rollout worker + its inference service). Rank 0 is always instance 0 of the group
+that holds the data loader.
 """
 
 from __future__ import annotations
@@ -159,9 +160,23 @@ def check_groups(groups: list[GroupSpec], problems: list[ConfigProblem]) -> None
         )
 
 
+def trainer_rank_count(config: Mapping[str, Any]) -> int:
+    """Ranks of the job's own trainer group (seed 002 embedded): none when training happens elsewhere."""
+    ts = config["service"]["train_service"]
+    return ts["world_size"] if ts["backend"] == "local" else 0
+
+
+def trainer_group(config: Mapping[str, Any]) -> list[GroupSpec]:
+    count = trainer_rank_count(config)
+    if count == 0:
+        return []
+    res = config["placement"]["resources"].get(TRAINER_GROUP, {})
+    return [GroupSpec(TRAINER_GROUP, [], count, res.get("cpus_per_rank", 1), res.get("gpus_per_rank", 0))]
+
+
 def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
     resources = config["placement"]["resources"]
-    trainer_ranks = config["service"]["train_service"]["world_size"]
+    trainer_ranks = trainer_rank_count(config)
     rollout_ranks = world_size - 1 - trainer_ranks
     if rollout_ranks < 1:
         raise PlacementError(
@@ -179,10 +194,10 @@ def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
         r = resources.get(name, {})
         return r.get("cpus_per_rank", 1), r.get("gpus_per_rank", 0)
 
-    driver = [r for r in SINGLETON_ROLES if r != NexRLRole.TRAIN_WORKER]
     return [
-        GroupSpec(DRIVER_GROUP, driver, 1, *res(DRIVER_GROUP)),
-        GroupSpec(TRAINER_GROUP, [NexRLRole.TRAIN_WORKER], trainer_ranks, *res(TRAINER_GROUP)),
+        # the train worker drives the trainer group from the driver rank (seed 002's client)
+        GroupSpec(DRIVER_GROUP, list(SINGLETON_ROLES), 1, *res(DRIVER_GROUP)),
+        *trainer_group(config),
         GroupSpec(
             ROLLOUT_GROUP,
             [NexRLRole.ROLLOUT_WORKER, NexRLRole.INFERENCE_SERVICE],
@@ -199,6 +214,15 @@ def plan_placement(config: Mapping[str, Any], world_size: int) -> Placement:
         groups = auto_groups(config, world_size)
     else:
         groups = manual_groups(config["placement"], problems)
+        if any(g.name == TRAINER_GROUP for g in groups) and trainer_rank_count(config):
+            problems.append(
+                ConfigProblem(
+                    "placement.roles",
+                    f"colocation group {TRAINER_GROUP!r} is the trainer ranks' (service.train_service.world_size); "
+                    "name yours differently",
+                )
+            )
+        groups += trainer_group(config)
     check_groups(groups, problems)
     if problems:
         raise PlacementError(problems)

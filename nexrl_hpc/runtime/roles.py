@@ -77,7 +77,10 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
     raise ValueError(f"unknown role {role}")
 
 
-def build_module(role: NexRLRole, config: RLTrainConfig, ctx: RunContext) -> Any:
+def build_module(
+    role: NexRLRole, config: RLTrainConfig, ctx: RunContext, trainer_group: tuple[str, bytes] | None = None
+) -> Any:
+    """``trainer_group``: (address of trainer rank 0, job key) when the job runs its own trainer ranks."""
     cls = role_class(role, config)
     if role == NexRLRole.DATA_LOADER:
         return cls(config["data"], is_validate=False, data_files=ctx.train_files)
@@ -88,7 +91,8 @@ def build_module(role: NexRLRole, config: RLTrainConfig, ctx: RunContext) -> Any
     if role == NexRLRole.TRAIN_WORKER:
         from nexrl_hpc.train.service import create_train_service_client
 
-        return cls(config, create_train_service_client(config, ctx.base_model_dir))
+        address, key = trainer_group if trainer_group is not None else (None, None)
+        return cls(config, create_train_service_client(config, ctx.base_model_dir, address, key))
     if role == NexRLRole.INFERENCE_SERVICE:
         return cls(config, ctx.base_model_dir, ctx.run_dir)
     return cls(config)

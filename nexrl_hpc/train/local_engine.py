@@ -73,8 +73,9 @@ def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: floa
 
 
 class LocalTrainEngine(TrainServiceClient):
-    def __init__(self, base_model_dir: str):
+    def __init__(self, base_model_dir: str | None = None, engine: str | None = None):
         self._base_model_dir = base_model_dir
+        self._engine = engine  # a standalone worker's --backend: overrides the client's choice
         self._cfg: dict[str, Any] | None = None
         self.model: Any = None
         self.ref_model: Any = None
@@ -87,6 +88,8 @@ class LocalTrainEngine(TrainServiceClient):
     def initialize_worker(
         self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
     ) -> None:
+        if self._engine is not None:
+            config_dict = dict(config_dict, engine=self._engine)
         engine = config_dict["engine"]
         if engine == "single" and world_size != 1:
             raise ValueError(
@@ -94,6 +97,8 @@ class LocalTrainEngine(TrainServiceClient):
             )
         self._world_size = world_size
         self._cfg = config_dict
+        if config_dict.get("model_path"):  # trainer ranks of a service learn the model from the client
+            self._base_model_dir = config_dict["model_path"]
         torch.set_num_threads(config_dict["num_threads"])
 
     def init_model(self) -> None:
@@ -102,6 +107,8 @@ class LocalTrainEngine(TrainServiceClient):
             raise RuntimeError("service.train_service.device=cuda but no CUDA device is visible")
         self.device = torch.device(cfg["device"])
         dtype = getattr(torch, cfg["dtype"])
+        if self._base_model_dir is None:
+            raise ValueError("initialize_worker: no model_path in the config and no base model given")
         self.model = load_model(
             self._base_model_dir,
             dtype=dtype,

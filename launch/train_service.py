@@ -1,0 +1,44 @@
+"""The standalone train-service API server (seed 002):
+
+    NEXRL_TRAIN_SERVICE_TOKEN=... python -m launch.train_service --host 127.0.0.1 --port 8000
+
+Binds loopback unless told otherwise; refuses to start without a bearer token (from the
+environment variable named by ``--token-env``). Worker groups register themselves:
+``torchrun --nproc_per_node=N -m launch.train_worker --api-server-url URL --identifier ID``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.train_service", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN", help="environment variable with the token"
+    )
+    p.add_argument("--heartbeat-timeout-s", type=float, default=15.0, help="a rank silent this long is dead")
+    p.add_argument("--relay-timeout-s", type=float, default=3600.0, help="longest wait for rank 0's answer")
+    p.add_argument("--max-message-mb", type=int, default=64, help="largest relayed answer")
+    args = p.parse_args(argv)
+    token = os.environ.get(args.token_env, "")
+    if not token:
+        print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
+    import uvicorn
+
+    from nexrl_hpc.train.api_server import create_app
+
+    app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

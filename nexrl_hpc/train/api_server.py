@@ -1,0 +1,211 @@
+"""The standalone train-service API server (seed 002): worker groups, execute signals, heartbeats.
+
+Training data never passes through here: clients send batches to trainer rank 0 over ZMQ. The
+server keeps, per identifier (``student``, ``teacher``, ...), the group's size, each rank's endpoint,
+host, pid and last heartbeat; it relays ``execute`` and the batch-less operations (initialize,
+init_model, save/load checkpoint, export) to rank 0 over ZMQ, signed with the key derived from the
+bearer token. Every endpoint requires ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel
+
+from nexrl_hpc.rpc.wire import RejectedMessage
+from nexrl_hpc.train.protocol import SignedChannel, key_from_token
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerGroup:
+    identifier: str
+    world_size: int
+    endpoints: dict[int, str | None] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    last_seen: dict[int, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    relay: Any = None  # (socket, channel) to rank 0, opened on first use
+
+    def info(self, heartbeat_timeout_s: float) -> dict[str, Any]:
+        now = time.monotonic()
+        ranks = []
+        for r in range(self.world_size):
+            age = now - self.last_seen[r] if r in self.last_seen else None
+            ranks.append(
+                {
+                    "rank": r,
+                    "host": self.hosts.get(r),
+                    "pid": self.pids.get(r),
+                    "endpoint": self.endpoints.get(r),
+                    "heartbeat_age_s": age,
+                    "alive": age is not None and age <= heartbeat_timeout_s,
+                }
+            )
+        return {
+            "identifier": self.identifier,
+            "world_size": self.world_size,
+            "ready": len(self.endpoints) == self.world_size and self.endpoints.get(0) is not None,
+            "endpoints": {str(r): e for r, e in self.endpoints.items() if e},
+            "ranks": ranks,
+        }
+
+
+class RegisterGroup(BaseModel):
+    identifier: str
+    world_size: int
+
+
+class ReportEndpoint(BaseModel):
+    identifier: str
+    rank: int
+    endpoint: str | None = None
+    host: str = ""
+    pid: int = 0
+
+
+class Heartbeat(BaseModel):
+    identifier: str
+    rank: int
+
+
+class Execute(BaseModel):
+    identifier: str
+    op_id: str
+
+
+class Operation(BaseModel):
+    identifier: str
+    args: dict[str, Any] = {}
+
+
+def create_app(
+    token: str, heartbeat_timeout_s: float, relay_timeout_s: float, max_message_bytes: int
+) -> FastAPI:
+    if not token:
+        raise ValueError("the train service needs a bearer token (refusing to serve without one)")
+    app = FastAPI(title="nexrl_hpc train service")
+    groups: dict[str, WorkerGroup] = {}
+    groups_lock = threading.Lock()
+    zctx = zmq.Context()
+
+    def authorize(authorization: str | None = Header(default=None)) -> None:
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    def group_of(identifier: str) -> WorkerGroup:
+        with groups_lock:
+            group = groups.get(identifier)
+        if group is None:
+            raise HTTPException(status_code=404, detail=f"no worker group {identifier!r} registered")
+        return group
+
+    def relay(group: WorkerGroup, header: dict[str, Any], expect: str, timeout_s: float) -> Any:
+        """Send ``header`` to rank 0 and wait for ``expect`` with the same op id."""
+        endpoint = group.endpoints.get(0)
+        if not endpoint:
+            raise HTTPException(
+                status_code=503, detail=f"{group.identifier}: rank 0 has not reported its endpoint"
+            )
+        with group.lock:
+            if group.relay is None or group.relay[2] != endpoint:
+                sock = zctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+                chan = SignedChannel(key_from_token(token, group.identifier), max_message_bytes, name="api")
+                group.relay = (sock, chan, endpoint)
+            sock, chan, _ = group.relay
+            chan.send(sock, header)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    dead = [r for r in group.info(heartbeat_timeout_s)["ranks"] if not r["alive"]]
+                    named = "; ".join(
+                        f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) no heartbeat" for r in dead
+                    )
+                    raise HTTPException(
+                        status_code=504,
+                        detail=f"{group.identifier}: trainer rank 0 did not answer {header.get('operation', header['kind'])} "
+                        f"within {timeout_s:.0f}s" + (f"; {named}" if named else ""),
+                    )
+                frames = sock.recv_multipart()
+                try:
+                    reply, _ = chan.open(frames)
+                except RejectedMessage:
+                    continue
+                if reply.get("op_id") != header["op_id"] or reply["kind"] not in (expect, "result"):
+                    continue
+                if reply["kind"] == "result" and not reply["ok"]:
+                    raise HTTPException(status_code=500, detail=reply["error"])
+                return reply.get("value")
+
+    ops = {"initialize": "initialize_worker", "init_model": "init_model", "save_checkpoint": "save_checkpoint",
+           "load_checkpoint": "load_checkpoint", "export_weights": "export_weights"}  # fmt: skip
+
+    @app.get("/health")
+    def health(_: None = Depends(authorize)) -> dict[str, Any]:
+        with groups_lock:
+            names = sorted(groups)
+        return {"status": "ok", "groups": names}
+
+    @app.post("/register_worker_group")
+    def register_worker_group(body: RegisterGroup, _: None = Depends(authorize)) -> dict[str, Any]:
+        if body.world_size < 1:
+            raise HTTPException(status_code=422, detail="world_size must be >= 1")
+        with groups_lock:
+            old = groups.get(body.identifier)
+            if old is not None and old.relay is not None:
+                old.relay[0].close(linger=0)
+            groups[body.identifier] = WorkerGroup(body.identifier, body.world_size)
+        logger.info("worker group %s registered (%d ranks)", body.identifier, body.world_size)
+        return {"ok": True}
+
+    @app.post("/report_worker_endpoint")
+    def report_worker_endpoint(body: ReportEndpoint, _: None = Depends(authorize)) -> dict[str, Any]:
+        group = group_of(body.identifier)
+        if not 0 <= body.rank < group.world_size:
+            raise HTTPException(status_code=422, detail=f"rank {body.rank} outside 0..{group.world_size - 1}")
+        group.endpoints[body.rank] = body.endpoint
+        group.hosts[body.rank], group.pids[body.rank] = body.host, body.pid
+        group.last_seen[body.rank] = time.monotonic()
+        return {"ok": True}
+
+    @app.get("/get_worker_group_info")
+    def get_worker_group_info(identifier: str, _: None = Depends(authorize)) -> dict[str, Any]:
+        return group_of(identifier).info(heartbeat_timeout_s)
+
+    @app.post("/heartbeat")
+    def heartbeat(body: Heartbeat, _: None = Depends(authorize)) -> dict[str, Any]:
+        group_of(body.identifier).last_seen[body.rank] = time.monotonic()
+        return {"ok": True}
+
+    @app.post("/execute")
+    def execute(body: Execute, _: None = Depends(authorize)) -> dict[str, Any]:
+        group = group_of(body.identifier)
+        relay(group, {"kind": "execute", "op_id": body.op_id}, "started", relay_timeout_s)
+        return {"ok": True}
+
+    def operation_endpoint(path: str, operation: str) -> None:
+        def run(body: Operation, _: None = Depends(authorize)) -> dict[str, Any]:
+            group = group_of(body.identifier)
+            op_id = f"{operation}-api-{time.monotonic_ns()}"
+            header = {"kind": "call", "op_id": op_id, "operation": operation, "args": body.args}
+            return {"ok": True, "value": relay(group, header, "result", relay_timeout_s)}
+
+        app.post(f"/{path}", name=path)(run)
+
+    for path, operation in ops.items():
+        operation_endpoint(path, operation)
+    return app

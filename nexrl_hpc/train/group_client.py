@@ -1,0 +1,287 @@
+"""TrainGroupClient: the TrainServiceClient of a trainer group (seed 002's DirectZMQ client).
+
+Batches go to trainer rank 0 only, over one signed ZMQ connection; the client waits for the ACK,
+then asks for the execution through its control plane, then waits for the result:
+
+- ``DirectControl`` (embedded: trainer ranks inside the MPI job): the execute signal and the
+  batch-less calls go to rank 0 over the same connection.
+- ``ApiServerControl`` (standalone): they go to the API server over HTTP with the bearer token,
+  which relays them; the server also reports each rank's heartbeat, so a dead rank is named.
+
+Every wait is bounded: ``zmq_recv_timeout_ms`` for one answer, ``zmq_total_timeout_ms`` for a
+whole operation; the error names the rank that did not answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import zmq
+
+from nexrl_hpc.rpc.wire import RejectedMessage
+from nexrl_hpc.train.protocol import SignedChannel, TrainerRankError, check_batch
+from nexrl_hpc.train.service import TrainServiceClient
+
+_LIVENESS_CHECK_S = 1.0
+
+
+class Control(ABC):
+    """How the execute signal and batch-less operations reach the trainer group."""
+
+    heartbeat_timeout_s = 0.0
+
+    @abstractmethod
+    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None: ...
+
+    @abstractmethod
+    def call(
+        self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float
+    ) -> Any: ...
+
+    def dead_ranks(self) -> str | None:
+        """A description of ranks known to be gone, or None (checked while waiting)."""
+        return None
+
+
+class DirectControl(Control):
+    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
+        client.send({"kind": "execute", "op_id": op_id})
+
+    def call(self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float) -> Any:
+        op_id = client.new_op_id(operation)
+        client.send({"kind": "call", "op_id": op_id, "operation": operation, "args": args})
+        value, _ = client.wait_result(op_id, operation, timeout_s)
+        return value
+
+
+class TrainGroupClient(TrainServiceClient):
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        control: Control,
+        recv_timeout_ms: int,
+        total_timeout_ms: int,
+        max_message_bytes: int,
+        model_path: str | None = None,
+    ):
+        self.address = address
+        self._control = control
+        self._recv_timeout_s = recv_timeout_ms / 1000
+        self._total_timeout_s = total_timeout_ms / 1000
+        self._model_path = model_path
+        self._channel = SignedChannel(key, max_message_bytes, name="client")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sock.connect(address)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # --- plumbing used by the controls ------------------------------------------------------------
+    def new_op_id(self, operation: str) -> str:
+        return f"{operation}-{self._prefix}-{next(self._ids)}"
+
+    def send(self, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self._channel.send(self._sock, header, tensors)
+
+    def wait_result(
+        self, op_id: str, operation: str, timeout_s: float, kind: str = "result"
+    ) -> tuple[Any, dict]:
+        """Wait for ``kind`` of ``op_id`` (at most the receive timeout, within ``timeout_s``)."""
+        start = time.monotonic()
+        deadline = start + min(timeout_s, self._recv_timeout_s)
+        next_check = start + _LIVENESS_CHECK_S
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise TrainerRankError(
+                    f"{operation}: trainer rank 0 ({self.address}) did not answer within "
+                    f"{now - start:.1f}s (zmq_recv_timeout_ms / zmq_total_timeout_ms)" + self._dead_suffix()
+                )
+            if now >= next_check:
+                next_check = now + _LIVENESS_CHECK_S
+                dead = self._control.dead_ranks()
+                if dead:
+                    raise TrainerRankError(f"{operation}: {dead}")
+            if not self._sock.poll(int((min(deadline, next_check) - now) * 1000) + 1):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header, tensors = self._channel.open([f.buffer for f in frames])
+            except RejectedMessage:
+                continue  # counted; a forged answer is never taken for the real one
+            if header.get("op_id") != op_id or header["kind"] != kind:
+                continue  # a late answer to an operation that already timed out
+            if kind == "result" and not header["ok"]:
+                raise TrainerRankError(header["error"] + self._who_is_gone(header["error"]))
+            return header.get("value"), tensors
+
+    def _who_is_gone(self, error: str) -> str:
+        """A broken group: wait (at most one heartbeat timeout) to learn which rank is gone."""
+        if "trainer group" not in error or "brok" not in error:
+            return ""
+        deadline = time.monotonic() + self._control.heartbeat_timeout_s + 1.0
+        while time.monotonic() < deadline:
+            dead = self._control.dead_ranks()
+            if dead:
+                return f"; {dead}"
+            time.sleep(0.25)
+        return ""
+
+    def _dead_suffix(self) -> str:
+        dead = self._control.dead_ranks()
+        return f"; {dead}" if dead else ""
+
+    # --- TrainServiceClient -----------------------------------------------------------------------
+    def _batch_operation(self, operation: str, tensors: dict[str, Any]) -> tuple[Any, dict]:
+        check_batch(operation, tensors)  # names and row counts, before a byte is sent
+        with self._lock:
+            start = time.monotonic()
+            op_id = self.new_op_id(operation)
+            self.send({"kind": "data", "op_id": op_id, "operation": operation}, tensors)
+            self.wait_result(op_id, operation, self._total_timeout_s, kind="ack")
+            left = self._total_timeout_s - (time.monotonic() - start)
+            self._control.execute(self, op_id, left)
+            left = self._total_timeout_s - (time.monotonic() - start)
+            return self.wait_result(op_id, operation, left)
+
+    def _call(self, operation: str, **args: Any) -> Any:
+        with self._lock:
+            return self._control.call(self, operation, args, self._total_timeout_s)
+
+    def initialize_worker(
+        self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
+    ) -> None:
+        if self._model_path is not None:
+            config_dict = dict(config_dict, model_path=self._model_path)
+        self._call("initialize_worker", config=config_dict, role=role, world_size=world_size)
+
+    def init_model(self) -> None:
+        self._call("init_model")
+
+    def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
+        _, tensors = self._batch_operation("compute_log_prob", batch["batch"])
+        return {"batch": {"old_log_probs": tensors["old_log_probs"]}, "meta_info": {}}
+
+    def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
+        value, _ = self._batch_operation("update_actor", batch["batch"])
+        return {"meta_info": {"metrics": value["metrics"]}}
+
+    def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
+        self._call(
+            "save_checkpoint",
+            local_path=local_path,
+            global_step=global_step,
+            save_weight_only=save_weight_only,
+        )
+
+    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        self._call("load_checkpoint", local_path=local_path, load_optimizer=load_optimizer)
+
+    def export_weights(self, path: str) -> None:
+        self._call("export_weights", path=path)
+
+    def health(self) -> bool:
+        try:
+            self._call("ping")
+            return True
+        except TrainerRankError:
+            return False
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class ApiServerControl(Control):
+    """Standalone: execute signals and batch-less operations through the API server (HTTP + token)."""
+
+    _PATHS = {"initialize_worker": "initialize", "init_model": "init_model", "save_checkpoint": "save_checkpoint",
+              "load_checkpoint": "load_checkpoint", "export_weights": "export_weights"}  # fmt: skip
+
+    def __init__(self, url: str, token: str, identifier: str, heartbeat_timeout_s: float):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.identifier = identifier
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0
+        )
+
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        import httpx
+
+        try:
+            resp = self._http.post(path, json=body, timeout=timeout_s + 5)
+        except httpx.HTTPError as exc:
+            raise TrainerRankError(f"train service API server {self.url}{path}: {exc}") from exc
+        if resp.status_code != 200:
+            raise TrainerRankError(
+                f"{self.url}{path} ({self.identifier}): HTTP {resp.status_code}: {_detail(resp)}"
+            )
+        return resp.json()
+
+    def group_info(self) -> dict[str, Any]:
+        resp = self._http.get("/get_worker_group_info", params={"identifier": self.identifier})
+        if resp.status_code != 200:
+            raise TrainerRankError(f"{self.url}/get_worker_group_info ({self.identifier}): {_detail(resp)}")
+        return resp.json()
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        """The group's info once every rank has reported its endpoint."""
+        deadline = time.monotonic() + timeout_s
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                info = self.group_info()
+                if info["ready"]:
+                    return info
+            except TrainerRankError as exc:
+                if "HTTP 401" in str(exc) or "401" in str(exc):
+                    raise
+            time.sleep(0.2)
+        reported = len(info.get("endpoints", {})) if info else 0
+        raise TrainerRankError(
+            f"worker group {self.identifier!r} at {self.url} not ready after {timeout_s:.0f}s "
+            f"(rank 0 endpoint reported: {bool(info.get('endpoints', {}).get('0'))}, {reported} endpoint(s))"
+        )
+
+    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
+        self._post("/execute", {"identifier": self.identifier, "op_id": op_id}, timeout_s)
+
+    def call(self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float) -> Any:
+        if operation == "ping":
+            return self.group_info()
+        body = {"identifier": self.identifier, "args": args}
+        return self._post(f"/{self._PATHS[operation]}", body, timeout_s)["value"]
+
+    def dead_ranks(self) -> str | None:
+        try:
+            info = self.group_info()
+        except Exception as exc:  # the API server itself is gone
+            return f"train service API server {self.url} unreachable ({exc})"
+        dead = [r for r in info["ranks"] if not r["alive"]]
+        if not dead:
+            return None
+        return "; ".join(
+            f"trainer rank {r['rank']} of {self.identifier!r} (host {r['host']}, pid {r['pid']}) sent no "
+            f"heartbeat for {r['heartbeat_age_s'] or float('inf'):.1f}s"
+            for r in dead
+        )
+
+
+def _detail(resp: Any) -> str:
+    try:
+        return str(resp.json().get("detail", resp.text))
+    except ValueError:
+        return resp.text[:500]

@@ -1,0 +1,249 @@
+"""One rank of a trainer group (seed 002): rank 0 serves clients, the other ranks follow rank 0.
+
+Rank 0 binds one ZMQ ROUTER. A client sends a whole batch there (``data``); rank 0 keeps it and
+ACKs. Only an ``execute`` for that op id — from the client itself (embedded in an MPI job) or
+relayed by the API server (standalone) — starts the work: rank 0 broadcasts the operation to the
+group, plans the batch into per-rank shards and scatters them, every rank computes on its shard,
+rows and per-rank status gather on rank 0, and the result goes back to the client that sent the
+data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay short and
+a dead rank is noticed. A collective that fails breaks the group for good: every later request
+gets that error (torch.distributed groups cannot heal).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from nexrl_hpc.rpc.wire import RejectedMessage
+from nexrl_hpc.train.group_comm import GroupComm
+from nexrl_hpc.train.local_engine import LocalTrainEngine
+from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRank:
+    def __init__(
+        self,
+        engine: LocalTrainEngine,
+        device: torch.device,
+        key: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = 8 << 30,
+        idle_tick_s: float = 1.0,
+    ):
+        self.engine = engine
+        self.comm = GroupComm(device)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self._idle_tick_s = idle_tick_s
+        self._channel = SignedChannel(key, max_message_bytes, name=f"trainer{self.rank}")
+        self._pending: dict[str, tuple[bytes, str, dict[str, torch.Tensor]]] = {}
+        self.broken: str | None = None
+        self.address: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        if self.rank == 0:
+            self._ctx = zmq.Context()
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 1000)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            if port:
+                self._router.bind(f"tcp://{host}:{port}")
+                self.address = f"tcp://{host}:{port}"
+            else:
+                self.address = f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
+
+    @property
+    def rejected(self) -> int:
+        return self._channel.rejected
+
+    def serve(self, stop: threading.Event) -> None:
+        """Run until ``stop`` (rank 0) or until rank 0 says stop (others). Raises if the group broke
+        on a follower (the process should exit non-zero)."""
+        if self.rank == 0:
+            try:
+                self._serve_clients(stop)
+            finally:
+                assert self._router is not None and self._ctx is not None
+                self._router.close()
+                self._ctx.term()
+        else:
+            self._follow()
+
+    # --- rank 0 -----------------------------------------------------------------------------------
+    def _serve_clients(self, stop: threading.Event) -> None:
+        router = self._router
+        assert router is not None
+        tick_ms = int(self._idle_tick_s * 1000)
+        while not stop.is_set():
+            if router.poll(tick_ms):
+                frames = router.recv_multipart(copy=False)
+                self._on_message(frames[0].bytes, [f.buffer for f in frames[1:]], frames[0])
+            elif self.broken is None:
+                self._group_step({"op": "tick"}, None, lambda: None)
+        if self.broken is None:
+            try:
+                self.comm.broadcast_header({"op": "stop"})
+            except Exception as exc:  # a follower already gone: nothing to stop there
+                logger.warning("trainer group stop: %s", exc)
+
+    def _on_message(self, client: bytes, frames: list[Any], first: zmq.Frame) -> None:
+        try:
+            header, tensors = self._channel.open(frames)
+        except RejectedMessage as exc:
+            logger.warning("trainer rank 0: rejected a message from %s: %s", _peer(first), exc)
+            return
+        kind, op_id = header["kind"], str(header.get("op_id", ""))
+        if kind == "data":
+            operation = header.get("operation")
+            if operation not in BATCH_OPERATIONS:
+                self._reply(client, op_id, error=f"unknown batch operation {operation!r}")
+                return
+            self._pending[op_id] = (client, operation, tensors)
+            logger.debug("data for %s %s received; ACK", operation, op_id)
+            self._channel.send(self._router, {"kind": "ack", "op_id": op_id}, routing_id=client)
+        elif kind == "execute":
+            entry = self._pending.pop(op_id, None)
+            if entry is None:
+                self._reply(client, op_id, error=f"execute for {op_id}: no data received for it (not ACKed)")
+                return
+            if client != entry[0]:  # relayed by the API server: it only needs to know it started
+                self._channel.send(self._router, {"kind": "started", "op_id": op_id}, routing_id=client)
+            data_client, operation, batch = entry
+            self._run(data_client, op_id, operation, batch, {})
+        elif kind == "call":
+            operation = header.get("operation")
+            if operation not in CALL_OPERATIONS:
+                self._reply(client, op_id, error=f"unknown operation {operation!r}")
+                return
+            self._run(client, op_id, operation, None, dict(header.get("args") or {}))
+        else:
+            self._reply(client, op_id, error=f"unknown message kind {kind!r}")
+
+    def _run(
+        self, client: bytes, op_id: str, operation: str, batch: dict[str, torch.Tensor] | None, args: dict
+    ) -> None:
+        if self.broken is not None:
+            self._reply(client, op_id, error=f"trainer group is broken: {self.broken}")
+            return
+        if operation == "ping":
+            self._reply(client, op_id, value={"world_size": self.world_size})
+            return
+        out: dict[str, Any] = {}
+        try:
+            plan, shards = self.engine.plan_batch(operation, batch) if batch is not None else (None, None)
+        except Exception as exc:  # bad batch: nothing was broadcast yet
+            self._reply(client, op_id, error=f"{operation}: {type(exc).__name__}: {exc}")
+            return
+        header = {"op": operation, "args": args, "plan": plan}
+        statuses = self._group_step(header, shards, lambda: out)
+        if statuses is None:
+            self._reply(client, op_id, error=f"{operation}: trainer group broke: {self.broken}")
+            return
+        failed = [(r, s["error"]) for r, s in enumerate(statuses) if not s["ok"]]
+        if failed:
+            where = "; ".join(f"trainer rank {r}: {e}" for r, e in failed)
+            self._reply(client, op_id, error=f"{operation} failed on {where}")
+            return
+        self._reply(client, op_id, value=out.get("value"), tensors=out.get("tensors"))
+
+    def _group_step(self, header: dict[str, Any], shards: Any, out_box: Any) -> list[dict[str, Any]] | None:
+        """Broadcast, (scatter), execute here, gather; None when a collective failed."""
+        try:
+            self.comm.broadcast_header(header)
+            if header["op"] == "tick":
+                return []
+            shard = self.comm.scatter_shards(shards) if shards is not None else None
+            status = self._execute(header, shard, out_box())
+            return self.comm.gather_status(status)
+        except Exception as exc:
+            detail = str(exc).splitlines()[0][:300] if str(exc) else ""
+            self.broken = f"a collective failed during {header['op']} ({type(exc).__name__}: {detail})"
+            logger.error("trainer rank 0: %s", self.broken)
+            return None
+
+    def _reply(
+        self,
+        client: bytes,
+        op_id: str,
+        value: Any = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+        error: str | None = None,
+    ) -> None:
+        header = {"kind": "result", "op_id": op_id, "ok": error is None, "value": value, "error": error}
+        try:
+            self._channel.send(self._router, header, tensors, routing_id=client)
+        except ValueError as exc:  # result over the size limit
+            header.update(ok=False, value=None, error=str(exc))
+            self._channel.send(self._router, header, routing_id=client)
+
+    # --- every rank -------------------------------------------------------------------------------
+    def _execute(
+        self, header: dict[str, Any], shard: dict[str, torch.Tensor] | None, out: dict
+    ) -> dict[str, Any]:
+        """This rank's part of one operation; the collectives after it run whatever happened."""
+        op, args, plan = header["op"], header["args"], header["plan"]
+        eng = self.engine
+        status: dict[str, Any] = {"ok": True, "error": None}
+        logp: torch.Tensor | None = None
+        try:
+            if op == "compute_log_prob":
+                assert shard is not None
+                logp = eng.compute_log_prob_shard(shard, plan)
+            elif op == "update_actor":
+                assert shard is not None
+                out["value"] = {"metrics": eng.update_actor_shard(shard, plan)}
+            elif op == "initialize_worker":
+                eng.initialize_worker(
+                    args["config"], role=args.get("role", "actor"), world_size=args["world_size"]
+                )
+            elif op == "init_model":
+                eng.init_model()
+            elif op == "save_checkpoint":
+                eng.save_checkpoint(
+                    args["local_path"], args["global_step"], args.get("save_weight_only", False)
+                )
+            elif op == "load_checkpoint":
+                eng.load_checkpoint(args["local_path"], args.get("load_optimizer", True))
+            elif op == "export_weights":
+                eng.export_weights(args["path"])
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+        except Exception as exc:
+            logger.error("trainer rank %d: %s failed:\n%s", self.rank, op, traceback.format_exc())
+            status = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if op == "compute_log_prob":  # the gather runs on every rank, failed or not
+            assert shard is not None and plan is not None
+            counts = plan["counts"][0]
+            if logp is None:
+                logp = torch.zeros((counts[self.rank], shard["responses"].shape[1]))
+            rows = self.comm.gather_rows(logp, counts)
+            if rows is not None:
+                out["tensors"] = {"old_log_probs": rows}
+        return status
+
+    # --- ranks > 0 --------------------------------------------------------------------------------
+    def _follow(self) -> None:
+        while True:
+            header = self.comm.broadcast_header(None)
+            if header["op"] == "stop":
+                return
+            if header["op"] == "tick":
+                continue
+            shard = self.comm.scatter_shards(None) if header["plan"] is not None else None
+            status = self._execute(header, shard, {})
+            self.comm.gather_status(status)
+
+
+def _peer(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address") or "<unknown peer>"
+    except zmq.ZMQError:
+        return "<unknown peer>"

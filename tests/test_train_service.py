@@ -1,0 +1,198 @@
+"""The standalone train service (seed 002): API server + torchrun workers on loopback, driven by the
+client the train worker uses, with the rank-0-centric ACK protocol.
+
+Real processes: ``python -m launch.train_service`` (FastAPI/uvicorn) and
+``torchrun --nproc_per_node 2 -m launch.train_worker`` (gloo), per identifier.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nexrl_hpc.checkpoint.hf import read_safetensors_dir
+from nexrl_hpc.train.group_client import ApiServerControl, TrainGroupClient
+from nexrl_hpc.train.local_engine import LocalTrainEngine
+from nexrl_hpc.train.protocol import TrainerRankError, key_from_token
+from nexrl_hpc.train.worker import TrainWorker
+from tests.conftest import REPO, compose_config
+from tests.test_local_engine import make_batch
+
+pytestmark = pytest.mark.e2e
+TOKEN = "test-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, NEXRL_TRAIN_SERVICE_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+@pytest.fixture
+def api_server(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    log = open(tmp_path / "api_server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train_service", "--host", "127.0.0.1", "--port", str(port),
+         "--heartbeat-timeout-s", "2"],
+        cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+def start_workers(url: str, identifier: str, tmp_path: Path, backend: str = "fsdp") -> subprocess.Popen:
+    log = open(tmp_path / f"workers_{identifier}.log", "w")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "launch.train_worker", "--api-server-url", url, "--identifier", identifier,
+        "--backend", backend, "--heartbeat-s", "0.5", "--idle-tick-s", "0.5",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def connect(url: str, identifier: str, model_dir: str, recv_timeout_ms: int = 120_000) -> TrainGroupClient:
+    control = ApiServerControl(url, TOKEN, identifier, heartbeat_timeout_s=2.0)
+    info = control.wait_ready(120)
+    return TrainGroupClient(
+        info["endpoints"]["0"],
+        key_from_token(TOKEN, identifier),
+        control,
+        recv_timeout_ms=recv_timeout_ms,
+        total_timeout_ms=600_000,
+        max_message_bytes=1 << 30,
+        model_path=model_dir,
+    )
+
+
+def payload(engine: str) -> dict:
+    cfg = compose_config(
+        [
+            f"service.train_service.engine={engine}",
+            "service.train_service.actor.ppo_mini_batch_size=8",
+            "service.train_service.actor.ppo_micro_batch_size=3",
+        ]
+    )
+    return TrainWorker(cfg, LocalTrainEngine()).train_service_config()
+
+
+def stop_group(proc: subprocess.Popen, url: str, identifier: str) -> None:
+    """SIGTERM to trainer rank 0 (how an operator stops a group): it tells the others to stop."""
+    if proc.poll() is not None:
+        return
+    try:
+        info = ApiServerControl(url, TOKEN, identifier, 2.0).group_info()
+        os.kill(next(r["pid"] for r in info["ranks"] if r["rank"] == 0), signal.SIGTERM)
+        proc.wait(30)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
+    api_server: str, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    student = start_workers(api_server, "student", tmp_path)
+    teacher = start_workers(api_server, "teacher", tmp_path)
+    try:
+        clients = {name: connect(api_server, name, tiny_model_dir) for name in ("student", "teacher")}
+        for client in clients.values():
+            client.initialize_worker(payload("fsdp"), role="actor", world_size=2)
+            client.init_model()
+        ref = LocalTrainEngine(tiny_model_dir)
+        ref.initialize_worker(payload("single"))
+        ref.init_model()
+
+        batches = [make_batch(13, seed=s) for s in range(3)]
+        logp = clients["student"].compute_log_prob({"batch": dict(batches[0])})["batch"]["old_log_probs"]
+        ref_logp = ref.compute_log_prob({"batch": dict(batches[0])})["batch"]["old_log_probs"]
+        assert logp.shape == (13, 2)
+        assert float((logp - ref_logp).abs().max()) <= 1e-6
+        for b in batches:
+            got = clients["student"].update_actor({"batch": dict(b)})["meta_info"]["metrics"]
+            want = ref.update_actor({"batch": dict(b)})["meta_info"]["metrics"]
+            assert got["actor/optimizer_steps"] == want["actor/optimizer_steps"] == 2
+            assert got["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], abs=1e-6)
+
+        ckpt = tmp_path / "ckpt"
+        clients["student"].save_checkpoint(str(ckpt), global_step=3)
+        assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+        ref.export_weights(str(tmp_path / "ref"))
+        got_w, want_w = read_safetensors_dir(str(ckpt / "model")), read_safetensors_dir(str(tmp_path / "ref"))
+        assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= 1e-5
+        # the teacher group was not trained: its weights are still the base model's
+        clients["teacher"].export_weights(str(tmp_path / "teacher"))
+        base = read_safetensors_dir(tiny_model_dir)
+        teacher_w = read_safetensors_dir(str(tmp_path / "teacher"))
+        assert max(float((teacher_w[k] - base[k]).abs().max()) for k in base) == 0.0
+
+        # bad input is refused on the client, before anything is sent
+        broken = dict(batches[0])
+        del broken["advantages"]
+        with pytest.raises(KeyError, match="advantages"):
+            clients["student"].update_actor({"batch": broken})
+        short = dict(batches[0])
+        short["advantages"] = short["advantages"][:5]
+        with pytest.raises(ValueError, match="row counts"):
+            clients["student"].update_actor({"batch": short})
+    finally:
+        stop_group(student, api_server, "student")
+        stop_group(teacher, api_server, "teacher")
+    assert student.returncode == 0 and teacher.returncode == 0
+
+
+def test_requests_without_the_token_are_refused(api_server: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        assert httpx.get(f"{api_server}/health", headers=headers).status_code == 401
+        r = httpx.post(
+            f"{api_server}/register_worker_group", json={"identifier": "x", "world_size": 1}, headers=headers
+        )
+        assert r.status_code == 401
+    ok = httpx.get(f"{api_server}/health", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and "x" not in ok.json()["groups"]
+
+
+def test_a_killed_worker_gives_the_client_a_clear_error_not_a_hang(
+    api_server: str, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    group = start_workers(api_server, "victim", tmp_path)
+    try:
+        client = connect(api_server, "victim", tiny_model_dir, recv_timeout_ms=30_000)
+        client.initialize_worker(payload("fsdp"), role="actor", world_size=2)
+        client.init_model()
+        info = client._control.group_info()  # type: ignore[attr-defined]
+        rank1_pid = next(r["pid"] for r in info["ranks"] if r["rank"] == 1)
+        os.kill(rank1_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TrainerRankError) as err:
+            client.update_actor({"batch": make_batch(13, seed=0)})
+        took = time.monotonic() - t0
+        assert took < 30, took
+        assert "trainer rank 1" in str(err.value), err.value
+    finally:
+        stop_group(group, api_server, "victim")
