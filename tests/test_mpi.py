@@ -78,8 +78,10 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     ranks = json.loads(ranks_file.read_text())
     assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
     marker = tmp_path / "pwned"
-    for r in ranks:
-        attack(r["address"], secrets.token_bytes(32), marker)
+    ports = [r["address"] for r in ranks] + [r["trainer_address"] for r in ranks if r["trainer_address"]]
+    assert len(ports) == len(ranks) + 1  # every rank's RPC port and trainer rank 0's batch port
+    for address in ports:
+        attack(address, secrets.token_bytes(32), marker)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert not marker.exists()
@@ -89,7 +91,7 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
-    assert steps[-1]["rpc/rejected"] >= 4 * len(ranks)  # every attack on every rank was counted
+    assert steps[-1]["rpc/rejected"] >= 4 * len(ports)  # every attack on every port was counted
     for name in (
         "config.yaml",
         "data/validation.jsonl",
@@ -263,3 +265,25 @@ def test_seed_003_placement_errors_before_start() -> None:
     )
     fixed = [a.replace("inference_service={count:1", "inference_service={count:2") for a in spec]
     preflight(CONFIG_DIR, "rl_train", [*base, *fixed])  # valid
+
+
+@pytest.mark.parametrize("engine", ["fsdp"])
+def test_mpi_run_with_two_trainer_ranks_learns(tmp_path: Path, engine: str) -> None:
+    """mpirun -n 5: driver, a trainer group of 2 ranks (seed 002 protocol, torch.distributed), 2 rollout ranks."""
+    run_dir = tmp_path / engine
+    args = [
+        f"run_dir={run_dir}",
+        "seed=2",
+        f"service.train_service.engine={engine}",
+        "service.train_service.world_size=2",
+    ]
+    proc = subprocess.run(mpirun(5, args), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    assert [r["group"] for r in ranks] == ["driver", "trainer", "trainer", "rollout", "rollout"]
+    assert "train_worker" in ranks[0]["modules"] and ranks[2]["modules"] == ["trainer_rank_1"]
+    val = [(r["step"], r["val/accuracy"]) for r in metrics(run_dir) if "val/accuracy" in r]
+    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    ckpt = run_dir / "checkpoints" / "global_step_50"
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert (ckpt / "model" / "model.safetensors").exists()

@@ -95,6 +95,58 @@ class _Peer:
         self.socket, self.lock, self.address = sock, threading.Lock(), address
 
 
+class ConnectionWatch:
+    """Counts what never becomes a valid message on a listening socket: connections that fail the
+    ZMTP handshake (random bytes) and connections libzmq drops right after it (a frame over
+    MAXMSGSIZE). Reads the socket's monitor; ``drain`` when the monitor socket is readable."""
+
+    def __init__(self, sock: zmq.Socket, reject: Callable[[str, str], None], owner: str):
+        events = (
+            zmq.EVENT_ACCEPTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
+        self.socket = sock.get_monitor_socket(events)
+        self._reject = reject
+        self._owner = owner
+        self._accepted: dict[int, tuple[str, float, bool]] = {}  # fd -> (peer, accept time, handshaken)
+
+    def drain(self, closing: bool = False) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted[value] = (_peername(value), time.monotonic(), False)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                # libzmq does not say which connection: handshakes complete in accept order
+                for fd, (peer, t0, done) in self._accepted.items():
+                    if not done:
+                        self._accepted[fd] = (peer, t0, True)
+                        break
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._reject("ZMTP handshake failed", "")
+            elif kind == zmq.EVENT_DISCONNECTED and not closing:
+                peer, t0, handshaken = self._accepted.pop(value, ("", 0.0, True))
+                if not handshaken:
+                    self._reject("connection closed before a valid ZMTP handshake (not a ZMQ peer)", peer)
+                elif time.monotonic() - t0 < _SUSPICIOUS_LIFETIME_S:
+                    # peers stay connected for the whole run; a drop right after the handshake is
+                    # libzmq refusing a frame over the size limit (or another protocol violation)
+                    self._reject(
+                        "connection dropped right after its handshake (oversized frame or protocol violation)",
+                        peer,
+                    )
+                else:
+                    logger.info("%s: connection from %s closed", self._owner, peer or "<unknown>")
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
 class RpcEndpoint:
     def __init__(
         self,
@@ -119,13 +171,7 @@ class RpcEndpoint:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        events = (
-            zmq.EVENT_ACCEPTED
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        )
-        self._monitor = self._router.get_monitor_socket(events)
+        self._watch = ConnectionWatch(self._router, self._reject, f"rank {rank}")
         self._peers: dict[int, _Peer] = {}
         self._local = threading.local()
         self._pending: dict[int, _Pending] = {}
@@ -137,7 +183,6 @@ class RpcEndpoint:
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         self._rejected = 0
         self._stats_lock = threading.Lock()
-        self._accepted: dict[int, tuple[str, float, bool]] = {}  # fd -> (peer, accept time, handshaken)
         self._closing = False
         self._stop = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name=f"rpc-io-{rank}", daemon=True)
@@ -239,7 +284,7 @@ class RpcEndpoint:
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._watch.socket, zmq.POLLIN)
         next_deadline_check = time.monotonic() + 0.1
         while not self._stop.is_set():
             try:
@@ -253,14 +298,14 @@ class RpcEndpoint:
                     except zmq.Again:
                         break
                     self._on_message(msg)
-            if self._monitor in events:
-                self._on_monitor()
+            if self._watch.socket in events:
+                self._watch.drain(self._closing)
             now = time.monotonic()
             if now >= next_deadline_check:
                 self._expire(now)
                 next_deadline_check = now + 0.1
         self._router.close(linger=0)
-        self._monitor.close(linger=0)
+        self._watch.close()
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         routing_id, frames = msg[0], msg[1:]
@@ -315,37 +360,6 @@ class RpcEndpoint:
                 encode_exception(MessageTooLarge(f"{envelope['m']}.{envelope['f']} reply: {error}"))
             )
             self._send(peer, reply, body, out_buffers)
-
-    def _on_monitor(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            kind, value = event["event"], event["value"]
-            if kind == zmq.EVENT_ACCEPTED:
-                self._accepted[value] = (_peername(value), time.monotonic(), False)
-            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                # libzmq does not say which connection: handshakes complete in accept order
-                for fd, (peer, t0, done) in self._accepted.items():
-                    if not done:
-                        self._accepted[fd] = (peer, t0, True)
-                        break
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self._reject("ZMTP handshake failed", "")
-            elif kind == zmq.EVENT_DISCONNECTED and not self._closing:
-                peer, t0, handshaken = self._accepted.pop(value, ("", 0.0, True))
-                if not handshaken:
-                    self._reject("connection closed before a valid ZMTP handshake (not a ZMQ peer)", peer)
-                elif time.monotonic() - t0 < _SUSPICIOUS_LIFETIME_S:
-                    # peers stay connected for the whole run; a drop right after the handshake is
-                    # libzmq refusing a frame over the size limit (or another protocol violation)
-                    self._reject(
-                        "connection dropped right after its handshake (oversized frame or protocol violation)",
-                        peer,
-                    )
-                else:
-                    logger.info("rank %d: connection from %s closed", self.rank, peer or "<unknown>")
 
     def _expire(self, now: float) -> None:
         with self._pending_lock:

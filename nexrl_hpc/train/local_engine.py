@@ -377,32 +377,42 @@ class LocalTrainEngine(TrainServiceClient):
         wrote it (its shards follow that layout) — otherwise the error says so."""
         par = self._require_parallel()
         model_dir = os.path.join(local_path, "model")
-        state = read_safetensors_dir(model_dir) if par.rank == 0 else {}
+        state: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
         if par.rank == 0:
+            try:
+                state = read_safetensors_dir(model_dir)
+            except (OSError, ValueError) as exc:
+                error = exc
             expected = set(self.model.state_dict())
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
             missing, unexpected = expected - set(state) - tied, set(state) - expected
-            if missing or unexpected:
-                raise ValueError(
+            if error is None and (missing or unexpected):
+                error = ValueError(
                     f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
                 )
+        par.agree(error)
         par.load_full_state_dict(self.model, state)
         if not load_optimizer:
             return
         opt_path = os.path.join(local_path, "optimizer", f"rank_{par.rank}.pt")
+        engine = self._require_cfg()["engine"]
+        saved: dict[str, Any] = {}
+        error = None
         if not os.path.exists(opt_path):
-            raise FileNotFoundError(
+            error = FileNotFoundError(
                 f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
                 "or by fewer trainer ranks?)"
             )
-        saved = torch.load(opt_path, map_location="cpu", weights_only=True)
-        engine = self._require_cfg()["engine"]
-        if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
-            raise ValueError(
-                f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
-                f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
-                "resume with the same layout, or load the weights only (load_optimizer=False)"
-            )
+        else:
+            saved = torch.load(opt_path, map_location="cpu", weights_only=True)
+            if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
+                error = ValueError(
+                    f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
+                    f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+                    "resume with the same layout, or load the weights only (load_optimizer=False)"
+                )
+        par.agree(error)  # every rank loads, or none does
         assert self.optimizer is not None and self.scheduler is not None
         par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])

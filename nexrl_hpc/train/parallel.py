@@ -86,6 +86,15 @@ class ParallelStrategy(ABC):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def agree(self, error: Exception | None) -> None:
+        """Raise on every rank if any rank has an error (a check made on one rank must not leave the
+        others waiting in the next collective)."""
+        failed = self.all_reduce_max(1.0 if error is not None else 0.0)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("failed on another trainer rank (see its error)")
+
     def all_gather_rows(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Concatenate every rank's rows (rank order); ``counts`` are the rows each rank holds."""
         if self.world_size == 1:

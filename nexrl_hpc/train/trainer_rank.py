@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from typing import Any
 
 import torch
 import zmq
 
+from nexrl_hpc.rpc.endpoint import ConnectionWatch
 from nexrl_hpc.rpc.wire import RejectedMessage
 from nexrl_hpc.train.group_comm import GroupComm
 from nexrl_hpc.train.local_engine import LocalTrainEngine
@@ -49,6 +51,8 @@ class TrainerRank:
         self.address: str | None = None
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
+        self._watch: ConnectionWatch | None = None
+        self._dropped = 0  # connections that never sent a valid message (counted by the watch)
         if self.rank == 0:
             self._ctx = zmq.Context()
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -59,10 +63,16 @@ class TrainerRank:
                 self.address = f"tcp://{host}:{port}"
             else:
                 self.address = f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
+            self._watch = ConnectionWatch(self._router, self._drop, "trainer rank 0")
 
     @property
     def rejected(self) -> int:
-        return self._channel.rejected
+        """Messages and connections dropped before anything was decoded."""
+        return self._channel.rejected + self._dropped
+
+    def _drop(self, reason: str, peer: str) -> None:
+        self._dropped += 1
+        logger.warning("trainer rank 0: rejected a connection from %s: %s", peer or "<unknown peer>", reason)
 
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` (rank 0) or until rank 0 says stop (others). Raises if the group broke
@@ -71,7 +81,8 @@ class TrainerRank:
             try:
                 self._serve_clients(stop)
             finally:
-                assert self._router is not None and self._ctx is not None
+                assert self._router is not None and self._ctx is not None and self._watch is not None
+                self._watch.close()
                 self._router.close()
                 self._ctx.term()
         else:
@@ -79,14 +90,22 @@ class TrainerRank:
 
     # --- rank 0 -----------------------------------------------------------------------------------
     def _serve_clients(self, stop: threading.Event) -> None:
-        router = self._router
-        assert router is not None
-        tick_ms = int(self._idle_tick_s * 1000)
+        router, watch = self._router, self._watch
+        assert router is not None and watch is not None
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(watch.socket, zmq.POLLIN)
+        tick_s = self._idle_tick_s
+        last_tick = time.monotonic()
         while not stop.is_set():
-            if router.poll(tick_ms):
+            events = dict(poller.poll(int(tick_s * 1000)))
+            if watch.socket in events:
+                watch.drain()
+            if router in events:
                 frames = router.recv_multipart(copy=False)
                 self._on_message(frames[0].bytes, [f.buffer for f in frames[1:]], frames[0])
-            elif self.broken is None:
+            elif self.broken is None and time.monotonic() - last_tick >= tick_s:
+                last_tick = time.monotonic()
                 self._group_step({"op": "tick"}, None, lambda: None)
         if self.broken is None:
             try:
