@@ -6,7 +6,7 @@ against these before anything is built or submitted.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 
@@ -152,13 +152,19 @@ class FSDPConfig(TypedDict):
     reduce_dtype: Literal["float32", "bfloat16"]
 
 
+class DeepSpeedConfig(TypedDict):
+    zero_stage: Annotated[int, Ge(0), Le(3)]
+    config: dict[str, Any]  # raw DeepSpeed keys, merged over the generated config
+
+
 class TrainServiceConfig(TypedDict):
     backend: Literal["local", "noop"]  # noop: trains nothing (data-path benchmarks)
     model_tag: str
     identifier: str
     world_size: Annotated[int, Ge(1), Le(1)]  # more trainer ranks: with the trainer-group bootstrap
-    engine: Literal["single", "fsdp"]
+    engine: Literal["single", "fsdp", "deepspeed"]
     fsdp: FSDPConfig
+    deepspeed: DeepSpeedConfig
     num_threads: Annotated[int, Ge(1)]
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16"]

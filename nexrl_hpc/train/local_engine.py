@@ -372,8 +372,9 @@ class LocalTrainEngine(TrainServiceClient):
         model_dir = os.path.join(local_path, "model")
         state = read_safetensors_dir(model_dir) if par.rank == 0 else {}
         if par.rank == 0:
-            expected = set(self.model.state_dict())
-            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            hf_model = par.unwrap(self.model)
+            expected = set(hf_model.state_dict())
+            tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
             missing, unexpected = expected - set(state) - tied, set(state) - expected
             if missing or unexpected:
                 raise ValueError(
