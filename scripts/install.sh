@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install nexrl_hpc and everything it needs into the current Python (idempotent).
 #   bash scripts/install.sh          # runtime dependencies
-#   bash scripts/install.sh --dev    # + test tools
+#   bash scripts/install.sh --dev    # + test tools and DeepSpeed (engine=deepspeed)
+#   (DeepSpeed alone: DS_BUILD_OPS=0 pip install -e ".[deepspeed]" with torch already installed)
 # torch goes in first: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
 # On a GPU cluster set NEXRL_TORCH_SPEC to the build you want (e.g. "torch==2.13.0" from the
 # CUDA index) or install torch yourself before running this.
@@ -14,4 +15,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "${NEXRL_TORCH_SPEC:-torch==2.13.0}"
 fi
-"$PY" -m pip install --quiet -e ".${extras}"
+# the installed torch is pinned for the rest (deepspeed, in [dev], would otherwise be free to
+# replace it); DS_BUILD_OPS=0: DeepSpeed compiles the ops it needs on first use (into
+# TORCH_EXTENSIONS_DIR) instead of at install time, which needs no CUDA toolkit
+torch_version=$("$PY" -c "import torch; print(torch.__version__)")
+DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".${extras}" -c <(echo "torch==${torch_version}")

@@ -131,6 +131,46 @@ def test_cross_field_rules() -> None:
     )
 
 
+def test_deepspeed_section_problems_name_their_key() -> None:
+    probs = problems_of(
+        ["service.train_service.engine=deepspeed", "service.train_service.deepspeed.zero_stage=5"]
+    )
+    assert probs == {"service.train_service.deepspeed.zero_stage": "must be <= 3, got 5"}
+    probs = problems_of(
+        [
+            "service.train_service.engine=deepspeed",
+            "+service.train_service.deepspeed.config.gradient_clipping=2.0",
+            "+service.train_service.deepspeed.config.zero_optimization.stage=1",
+        ]
+    )
+    assert probs == {
+        "service.train_service.deepspeed.config.gradient_clipping": "is set by service.train_service.actor.grad_clip",
+        "service.train_service.deepspeed.config.zero_optimization.stage": (
+            "is set by service.train_service.deepspeed.zero_stage"
+        ),
+    }
+    probs = problems_of(["service.train_service.deepspeed.config=3"])
+    assert probs == {"service.train_service.deepspeed.config": "expected a mapping, got int 3"}
+
+
+def test_deepspeed_config_is_generated_from_the_section_with_raw_keys_merged() -> None:
+    from nexrl_hpc.train.deepspeed_strategy import deepspeed_config
+
+    cfg = compose_config(
+        [
+            "service.train_service.engine=deepspeed",
+            "service.train_service.dtype=bfloat16",
+            "+service.train_service.deepspeed.config.zero_optimization.offload_optimizer.device=cpu",
+        ]
+    )
+    ts = cfg["service"]["train_service"]
+    ds = deepspeed_config({"deepspeed": ts["deepspeed"], "dtype": ts["dtype"], "actor": ts["actor"]})
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["gradient_clipping"] == ts["actor"]["grad_clip"]
+    assert ds["managed_gradient_accumulation"] is False and ds["gradient_accumulation_steps"] == 1
+
+
 def test_sweep_points_are_each_checked() -> None:
     with pytest.raises(ConfigError) as err:
         preflight(CONFIG_DIR, "rl_train", ["-m", "seed=1,2", "data.rollout_repeat_n=8,0"])
@@ -163,10 +203,12 @@ def test_cli_bad_config_exits_2_lists_every_key_and_starts_nothing(tmp_path) -> 
             "train_worker.total_train_stepz=3",
             "data.batch_size=abc",
             "weight.sync_mode=x",
+            "service.train_service.deepspeed.zero_stage=5",
         ],
         timeout=120,
     )
     assert proc.returncode == 2
-    for key in ("train_worker.total_train_stepz", "data.batch_size", "weight.sync_mode"):
+    keys = ("train_worker.total_train_stepz", "data.batch_size", "weight.sync_mode")
+    for key in (*keys, "service.train_service.deepspeed.zero_stage"):
         assert key in proc.stderr
     assert not os.path.exists(run_dir)

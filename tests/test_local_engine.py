@@ -151,3 +151,14 @@ def test_lr_warmup_then_constant_or_cosine() -> None:
     assert [lr_factor(s, 4, "constant", 10, 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert lr_factor(4, 4, "cosine", 10, 0.1) == pytest.approx(1.0)
     assert lr_factor(10, 4, "cosine", 10, 0.1) == pytest.approx(0.1)
+
+
+def test_deepspeed_refuses_optimizer_state_of_another_zero_stage() -> None:
+    from nexrl_hpc.train.deepspeed_strategy import DeepSpeedZeRO
+
+    strategy = DeepSpeedZeRO.__new__(DeepSpeedZeRO)  # the check runs before DeepSpeed is touched
+    strategy.stage, strategy.world_size = 1, 2
+    with pytest.raises(
+        ValueError, match=r"ZeRO stage 3; this run has service.train_service.deepspeed.zero_stage=1"
+    ):
+        strategy.load_optimizer_state(torch.nn.Linear(1, 1), None, {"zero_stage": 3})  # type: ignore[arg-type]

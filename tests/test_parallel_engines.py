@@ -1,7 +1,9 @@
 """Trainer engines over several ranks compute what the single-process engine computes.
 
-Two real torch.distributed ranks (torchrun, gloo on CPU) against one process, on the same batches:
-weights after 3 ``update_actor`` calls within 1e-5, ``compute_log_prob`` within 1e-6.
+Two real torch.distributed ranks (torchrun, gloo on CPU) against one process, on the same batches
+(with an LR warm-up, so the scheduled LR must be the one applied): weights after 3 ``update_actor``
+calls within 1e-5, ``compute_log_prob`` within 1e-6; a checkpoint reloads exactly into the same
+layout, and non-finite gradients skip the optimizer step.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.e2e
 
 
-def run_engine(model_dir: str, out: Path, engine: str, ranks: int) -> None:
+def run_engine(model_dir: str, out: Path, engine: str, ranks: int, overrides: tuple[str, ...] = ()) -> None:
     out.mkdir(parents=True)
-    module = ["-m", "tests.helpers.engine_numerics", model_dir, str(out), engine]
+    module = ["-m", "tests.helpers.engine_numerics", model_dir, str(out), engine, "3", *overrides]
     if ranks == 1:
         cmd = [sys.executable, *module]
     else:
@@ -41,48 +43,109 @@ def run_engine(model_dir: str, out: Path, engine: str, ranks: int) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_fsdp2_on_two_ranks_matches_the_single_process_engine(tiny_model_dir: str, tmp_path: Path) -> None:
-    run_engine(tiny_model_dir, tmp_path / "single", "single", 1)
-    run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
-    ref = read_safetensors_dir(str(tmp_path / "single" / "weights"))
-    got = read_safetensors_dir(str(tmp_path / "fsdp" / "weights"))
-    assert set(ref) == set(got)
-    base = read_safetensors_dir(str(Path(tiny_model_dir)))
-    moved = max(float((ref[k] - base[k]).abs().max()) for k in ref)
+@pytest.fixture(scope="module")
+def single_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the single-process engine computes (shared by every comparison in this module)."""
+    out = tmp_path_factory.mktemp("engines") / "single"
+    run_engine(tiny_model_dir, out, "single", 1)
+    return out
+
+
+def assert_matches_single(ref: Path, got: Path, base_model_dir: str) -> None:
+    w_ref, w_got = read_safetensors_dir(str(ref / "weights")), read_safetensors_dir(str(got / "weights"))
+    assert set(w_ref) == set(w_got)
+    base = read_safetensors_dir(base_model_dir)
+    moved = max(float((w_ref[k] - base[k]).abs().max()) for k in w_ref)
     assert moved > 1e-3  # the updates did change the weights
-    worst = max(float((ref[k] - got[k]).abs().max()) for k in ref)
+    worst = max(float((w_ref[k] - w_got[k]).abs().max()) for k in w_ref)
     assert worst <= 1e-5, worst
-    lp_ref, lp_got = torch.load(tmp_path / "single" / "logp.pt"), torch.load(tmp_path / "fsdp" / "logp.pt")
+    lp_ref, lp_got = torch.load(ref / "logp.pt"), torch.load(got / "logp.pt")
     assert lp_ref.shape == lp_got.shape == (13, 2)
     assert float((lp_ref - lp_got).abs().max()) <= 1e-6
-    m_ref = json.loads((tmp_path / "single" / "metrics.json").read_text())
-    m_got = json.loads((tmp_path / "fsdp" / "metrics.json").read_text())
+    m_ref = json.loads((ref / "metrics.json").read_text())
+    m_got = json.loads((got / "metrics.json").read_text())
     for a, b in zip(m_ref, m_got):
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=1e-6)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
         assert b["actor/optimizer_steps"] == a["actor/optimizer_steps"] == 2
-    for engine in ("single", "fsdp"):
-        resumed = json.loads((tmp_path / engine / "resumed.json").read_text())
-        assert resumed["same_logp"] and resumed["next_update_diff"] == 0.0, (engine, resumed)
+        assert b["actor/lr"] == a["actor/lr"]
+    assert [m["actor/lr"] for m in m_got] == [5e-4, 1e-3, 1e-3]
+    for run in (ref, got):
+        resumed = json.loads((run / "resumed.json").read_text())
+        assert resumed == {
+            "same_logp": True,
+            "next_update_diff": 0.0,
+            "nan_skipped": 2,
+            "nan_weights_equal": True,
+        }, (run, resumed)
+
+
+def assert_other_layout_loads_weights_and_refuses_optimizer(
+    model_dir: str, ckpt: Path, saved_by: str
+) -> None:
+    """A single-process engine loads a 2-rank checkpoint's weights, and refuses its optimizer state
+    naming both layouts."""
+    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.worker import TrainWorker
+    from tests.conftest import compose_config
+
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    eng = LocalTrainEngine(model_dir)
+    eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
+    eng.init_model()
+    with pytest.raises(ValueError) as err:
+        eng.load_checkpoint(str(ckpt))
+    assert f"engine={saved_by} on 2 rank(s)" in str(err.value) and "engine=single on 1" in str(err.value)
+    eng.load_checkpoint(str(ckpt), load_optimizer=False)  # the weights load at any world size
+    saved = read_safetensors_dir(str(ckpt / "model"))
+    for k, v in eng.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+
+def test_fsdp2_on_two_ranks_matches_the_single_process_engine(
+    tiny_model_dir: str, single_run: Path, tmp_path: Path
+) -> None:
+    run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
+    assert_matches_single(single_run, tmp_path / "fsdp", tiny_model_dir)
 
 
 def test_checkpoint_of_two_fsdp_ranks_loads_weights_anywhere_and_refuses_its_optimizer_elsewhere(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    from nexrl_hpc.train.local_engine import LocalTrainEngine
-    from nexrl_hpc.train.worker import TrainWorker
-    from tests.conftest import compose_config
-
     run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
-    ckpt = tmp_path / "fsdp" / "ckpt"
-    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
-    eng = LocalTrainEngine(tiny_model_dir)
-    eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
-    eng.init_model()
-    with pytest.raises(ValueError) as err:
-        eng.load_checkpoint(str(ckpt))
-    assert "engine=fsdp on 2 rank(s)" in str(err.value) and "engine=single on 1" in str(err.value)
-    eng.load_checkpoint(str(ckpt), load_optimizer=False)  # the weights load at any world size
-    saved = read_safetensors_dir(str(ckpt / "model"))
-    for k, v in eng.model.state_dict().items():
-        assert torch.equal(v, saved[k]), k
+    assert_other_layout_loads_weights_and_refuses_optimizer(
+        tiny_model_dir, tmp_path / "fsdp" / "ckpt", "fsdp"
+    )
+
+
+def _need_deepspeed() -> None:
+    pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
+
+
+def test_zero3_on_two_ranks_matches_the_single_process_engine(
+    tiny_model_dir: str, single_run: Path, tmp_path: Path
+) -> None:
+    _need_deepspeed()
+    out = tmp_path / "zero3"
+    run_engine(tiny_model_dir, out, "deepspeed", 2, ("service.train_service.deepspeed.zero_stage=3",))
+    assert_matches_single(single_run, out, tiny_model_dir)
+    assert_other_layout_loads_weights_and_refuses_optimizer(tiny_model_dir, out / "ckpt", "deepspeed")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_stages_0_to_2_on_two_ranks_match_the_single_process_engine(
+    tiny_model_dir: str, single_run: Path, tmp_path: Path, stage: int
+) -> None:
+    _need_deepspeed()
+    out = tmp_path / f"zero{stage}"
+    run_engine(tiny_model_dir, out, "deepspeed", 2, (f"service.train_service.deepspeed.zero_stage={stage}",))
+    assert_matches_single(single_run, out, tiny_model_dir)
+
+
+def test_deepspeed_in_one_process_matches_the_single_process_engine(
+    tiny_model_dir: str, single_run: Path, tmp_path: Path
+) -> None:
+    """engine=deepspeed with one trainer rank and no launcher: a 1-rank group of its own."""
+    _need_deepspeed()
+    run_engine(tiny_model_dir, tmp_path / "zero3", "deepspeed", 1)
+    assert_matches_single(single_run, tmp_path / "zero3", tiny_model_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -167,6 +168,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "service.train_service.config.zmq_recv_timeout_ms",
         "must not exceed service.train_service.config.zmq_total_timeout_ms",
     )
+    problems += _deepspeed_problems(cfg)
     if g_safe(cfg, "model.path") is None:
         check(
             lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,
@@ -191,6 +193,47 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "model.tiny.tokenizer.alphabet",
             "must not be empty",
         )
+    return problems
+
+
+# DeepSpeed keys the generated config owns (nexrl_hpc.train.deepspeed_strategy): a raw override
+# of one would desynchronise DeepSpeed from the engine's own accumulation, clipping and dtype
+_DEEPSPEED_OWNED = {
+    "zero_optimization.stage": "service.train_service.deepspeed.zero_stage",
+    "bf16": "service.train_service.dtype",
+    "fp16": "service.train_service.dtype",
+    "gradient_clipping": "service.train_service.actor.grad_clip",
+    "optimizer": "service.train_service.actor.optim",
+    "scheduler": "service.train_service.actor.optim",
+    "train_batch_size": "the engine (it plans the micro-batches)",
+    "train_micro_batch_size_per_gpu": "the engine (it plans the micro-batches)",
+    "gradient_accumulation_steps": "the engine (it plans the micro-batches)",
+    "managed_gradient_accumulation": "the engine (it calls step once per mini-batch)",
+}
+
+
+def _deepspeed_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """engine=deepspeed: the package is importable, and the raw ``config`` does not set owned keys."""
+    if g_safe(cfg, "service.train_service.engine") != "deepspeed":
+        return []
+    problems = []
+    if importlib.util.find_spec("deepspeed") is None:
+        problems.append(
+            ConfigProblem(
+                "service.train_service.engine",
+                "engine=deepspeed needs the deepspeed package (DS_BUILD_OPS=0 pip install 'nexrl_hpc[deepspeed]')",
+            )
+        )
+    raw = g_safe(cfg, "service.train_service.deepspeed.config")
+    if isinstance(raw, Mapping):
+        for key, owner in _DEEPSPEED_OWNED.items():
+            node: Any = raw
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, Mapping) else None
+            if node is not None:
+                problems.append(
+                    ConfigProblem(f"service.train_service.deepspeed.config.{key}", f"is set by {owner}")
+                )
     return problems
 
 

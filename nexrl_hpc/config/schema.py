@@ -6,7 +6,7 @@ against these before anything is built or submitted.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 
@@ -157,6 +157,11 @@ class TrainServiceTimeouts(TypedDict):
     zmq_total_timeout_ms: Annotated[int, Ge(1)]
 
 
+class DeepSpeedConfig(TypedDict):
+    zero_stage: Annotated[int, Ge(0), Le(3)]
+    config: dict[str, Any]  # raw DeepSpeed keys, merged over the generated config
+
+
 class TrainServiceConfig(TypedDict):
     backend: Literal["local", "noop", "direct-zmq"]  # noop: trains nothing (data-path benchmarks)
     url: str | None
@@ -169,8 +174,9 @@ class TrainServiceConfig(TypedDict):
     heartbeat_timeout_s: Annotated[float, Gt(0.0)]
     collective_timeout_s: Annotated[float, Gt(0.0)]
     idle_tick_s: Annotated[float, Gt(0.0)]
-    engine: Literal["single", "fsdp"]
+    engine: Literal["single", "fsdp", "deepspeed"]
     fsdp: FSDPConfig
+    deepspeed: DeepSpeedConfig
     num_threads: Annotated[int, Ge(1)]
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16"]

@@ -384,8 +384,9 @@ class LocalTrainEngine(TrainServiceClient):
                 state = read_safetensors_dir(model_dir)
             except (OSError, ValueError) as exc:
                 error = exc
-            expected = set(self.model.state_dict())
-            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            hf_model = par.unwrap(self.model)
+            expected = set(hf_model.state_dict())
+            tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
             missing, unexpected = expected - set(state) - tied, set(state) - expected
             if error is None and (missing or unexpected):
                 error = ValueError(

@@ -8,6 +8,8 @@ Chosen by ``service.train_service.engine`` through ``create_parallel_strategy``:
 - ``single``: one process, plain model and AdamW.
 - ``fsdp``: FSDP2 ``fully_shard`` per decoder layer and at the root over a 1-D device mesh of the
   trainer ranks (gloo on CPU, NCCL on GPU), mixed precision from the config.
+- ``deepspeed``: DeepSpeed ZeRO stage 0-3 (``deepspeed_strategy``), config generated from
+  ``service.train_service.deepspeed``.
 
 Data parallelism: every rank sees the same mini-batch boundaries and computes its own contiguous
 slice of each one; the loss normaliser is global (computed from the whole mini-batch), and since
@@ -42,6 +44,10 @@ class ParallelStrategy(ABC):
         """Wrap the model and build its optimizer (an engine like DeepSpeed does both at once)."""
         model = self.wrap(model)
         return model, make_optimizer(model.parameters())
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The HF model inside what ``setup`` returned (its state-dict keys and ``config``)."""
+        return model
 
     def zero_grad(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -225,6 +231,12 @@ def create_parallel_strategy(
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         fsdp = cfg["fsdp"]
         return FSDP2(device, fsdp["param_dtype"], fsdp["reduce_dtype"])
+    if engine == "deepspeed":
+        from nexrl_hpc.train.deepspeed_strategy import DeepSpeedZeRO
+
+        if not dist.is_initialized() and world_size == 1:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return DeepSpeedZeRO(cfg)
     raise ValueError(f"service.train_service.engine={engine!r} is not available")
 
 

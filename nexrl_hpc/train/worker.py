@@ -66,6 +66,7 @@ class TrainWorker(NexRLModule):
             "algorithm": {k: self._config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
             "engine": ts["engine"],
             "fsdp": ts["fsdp"],
+            "deepspeed": ts["deepspeed"],
             "device": ts["device"],
             "dtype": ts["dtype"],
             "num_threads": ts["num_threads"],

@@ -4,6 +4,8 @@ exported weights. The FSDP test compares this against the single-process engine.
 
     python -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR single
     torchrun --nproc_per_node 2 -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR fsdp
+    torchrun --nproc_per_node 2 -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR deepspeed 3 \
+        service.train_service.deepspeed.zero_stage=2      # UPDATES, then config overrides
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 def main() -> None:
     model_dir, out_dir, engine_name = sys.argv[1:4]
     updates = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    extra = sys.argv[5:]
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     from nexrl_hpc.train.local_engine import LocalTrainEngine
@@ -32,6 +35,8 @@ def main() -> None:
         f"service.train_service.engine={engine_name}",
         "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
         "service.train_service.actor.ppo_micro_batch_size=3",  # ranks get 4/4 then 3/2 rows: 2 vs 1 passes
+        "service.train_service.actor.optim.lr_warmup_steps=2",  # LR x0.5 then x1: the scheduled LR must apply
+        *extra,
     ]
     cfg = compose_config(overrides)
     eng = LocalTrainEngine(model_dir)
@@ -58,10 +63,17 @@ def main() -> None:
     eng.update_actor({"batch": dict(probe)})
     fresh.update_actor({"batch": dict(probe)})
     a, b = eng.parallel.full_state_dict(eng.model), fresh.parallel.full_state_dict(fresh.model)
+    # non-finite gradients in every mini-batch: both optimizer steps skipped, weights unchanged
+    bad = make_batch(13, seed=101)
+    bad["advantages"].fill_(float("nan"))
+    skipped = fresh.update_actor({"batch": bad})["meta_info"]["metrics"]["actor/nan_skipped"]
+    c = fresh.parallel.full_state_dict(fresh.model)
     if eng.parallel.rank == 0:
         resumed = {
             "same_logp": same_logp,
             "next_update_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "nan_skipped": skipped,
+            "nan_weights_equal": all(torch.equal(b[k], c[k]) for k in b),
         }
         with open(os.path.join(out_dir, "resumed.json"), "w") as f:
             json.dump(resumed, f)
