@@ -267,7 +267,7 @@ def test_seed_003_placement_errors_before_start() -> None:
     preflight(CONFIG_DIR, "rl_train", [*base, *fixed])  # valid
 
 
-@pytest.mark.parametrize("engine", ["fsdp"])
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_mpi_run_with_two_trainer_ranks_learns(tmp_path: Path, engine: str) -> None:
     """mpirun -n 5: driver, a trainer group of 2 ranks (seed 002 protocol, torch.distributed), 2 rollout ranks."""
     run_dir = tmp_path / engine

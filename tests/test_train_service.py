@@ -7,6 +7,7 @@ Real processes: ``python -m launch.train_service`` (FastAPI/uvicorn) and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -196,3 +197,38 @@ def test_a_killed_worker_gives_the_client_a_clear_error_not_a_hang(
         assert "trainer rank 1" in str(err.value), err.value
     finally:
         stop_group(group, api_server, "victim")
+
+
+def test_a_run_trains_through_a_standalone_service(api_server: str, tmp_path: Path) -> None:
+    """``python -m launch.train service.train_service.backend=direct-zmq``: the default task learns
+    with its trainer in another job (the API server and a torchrun worker group)."""
+    group = start_workers(api_server, "actor", tmp_path)
+    run_dir = tmp_path / "run"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "seed=2",
+             "service.train_service.backend=direct-zmq", f"service.train_service.url={api_server}",
+             "service.train_service.engine=fsdp", "service.train_service.world_size=2"],
+            cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "last validation: val/accuracy=" in proc.stdout
+        last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        val = [r["val/accuracy"] for r in last if "val/accuracy" in r]
+        assert val[0] <= 0.3 and val[-1] >= 0.8, val
+        assert (run_dir / "checkpoints" / "global_step_50" / "optimizer" / "rank_1.pt").exists()
+    finally:
+        stop_group(group, api_server, "actor")
+    assert group.returncode == 0
+
+
+def test_a_run_without_the_token_stops_before_training(tmp_path: Path) -> None:
+    environ = {k: v for k, v in env().items() if k != "NEXRL_TRAIN_SERVICE_TOKEN"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", f"run_dir={tmp_path / 'run'}",
+         "service.train_service.backend=direct-zmq", "service.train_service.url=http://127.0.0.1:9"],
+        cwd=REPO, env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "NEXRL_TRAIN_SERVICE_TOKEN" in proc.stderr and "service.train_service.token_env" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,6 +140,15 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         lambda: g("service.train_service.model_tag") == g("service.inference_service.model_tag"),
         "service.inference_service.model_tag",
         "must equal service.train_service.model_tag (one policy model)",
+    )
+    check(
+        lambda: (
+            g("service.train_service.backend") != "direct-zmq"
+            or bool(os.environ.get(g("service.train_service.token_env")))
+        ),
+        "service.train_service.token_env",
+        f"backend=direct-zmq reads the API server's bearer token from the environment variable "
+        f"{g_safe(cfg, 'service.train_service.token_env')!r}, which is not set",
     )
     check(
         lambda: g("service.train_service.backend") != "direct-zmq" or bool(g("service.train_service.url")),

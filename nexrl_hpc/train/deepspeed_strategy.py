@@ -20,6 +20,7 @@ import enum
 import os
 import socket
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from nexrl_hpc.train.parallel import ParallelStrategy
+
+# DeepSpeed 0.19 calls a collective torch 2.13 deprecates, once per step per rank: noise in every log
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
