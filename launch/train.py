@@ -1,7 +1,8 @@
 """Entry point: ``python -m launch.train [key=value ...]`` (a Hydra app; ``-m`` sweeps).
 
 The config is validated (every problem listed, exit code 2) before anything starts. Exit codes:
-0 finished, 1 the run failed (reason printed), 2 bad config, 130 interrupted.
+0 finished, 1 the run failed (reason printed), 2 bad config, 3 stopped at a checkpoint on the
+preemption signal or before the job's end (requeued under Slurm; run again to resume), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CONFIG_NAME = "rl_train"
@@ -40,9 +42,14 @@ def hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     _quiet_third_party()
-    if config["launch_mode"] == "mpi":
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # each point of a sweep is its own run
+        config["run_dir"] = HydraConfig.get().runtime.output_dir
+    if config["launcher"]["name"] == "slurm":
+        sys.exit(submit_to_slurm(config))
+    if config["launch_mode"] == "mpi":
         from nexrl_hpc.runtime.mpi import run_mpi
 
         code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
@@ -67,11 +74,36 @@ def run_controller(config: dict, runtime: object = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if controller.preempted:
+        step = controller.current_step()
+        requeued = controller.requeue()
+        where = "the job is requeued and resumes there" if requeued else "run the same command to resume"
+        print(f"stopped at step {step} ({controller.preemption_reason}): checkpoint saved; {where}")
+        return PREEMPTED_EXIT
     summary = controller.final_validation()
     print(f"run dir: {controller.run_dir}")
     if summary:
         print("last validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.items())))
     return 0
+
+
+def submit_to_slurm(config: dict) -> int:
+    """launcher=slurm: submit (after the cluster-side checks), print where to look, maybe follow."""
+    from nexrl_hpc.launcher.slurm import follow, submit
+
+    try:
+        job, info = submit(config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    kind = f"heterogeneous job ({len(info['components'])} components)" if info["heterogeneous"] else "job"
+    print(f"submitted {kind} {info['job_id']}: {info['world_size']} ranks")
+    print(f"run dir: {info['run_dir']}")
+    print(f"logs: {info['train_log']} (rank 0), {info['stderr'][0]} (task 0 stderr)")
+    print(f"status: python -m launch.status {info['run_dir']}")
+    if not config["launcher"]["wait"]:
+        return 0
+    return follow(job, info, config["launcher"]["poll_s"])
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.data.prepare import prepare_datasets
+from nexrl_hpc.launcher.preemption import PreemptionWatch
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.runtime.local import LocalRuntime
 from nexrl_hpc.runtime.roles import RunContext
@@ -67,6 +69,9 @@ class NexRLController:
         self.experiment_logger: ExperimentLogger | None = None
         self.last_validation: dict[str, float] | None = None
         self.resumed_from: str | None = None
+        self.preempted = False
+        self._last_step = 0
+        self._preemption = PreemptionWatch(config["preemption"])
         self.exit_reason = ""
 
     # --- public ---------------------------------------------------------------------------------
@@ -85,8 +90,11 @@ class NexRLController:
         return {k: v for k, v in rows[-1].items() if k.startswith("val/")} if rows else {}
 
     def run(self) -> None:
-        """Train to the end; raise ``RunFailed`` (with the reason) if the run cannot go on."""
+        """Train to the end (or, preempted, to a checkpoint: ``preempted``); raise ``RunFailed``
+        (with the reason) if the run cannot go on."""
         try:
+            if threading.current_thread() is threading.main_thread():
+                self._preemption.install()
             self._setup()
             self._train()
         except RunFailed as exc:
@@ -231,9 +239,35 @@ class NexRLController:
                 self._run_validate(tag or self._model_tag)
             self._check_module_exceptions()
             self._check_health()
+            self._check_preemption()
             if self._check_finish():
                 break
-        logger.info("training finished at step %d", execute(self.train_worker.get_train_step))
+        step = self._last_step = execute(self.train_worker.get_train_step)
+        if self.preempted:
+            logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
+                           self._preemption.reason)  # fmt: skip
+        else:
+            logger.info("training finished at step %d", step)
+
+    @property
+    def preemption_reason(self) -> str:
+        return self._preemption.reason
+
+    def current_step(self) -> int:
+        return self._last_step
+
+    def requeue(self) -> bool:
+        return self._preemption.requeue()
+
+    def _check_preemption(self) -> None:
+        """The allocation is ending: finish the step in flight, checkpoint it, stop (then requeue)."""
+        if self.preempted or not self._preemption.requested():
+            return
+        self.preempted = True
+        logger.warning(
+            "%s: finishing the step in flight, saving a checkpoint, stopping", self._preemption.reason
+        )
+        execute(self.train_worker.stop_after_current_step)
 
     def _validation_needed_at_start(self, step: int) -> bool:
         validate = self.config["validate"]

@@ -288,6 +288,27 @@ class PlacementConfig(TypedDict):
     resources: dict[str, GroupResources]  # per colocation group, for the Slurm launcher
 
 
+class PreemptionConfig(TypedDict):
+    signal: Literal["USR1", "USR2", "TERM", "INT"]
+    save_before_end_s: Annotated[float, Ge(0.0)]
+    requeue: bool
+
+
+class LauncherConfig(TypedDict):
+    name: Literal["local", "slurm"]
+    wait: bool
+    poll_s: Annotated[float, Gt(0.0)]
+    job_name: str
+    partition: str | None
+    account: str | None
+    qos: str | None
+    time_min: Annotated[int, Ge(1)]
+    signal_grace_s: Annotated[int, Ge(0)]
+    rollout_ranks: Annotated[int, Ge(1)]
+    setup: list[str]
+    sbatch: dict[str, Any]
+
+
 class RLTrainConfig(TypedDict):
     launch_mode: Literal["local", "mpi"]
     project_name: str
@@ -309,4 +330,6 @@ class RLTrainConfig(TypedDict):
     logger: LoggerConfig
     runtime_monitor: RuntimeMonitorConfig
     runtime: RuntimeConfig
+    preemption: PreemptionConfig
     placement: PlacementConfig
+    launcher: LauncherConfig

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
+    # Slurm sends its notification signals (preemption, time limit) to every process of the job:
+    # the run that owns this server decides what to do and stops it; the default action would kill it
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.num_threads)

@@ -114,6 +114,7 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
         {
             "address": endpoint.address,
             "host": host,
+            "node": os.environ.get("SLURMD_NODENAME", host),  # Slurm's node name (virtual nodes share a host)
             "pid": os.getpid(),
             "modules": names,
             "trainer_address": trainer.address if trainer is not None else None,
@@ -441,6 +442,9 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
             print(f"error: {err}", file=sys.stderr)
         return 2
     if rank != 0:
+        from nexrl_hpc.launcher.preemption import ignore_preemption_signal
+
+        ignore_preemption_signal(config["preemption"])  # Slurm signals every task; rank 0 decides
         return serve_rank(config, world)
     runtime = MPIRuntime(config, world)
     try:

@@ -43,6 +43,8 @@ class TrainWorker(NexRLModule):
         keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
         self._checkpoints = CheckpointManager(tw["checkpoint_path"], keep)
         self._train_step = 0
+        self._stop_requested = False  # preemption: the next step to finish is this session's last
+        self._stopped_early = False
         self._in_step = False
         self._last_step_end: float | None = None
         self._last_checkpoint_s: float | None = None
@@ -89,8 +91,15 @@ class TrainWorker(NexRLModule):
 
     @quick
     def is_done(self) -> bool:
-        """All planned steps trained, exported and handed to the weight sync controller."""
-        return self._train_step >= self._total_steps and not self._in_step
+        """All planned steps (or, preempted, this session's last step) trained, saved and handed on."""
+        return (self._train_step >= self._total_steps or self._stopped_early) and not self._in_step
+
+    @quick
+    def stop_after_current_step(self) -> None:
+        """Preemption: the step in flight (or the next one, whose batch is already being rolled out
+        in sync mode) is the last: it is checkpointed and its weight update is not announced, so no
+        rollout for a later step starts and the saved data position is exact."""
+        self._stop_requested = True  # read once per step: before the announcement, or the next step
 
     # --- weights / checkpoints used by the controller -------------------------------------------
     def export_weights(self, version: int) -> str:
@@ -122,7 +131,7 @@ class TrainWorker(NexRLModule):
         self._stop_thread(timeout=120)
 
     def _loop(self) -> None:
-        while not self.stopped and self._train_step < self._total_steps:
+        while not self.stopped and self._train_step < self._total_steps and not self._stopped_early:
             batch = self._get_batch(wait_s=self._long_poll_s)
             if batch is None:
                 continue
@@ -193,14 +202,20 @@ class TrainWorker(NexRLModule):
         # the step's line is written before its checkpoint commits: a resume from this checkpoint
         # keeps the line, a resume from an older one truncates it and redoes the step
         self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
-        if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps:
+        # a stop request read here ends the session at this step; arriving later, at the next one
+        early = self._stop_requested and step < self._total_steps
+        if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps or early:
             t4 = time.monotonic()
             self.save_checkpoint()
             self._last_checkpoint_s = time.monotonic() - t4
-        execute(
-            self._weight_sync_controller.train_worker_notify_weight_update,
-            self._module_name,
-            self._model_tag,
-            step,
-        )
+        if early:
+            logger.info("stopping after step %d (preemption): checkpoint saved", step)
+            self._stopped_early = True
+        else:
+            execute(
+                self._weight_sync_controller.train_worker_notify_weight_update,
+                self._module_name,
+                self._model_tag,
+                step,
+            )
         self._last_step_end = time.monotonic()

@@ -1,0 +1,270 @@
+"""launcher=slurm: submit the run's mpi mode as one Slurm job through submitit, from a login node.
+
+The placement decides the ranks; its colocation groups become Slurm components. Adjacent groups
+with the same per-rank resources share a component; one component is a plain job, several are a
+heterogeneous job (``#SBATCH hetjob``) whose tasks form one MPI_COMM_WORLD through
+``srun --mpi=pmi2 --het-group=0-N`` (ranks in component order: rank 0 is the driver). submitit
+has no hetjob support; ``HetSlurmExecutor`` adds it (a subclass, two pitfalls handled: srun expands
+``%j`` per component, so its log paths use ``${SLURM_JOB_ID}``; sacct names components ``N+0``,
+``N+1``). Every rank runs ``SlurmRun``, which runs the mpi mode and, on preemption, leaves the
+requeue to rank 0 (see ``launcher.preemption``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.slurm import slurm as submitit_slurm
+
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
+from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_rank_count
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+                "DEADLINE"}  # fmt: skip
+
+
+@dataclass
+class Component:
+    """One Slurm (het)job component: ``ntasks`` ranks with the same resources."""
+
+    groups: list[str]
+    ntasks: int
+    cpus_per_task: int
+    gpus_per_task: int
+
+
+def plan_components(config: dict[str, Any]) -> tuple[int, list[Component]]:
+    """(world size, components in rank order); raises ConfigError when the placement cannot fit."""
+    world = 1 + trainer_rank_count(config) + config["launcher"]["rollout_ranks"]
+    if config["placement"]["mode"] == "manual":
+        world = 0  # the groups decide
+    try:
+        placement = plan_placement(config, world) if world else _manual_placement(config)
+    except PlacementError as err:
+        raise ConfigError(err.problems) from err
+    components: list[Component] = []
+    for group in _groups_in_rank_order(placement):
+        spec = placement.groups[[g.name for g in placement.groups].index(group)]
+        last = components[-1] if components else None
+        if last and (last.cpus_per_task, last.gpus_per_task) == (spec.cpus_per_rank, spec.gpus_per_rank):
+            last.groups.append(group)
+            last.ntasks += spec.count
+        else:
+            components.append(Component([group], spec.count, spec.cpus_per_rank, spec.gpus_per_rank))
+    return placement.world_size, components
+
+
+def _manual_placement(config: dict[str, Any]) -> Any:
+    from nexrl_hpc.runtime.placement import manual_groups, trainer_group
+
+    problems: list[ConfigProblem] = []
+    groups = manual_groups(config["placement"], problems) + trainer_group(config)
+    if problems:
+        raise PlacementError(problems)
+    return plan_placement(config, sum(g.count for g in groups))
+
+
+def _groups_in_rank_order(placement: Any) -> list[str]:
+    seen: list[str] = []
+    for spec in placement.ranks:
+        if spec.group not in seen:
+            seen.append(spec.group)
+    return seen
+
+
+class HetSlurmInfoWatcher(submitit_slurm.SlurmInfoWatcher):
+    """sacct shows a heterogeneous job as ``N+0``, ``N+1``...: component 0 is the job."""
+
+    def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
+        text = string.decode() if isinstance(string, bytes) else string
+        lines = [ln for ln in text.splitlines() if not re.match(r"^\d+\+[1-9]\d*\|", ln)]
+        return super().read_info("\n".join(re.sub(r"^(\d+)\+0\|", r"\1|", ln) for ln in lines))
+
+
+class HetSlurmJob(submitit_slurm.SlurmJob):
+    watcher = HetSlurmInfoWatcher(delay_s=60)
+
+
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """A SlurmExecutor whose job may have several components (one MPI world over all of them)."""
+
+    job_class = HetSlurmJob
+    _SIZING = ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --cpus-per-task=",
+               "#SBATCH --gpus-per-task=", "#SBATCH --gpus-per-node=")  # fmt: skip
+
+    def __init__(self, folder: str | Path, components: list[Component], **parameters: Any):
+        super().__init__(folder=folder, max_num_timeout=1000)
+        self._components = components
+        self.update_parameters(**parameters)
+
+    def _num_tasks(self) -> int:
+        return sum(c.ntasks for c in self._components)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        lines = [
+            ln
+            for ln in super()._make_submission_file_text(command, uid).splitlines()
+            if not ln.startswith(self._SIZING)
+        ]
+        # each component sizes itself; everything before the first "hetjob" line is component 0
+        repeated = [ln for ln in lines if ln.startswith(("#SBATCH --partition=", "#SBATCH --account=",
+                                                         "#SBATCH --qos=", "#SBATCH --time="))]  # fmt: skip
+        sizing: list[str] = []
+        for k, comp in enumerate(self._components):
+            if k:
+                sizing += ["#SBATCH hetjob", *repeated]
+            sizing += [f"#SBATCH --ntasks={comp.ntasks}", f"#SBATCH --cpus-per-task={comp.cpus_per_task}"]
+            if comp.gpus_per_task:
+                sizing.append(f"#SBATCH --gpus-per-task={comp.gpus_per_task}")
+        last_flag = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+        lines[last_flag + 1 : last_flag + 1] = sizing
+        # srun would expand %j per component (component k's log path would not exist): use the job id
+        srun = next(i for i, ln in enumerate(lines) if ln.startswith("srun "))
+        line = lines[srun].replace("%j", "${SLURM_JOB_ID}").replace("'", '"')
+        if len(self._components) > 1:
+            line = line.replace("srun ", f"srun --het-group=0-{len(self._components) - 1} ", 1)
+        lines[srun] = line
+        return "\n".join(lines) + "\n"
+
+
+class SlurmRun:
+    """What every task of the job runs (pickled by submitit; re-run after each requeue)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    def __call__(self) -> dict[str, Any]:
+        from launch.train import run_controller
+        from nexrl_hpc.runtime.mpi import run_mpi
+
+        rank = int(os.environ.get("SLURM_PROCID", "0"))
+        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+        code = run_mpi(self.config, run_controller)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # whatever threads of dead peers linger, this process ends (after submitit writes the result)
+        threading.Timer(60.0, os._exit, (code,)).start()
+        if code == PREEMPTED_EXIT:
+            time.sleep(120)  # the job is being requeued: Slurm ends this task; no result to write
+            os._exit(code)
+        if code != 0 and rank == 0:
+            raise RuntimeError(f"the run failed (exit code {code}); see {self.config['run_dir']}/train.log")
+        return {"exit_code": code, "rank": rank, "run_dir": self.config["run_dir"]}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Not used: rank 0 saves and requeues itself (submitit's handler is replaced)."""
+        return None
+
+
+def check_partition(partition: str | None) -> list[ConfigProblem]:
+    if partition is None:
+        return []
+    proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return [
+            ConfigProblem("launcher.partition", f"cannot ask Slurm for partitions: {proc.stderr.strip()}")
+        ]
+    known = sorted(set(proc.stdout.split()))
+    if partition not in known:
+        return [
+            ConfigProblem(
+                "launcher.partition", f"unknown partition {partition!r} (available: {', '.join(known)})"
+            )
+        ]
+    return []
+
+
+def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Check what only the cluster can tell, submit, write ``<run_dir>/launcher.json``."""
+    lc = config["launcher"]
+    world, components = plan_components(config)
+    problems = check_partition(lc["partition"])
+    if problems:
+        raise ConfigError(problems)
+    job_config = dict(config, launch_mode="mpi")
+    job_config["resume"] = dict(
+        config["resume"], mode="auto" if config["resume"]["mode"] == "disable" else config["resume"]["mode"]
+    )
+    run_dir = os.path.abspath(config["run_dir"])
+    job_config["run_dir"] = run_dir
+    folder = os.path.join(run_dir, "slurm")
+    os.makedirs(folder, exist_ok=True)
+    parameters = {
+        "job_name": lc["job_name"],
+        "partition": lc["partition"],
+        "account": lc["account"],
+        "qos": lc["qos"],
+        "time": lc["time_min"],
+        "signal_delay_s": lc["signal_grace_s"],
+        "setup": list(lc["setup"]),
+        "srun_args": ["--mpi=pmi2", "--kill-on-bad-exit=0"],
+        "additional_parameters": {**lc["sbatch"], "requeue": True},
+    }
+    executor = HetSlurmExecutor(folder, components, **{k: v for k, v in parameters.items() if v is not None})
+    job = executor.submit(SlurmRun(job_config))
+    info = {
+        "job_id": str(job.job_id),
+        "run_dir": run_dir,
+        "world_size": world,
+        "components": [asdict(c) for c in components],
+        "heterogeneous": len(components) > 1,
+        "submitit_folder": folder,
+        "stdout": [str(Path(folder) / f"{job.job_id}_{t}_log.out") for t in range(world)],
+        "stderr": [str(Path(folder) / f"{job.job_id}_{t}_log.err") for t in range(world)],
+        "train_log": os.path.join(run_dir, "train.log"),
+        "submitted_at": time.time(),
+    }
+    path = os.path.join(run_dir, "launcher.json")
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+    return job, info
+
+
+def job_state(job_id: str) -> str:
+    """The job's state from sacct (component 0 of a heterogeneous job); UNKNOWN if not listed yet."""
+    proc = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    for line in proc.stdout.splitlines():
+        jid, _, state = line.partition("|")
+        if jid in (job_id, f"{job_id}+0"):
+            return state.split()[0] if state else "UNKNOWN"
+    return "UNKNOWN"
+
+
+def follow(job: Any, info: dict[str, Any], poll_s: float) -> int:
+    """Print state changes until the job ends; the run's exit status (0: finished)."""
+    last = ""
+    while True:
+        state = job_state(info["job_id"])
+        if state != last:
+            print(f"job {info['job_id']}: {state}", flush=True)
+            last = state
+        if state in FINAL_STATES:
+            break
+        time.sleep(poll_s)
+    if state != "COMPLETED":
+        print(f"error: job {info['job_id']} ended {state}; logs: {info['stderr'][0]}, {info['train_log']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        results = job.results()
+    except Exception as exc:
+        print(f"error: job {info['job_id']}: {exc}", file=sys.stderr)
+        return 1
+    return int(max(r["exit_code"] for r in results))
