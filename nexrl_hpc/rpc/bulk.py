@@ -24,6 +24,7 @@ chunk index and count) plus the sender id; ``body`` is msgpack: the user header,
 (name, dtype, shape, offset) and the stream layout (total bytes, chunk size). Tensors are laid end
 to end in one byte stream (each at a 64-byte aligned offset); chunk ``i`` carries bytes
 ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of it, as zero-copy slices of the sender's tensors.
+Chunks must arrive in order over the head's connection (ZMQ keeps a connection's order).
 
 Authentication. Every ZMQ message (head or chunk) carries a Poly1305 tag over all of its frames,
 each preceded by its length. Poly1305 is a one-time MAC (its key must never authenticate two
@@ -66,7 +67,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgpack
@@ -290,7 +291,7 @@ class _Partial:
     dest: np.ndarray
     chunk_bytes: int
     n_chunks: int
-    received: set[int] = field(default_factory=set)
+    received: int = 0  # chunks in (they come in order)
     last_progress: float = 0.0
 
 
@@ -375,7 +376,7 @@ class BulkReceiver:
             p = self._partials.pop(k)
             self._reject(
                 f"{p.sender} ({_peer_name(p.routing_id)})",
-                f"timed out with {len(p.received)}/{p.n_chunks} chunks",
+                f"timed out with {p.received}/{p.n_chunks} chunks",
                 (p.sender, p.seq),
             )
         return len(stale)
@@ -436,27 +437,39 @@ class BulkReceiver:
         p = self._partials.get((routing_id, sender))  # chunks must come over the head's connection
         if p is None or p.seq != seq or p.nonce != nonce:
             raise _rejected(msg_id, f"chunk {index} of message {seq}, which is not in progress")
-        if n_chunks != p.n_chunks or index >= n_chunks or index in p.received or tag.nbytes != TAG_BYTES:
-            raise _rejected(msg_id, f"chunk {index}/{n_chunks} out of place (message has {p.n_chunks})")
+        # from here on the chunk came over the head's connection, whose messages arrive in order and
+        # intact: anything wrong means a corrupt stream, and the message is dropped at once
+        try:
+            self._check_chunk(p, meta, tag, data, index, n_chunks)
+        except RejectedMessage as exc:
+            del self._partials[(routing_id, sender)]
+            raise _rejected(msg_id, f"chunk {index}/{n_chunks}: {exc}") from None
+        _copy_into(p.dest, index * p.chunk_bytes, data)
+        p.received += 1
+        p.last_progress = time.monotonic()
+        if p.received < p.n_chunks:
+            return None
+        del self._partials[(routing_id, sender)]
+        return BulkMessage(p.routing_id, p.header, p.tensors, sender, seq)
+
+    def _check_chunk(
+        self,
+        p: _Partial,
+        meta: memoryview,
+        tag: memoryview,
+        data: list[memoryview],
+        index: int,
+        n_chunks: int,
+    ) -> None:
+        if n_chunks != p.n_chunks or index != p.received or tag.nbytes != TAG_BYTES:
+            raise RejectedMessage(f"out of place (expected chunk {p.received}/{p.n_chunks})")
         start = index * p.chunk_bytes
         expected = min(start + p.chunk_bytes, p.dest.nbytes) - start
         got = sum(v.nbytes for v in data)
         if got != expected:
-            raise _rejected(msg_id, f"chunk {index} has {got} bytes, expected {expected}")
-        key = _one_time_key(self._key, b"C", nonce, seq, index, sender.encode())
-        try:
-            _verify(key, [meta, *data], tag.tobytes())
-        except RejectedMessage as exc:
-            # only the head's connection gets here: its stream is corrupt, drop the message now
-            del self._partials[(routing_id, sender)]
-            raise _rejected(msg_id, f"chunk {index}: {exc}") from None
-        _copy_into(p.dest, start, data)
-        p.received.add(index)
-        p.last_progress = time.monotonic()
-        if len(p.received) < p.n_chunks:
-            return None
-        del self._partials[(routing_id, sender)]
-        return BulkMessage(p.routing_id, p.header, p.tensors, sender, seq)
+            raise RejectedMessage(f"{got} bytes, expected {expected}")
+        key = _one_time_key(self._key, b"C", p.nonce, p.seq, index, p.sender.encode())
+        _verify(key, [meta, *data], tag.tobytes())
 
 
 def _rejected(msg_id: tuple[str, int], reason: str) -> RejectedMessage:
