@@ -9,7 +9,10 @@ Paths, interleaved rep by rep so machine noise hits them alike:
   with one-time keys from the job key, verified before use), ACK signed the same way and checked;
 - pickle ``send_pyobj``: the same dict pickled (NexRL's way), ``recv_pyobj`` on rank 0, plain ACK;
 - bare frame: the same number of bytes as one unsigned zero-copy ZMQ frame, plain ACK (the
-  transport's ceiling: no header, no MAC, no tensors);
+  transport's ceiling: no header, no MAC, no tensors; ZMQ receives it into fresh memory each time);
+- bare chunks (extra row): the same bytes as unsigned zero-copy frames of the bulk chunk size,
+  copied into a buffer rank 0 reuses: the bulk path without header, MAC and tensors, i.e. what
+  authentication costs;
 - memcpy: the same bytes copied in-process into a fresh buffer and into a reused one (reference).
 
 Goal (issue 4): bulk >= 5x pickle and >= 80% of the bare frame. Before timing, one round checks
@@ -39,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nexrl_hpc.rpc.bulk import BulkReceiver, BulkSender  # noqa: E402
 
-PATHS = ("bulk", "pickle", "bare")
+PATHS = ("bulk", "pickle", "bare", "bare_chunks")
 _TIMEOUT_S = 120.0
 
 
@@ -72,7 +75,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def rank0(conn: Any) -> None:
     """The receiving trainer rank: one ROUTER per path, answers every batch with an ACK."""
-    key, chunk_bytes, max_bytes = conn.recv()
+    key, nbytes = conn.recv()
     ctx = zmq.Context()
     socks = {}
     for path in PATHS:
@@ -80,8 +83,9 @@ def rank0(conn: Any) -> None:
         s.setsockopt(zmq.LINGER, 0)
         socks[path] = s
     conn.send({p: f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for p, s in socks.items()})
-    receiver = BulkReceiver(key, max_bytes, chunk_timeout_s=30.0, name="rank 0")
+    receiver = BulkReceiver(key, 2 * nbytes, chunk_timeout_s=30.0, name="rank 0")
     acker = BulkSender(key, "rank0")
+    into, got = np.empty(nbytes, dtype=np.uint8), 0  # the bare_chunks path's reused buffer
     poller = zmq.Poller()
     for s in socks.values():
         poller.register(s, zmq.POLLIN)
@@ -102,6 +106,14 @@ def rank0(conn: Any) -> None:
                 assert isinstance(batch["input_ids"], torch.Tensor)
                 del batch
                 sock.send_multipart([rid, b"ack"])
+            elif sock is socks["bare_chunks"]:
+                rid, frame = sock.recv_multipart(copy=False)
+                n = len(frame)
+                into[got : got + n] = np.frombuffer(frame.buffer, dtype=np.uint8)
+                got += n
+                if got == nbytes:
+                    got = 0
+                    sock.send_multipart([rid, b"ack"])
             else:
                 rid, frame = sock.recv_multipart(copy=False)
                 if frame.bytes == b"stop":
@@ -125,7 +137,7 @@ def main() -> None:
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=rank0, args=(child,), daemon=True)
     proc.start()
-    parent.send((key, chunk_bytes, 2 * nbytes))
+    parent.send((key, nbytes))
     addresses = parent.recv()
     ctx = zmq.Context()
     socks = {}
@@ -156,7 +168,19 @@ def main() -> None:
         if socks["bare"].recv() != b"ack":
             raise RuntimeError("bad ACK")
 
-    runs: dict[str, Callable[[], Any]] = {"bulk": bulk, "pickle": pickled, "bare": bare}
+    def bare_chunks() -> None:
+        data = flat.numpy()
+        for start in range(0, nbytes, chunk_bytes):
+            socks["bare_chunks"].send(data[start : start + chunk_bytes], copy=False)
+        if socks["bare_chunks"].recv() != b"ack":
+            raise RuntimeError("bad ACK")
+
+    runs: dict[str, Callable[[], Any]] = {
+        "bulk": bulk,
+        "pickle": pickled,
+        "bare": bare,
+        "bare_chunks": bare_chunks,
+    }
     ack = bulk(check=True)  # correctness first: rank 0 got every tensor bit for bit
     if ack["digest"] != digest(batch) or ack["rejected"]:
         raise SystemExit(f"bulk transfer corrupted the batch or dropped messages: {ack}")
@@ -192,6 +216,7 @@ def main() -> None:
         "bulk": "nexrl_hpc bulk: header + raw buffers, Poly1305 per chunk, verified, signed ACK",
         "pickle": "pickle send_pyobj / recv_pyobj (NexRL's way) + ACK",
         "bare": "one bare unsigned zero-copy ZMQ frame + ACK (ceiling)",
+        "bare_chunks": "the same bytes as unsigned chunk frames, copied into a reused buffer + ACK (bulk minus MAC)",
         "memcpy_fresh": "memcpy in-process, into a fresh buffer (reference)",
         "memcpy_warm": "memcpy in-process, into a reused buffer (reference)",
     }
