@@ -264,15 +264,44 @@ def test_receive_buffers_are_reused_once_the_tensors_are_gone() -> None:
     assert c.base is not base
 
 
-def test_receiver_reuses_the_buffer_of_a_dropped_batch(pair: tuple[zmq.Socket, zmq.Socket]) -> None:
+def test_receiver_reuses_a_buffer_only_once_its_tensors_are_gone(pair: tuple[zmq.Socket, zmq.Socket]) -> None:
     dealer, router = pair
     sender, receiver = BulkSender(KEY, "driver", chunk_bytes=1 << 20), BulkReceiver(KEY, 16 << 20)
-    sender.send(dealer, {}, {"x": torch.full((1 << 20,), 1.0)})
-    msg = receiver.recv(router, 5)
-    assert msg is not None
-    ptr = msg.tensors["x"].data_ptr()
-    del msg
-    sender.send(dealer, {}, {"x": torch.full((1 << 20,), 2.0)})
-    msg = receiver.recv(router, 5)
-    assert msg is not None and msg.tensors["x"].data_ptr() == ptr
-    assert torch.equal(msg.tensors["x"], torch.full((1 << 20,), 2.0))
+    n = 1 << 20  # 4 MiB of float32
+    sender.send(dealer, {}, {"x": torch.full((n,), 1.0)})
+    first = receiver.recv(router, 5)
+    assert first is not None
+    sender.send(dealer, {}, {"x": torch.full((n,), 2.0)})
+    second = receiver.recv(router, 5)
+    assert second is not None  # the first batch is still alive: it must not be written over
+    assert torch.equal(first.tensors["x"], torch.full((n,), 1.0))
+    assert torch.equal(second.tensors["x"], torch.full((n,), 2.0))
+    ptr = first.tensors["x"].data_ptr()
+    del first
+    gc.collect()
+    assert receiver.pool.pooled_bytes == 4 << 20
+    sender.send(dealer, {}, {"x": torch.full((n,), 3.0)})
+    third = receiver.recv(router, 5)
+    assert third is not None and third.tensors["x"].data_ptr() == ptr and receiver.pool.pooled_bytes == 0
+    assert torch.equal(third.tensors["x"], torch.full((n,), 3.0))
+    assert torch.equal(second.tensors["x"], torch.full((n,), 2.0))
+
+
+class FakeSocket:
+    """Records what a sender queues (frames as bytes), as a socket with nothing in between would."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list, copy: bool = True) -> None:
+        self.sent.append([bytes(f) for f in frames])
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 100, 1000, 4096, 1 << 20])
+def test_any_chunk_size_reassembles_exactly(chunk_bytes: int) -> None:
+    sock, receiver = FakeSocket(), BulkReceiver(KEY, 1 << 20)
+    sent = mixed_tensors()
+    BulkSender(KEY, "driver", chunk_bytes=chunk_bytes).send(sock, {"c": chunk_bytes}, sent)  # type: ignore[arg-type]
+    (msg,) = feed_all(receiver, sock.sent)
+    assert msg.routing_id is None and msg.header == {"c": chunk_bytes} and receiver.rejected == 0
+    assert_same(sent, msg.tensors)

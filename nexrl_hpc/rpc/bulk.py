@@ -154,6 +154,8 @@ class BulkSender:
     """
 
     def __init__(self, key: bytes, sender_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        """``sender_id`` must be unique per sender object in the job (receivers check that its
+        sequence numbers increase), e.g. ``f"{rank}:{pid}:{n}"`` as the RPC endpoint does."""
         self._key = bulk_key(key)
         self._sender = sender_id.encode()
         if not 0 < len(self._sender) <= MAX_SENDER_ID_BYTES:
@@ -264,7 +266,7 @@ class BufferPool:
         if base is None:  # numpy asks for transparent huge pages on large arrays
             base = np.empty(-(-nbytes // self._ROUND) * self._ROUND, dtype=np.uint8)
         view = base[:nbytes]
-        weakref.finalize(view, self._put, base)
+        weakref.finalize(view, self._put, base).atexit = False
         return view
 
     def _put(self, base: np.ndarray) -> None:
@@ -405,22 +407,20 @@ class BulkReceiver:
         # verified: decode the body (still checked: a key holder's bug must not crash the receiver)
         try:
             header, specs, total, chunk_bytes, n_chunks = _parse_body(body, self.max_bytes)
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+            if n_chunks != (0 if total <= chunk_bytes else math.ceil(total / chunk_bytes)):
+                raise ValueError("inconsistent chunk count")
+            if n_chunks == 0 and inline != total:
+                raise ValueError(f"{inline} inline bytes, head says {total}")
+            dest = self.pool.get(total)
+            flat = torch.from_numpy(dest)
+            tensors = {}
+            for name, dtype, shape, offset, nbytes in specs:
+                tensors[name] = flat[offset : offset + nbytes].view(dtype).reshape(shape)
+        except (ValueError, TypeError, KeyError, RuntimeError, msgpack.UnpackException) as exc:
             raise _rejected(msg_id, f"bad head body: {exc}") from None
-        if (n_chunks == 0) != (total <= chunk_bytes) or (
-            n_chunks and n_chunks != math.ceil(total / chunk_bytes)
-        ):
-            raise _rejected(msg_id, "inconsistent chunk count")
-        if n_chunks == 0 and inline != total:
-            raise _rejected(msg_id, f"{inline} inline bytes, head says {total}")
         old = self._partials.pop((routing_id, sender), None)
         if old is not None:
             self._reject(sender, f"unfinished message {old.seq} superseded by {seq}", (sender, old.seq))
-        dest = self.pool.get(total)
-        flat = torch.from_numpy(dest)
-        tensors = {}
-        for name, dtype, shape, offset, nbytes in specs:
-            tensors[name] = flat[offset : offset + nbytes].view(dtype).reshape(shape)
         if n_chunks == 0:
             _copy_into(dest, 0, data)
             return BulkMessage(routing_id, header, tensors, sender, seq)
