@@ -16,6 +16,9 @@ API (one ``BulkSender`` per sending thread, one ``BulkReceiver`` per receiving s
 accepts both (a ROUTER puts the peer's routing id first, returned as ``msg.routing_id``).
 ``header`` is plain msgpack data; tensors may have any dtype in ``DTYPES`` (bfloat16 included),
 any shape (empty too) and arrive with the same dtype, shape and bytes. No pickle anywhere.
+``sender_id`` must be unique per ``BulkSender`` in the job (its sequence numbers must increase).
+No frame exceeds ``max(chunk_bytes, MAX_BODY_BYTES)``: set ``zmq.MAXMSGSIZE`` on the receiving
+socket a little above that, so ZMQ refuses a giant frame before allocating it.
 
 Wire format. A message is a *head* ZMQ message ``[b"NXB1H", meta, body, tag, *data]`` followed,
 when the tensor bytes exceed ``chunk_bytes``, by ``n`` *chunk* messages
