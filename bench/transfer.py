@@ -18,7 +18,7 @@ Paths, interleaved rep by rep so machine noise hits them alike:
 Goal (issue 4): bulk >= 5x pickle and >= 80% of the bare frame. Before timing, one round checks
 that rank 0 received every tensor exactly (digest in the signed ACK).
 
-    python bench/transfer.py [--mb 256] [--reps 7] [--chunk-mb 8]
+    python bench/transfer.py [--mb 256] [--reps 7] [--chunk-mb 4]
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=256, help="batch size in MiB")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--chunk-mb", type=float, default=8.0, help="bulk chunk size in MiB")
+    ap.add_argument("--chunk-mb", type=float, default=4.0, help="bulk chunk size in MiB")
+    ap.add_argument("--verbose", action="store_true", help="print every rep's time (ms)")
     args = ap.parse_args()
 
     batch = make_batch(args.mb << 20)
@@ -208,7 +209,7 @@ def main() -> None:
     socks["bare"].recv()
     proc.join(10)
 
-    if os.environ.get("BENCH_DEBUG"):
+    if args.verbose:
         print({p: [round(x * 1000) for x in t] for p, t in times.items()})
     gbps = {p: nbytes / statistics.median(t) / 1e9 for p, t in times.items()}
     best = {p: nbytes / min(t) / 1e9 for p, t in times.items()}
