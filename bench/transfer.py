@@ -5,7 +5,8 @@ Two processes on this machine over TCP loopback: the driver (this process) sends
 it, turns it into tensors and answers with an ACK; the time is taken until the driver has the ACK.
 Paths, interleaved rep by rep so machine noise hits them alike:
 
-- nexrl_hpc bulk: ``BulkSender`` -> ``BulkReceiver`` (header + raw buffers, Poly1305 tag per chunk
+- nexrl_hpc: the train protocol's ``SignedChannel`` (client -> trainer rank 0: a ``data`` message, header +
+  raw buffers in ``rpc.bulk``'s format, Poly1305 tag per chunk
   with one-time keys from the job key, verified before use), ACK signed the same way and checked;
 - pickle ``send_pyobj``: the same dict pickled (NexRL's way), ``recv_pyobj`` on rank 0, plain ACK;
 - bare frame: the same number of bytes as one unsigned zero-copy ZMQ frame, plain ACK (the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import multiprocessing as mp
 import os
 import secrets
@@ -40,7 +42,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nexrl_hpc.rpc.bulk import BulkReceiver, BulkSender  # noqa: E402
+from nexrl_hpc.train.protocol import SignedChannel  # noqa: E402
 
 PATHS = ("bulk", "pickle", "bare", "bare_chunks")
 _TIMEOUT_S = 120.0
@@ -83,8 +85,8 @@ def rank0(conn: Any) -> None:
         s.setsockopt(zmq.LINGER, 0)
         socks[path] = s
     conn.send({p: f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for p, s in socks.items()})
-    receiver = BulkReceiver(key, 2 * nbytes, chunk_timeout_s=30.0, name="rank 0")
-    acker = BulkSender(key, "rank0")
+    channel = SignedChannel(key, 2 * nbytes, name="rank0")  # what trainer rank 0 runs
+    channel.prepare(socks["bulk"])
     into, got = np.empty(nbytes, dtype=np.uint8), 0  # the bare_chunks path's reused buffer
     poller = zmq.Poller()
     for s in socks.values():
@@ -92,14 +94,14 @@ def rank0(conn: Any) -> None:
     while True:
         for sock, _ in poller.poll():
             if sock is socks["bulk"]:
-                msg = receiver.feed(sock.recv_multipart(copy=False))
+                msg = channel.feed(sock.recv_multipart(copy=False))
                 if msg is not None:
-                    ack = {"ack": msg.seq, "rejected": receiver.rejected}
-                    if msg.header.get("check"):
-                        ack["digest"] = digest(msg.tensors)
-                    rid = msg.routing_id
-                    del msg  # the batch is "handed to the trainer" and dropped
-                    acker.send(sock, ack, routing_id=rid)
+                    rid, header, tensors = msg
+                    ack = {"kind": "ack", "op_id": header["op_id"], "rejected": channel.rejected}
+                    if header.get("check"):
+                        ack["digest"] = digest(tensors)
+                    del msg, tensors  # the batch is "handed to the trainer" and dropped
+                    channel.send(sock, ack, routing_id=rid)
             elif sock is socks["pickle"]:
                 rid = sock.recv()
                 batch = sock.recv_pyobj()  # NexRL: pickle.loads of the whole frame
@@ -148,16 +150,24 @@ def main() -> None:
         s.setsockopt(zmq.RCVTIMEO, int(_TIMEOUT_S * 1000))
         s.connect(address)
         socks[path] = s
-    sender = BulkSender(key, "driver", chunk_bytes=chunk_bytes)
-    acks = BulkReceiver(key, 1 << 20, name="driver")
+    client = SignedChannel(key, 1 << 20, name="driver", chunk_bytes=chunk_bytes)  # TrainGroupClient's
+    ops = itertools.count()
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in batch.values()])  # the bare frame's bytes
 
     def bulk(check: bool = False) -> dict[str, Any]:
-        seq = sender.send(socks["bulk"], {"step": 1, "check": check}, batch)
-        msg = acks.recv(socks["bulk"], _TIMEOUT_S)
-        if msg is None or msg.header["ack"] != seq:
-            raise RuntimeError(f"no valid ACK for bulk message {seq}")
-        return msg.header
+        op_id = f"update_actor-{next(ops)}"
+        client.send(
+            socks["bulk"],
+            {"kind": "data", "op_id": op_id, "operation": "update_actor", "check": check},
+            batch,
+        )
+        while True:  # the client's wait for the ACK (a result message arrives whole: one feed)
+            msg = client.feed(socks["bulk"].recv_multipart(copy=False))
+            if msg is not None:
+                break
+        if msg[1].get("op_id") != op_id:
+            raise RuntimeError(f"no valid ACK for {op_id}")
+        return msg[1]
 
     def pickled() -> None:
         socks["pickle"].send_pyobj(batch)
@@ -214,7 +224,7 @@ def main() -> None:
     gbps = {p: nbytes / statistics.median(t) / 1e9 for p, t in times.items()}
     best = {p: nbytes / min(t) / 1e9 for p, t in times.items()}
     labels = {
-        "bulk": "nexrl_hpc bulk: header + raw buffers, Poly1305 per chunk, verified, signed ACK",
+        "bulk": "nexrl_hpc train protocol (SignedChannel data message): header + raw buffers, Poly1305 per chunk, verified, signed ACK",
         "pickle": "pickle send_pyobj / recv_pyobj (NexRL's way) + ACK",
         "bare": "one bare unsigned zero-copy ZMQ frame + ACK (ceiling)",
         "bare_chunks": "the same bytes as unsigned chunk frames, copied into a reused buffer + ACK (bulk minus MAC)",

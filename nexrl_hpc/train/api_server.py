@@ -20,7 +20,6 @@ import zmq
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
-from nexrl_hpc.rpc.wire import RejectedMessage
 from nexrl_hpc.train.protocol import SignedChannel, key_from_token
 
 logger = logging.getLogger(__name__)
@@ -122,8 +121,9 @@ def create_app(
             if group.relay is None or group.relay[2] != endpoint:
                 sock = zctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(endpoint)
                 chan = SignedChannel(key_from_token(token, group.identifier), max_message_bytes, name="api")
+                chan.prepare(sock)
+                sock.connect(endpoint)
                 group.relay = (sock, chan, endpoint)
             sock, chan, _ = group.relay
             chan.send(sock, header)
@@ -140,11 +140,10 @@ def create_app(
                         detail=f"{group.identifier}: trainer rank 0 did not answer {header.get('operation', header['kind'])} "
                         f"within {timeout_s:.0f}s" + (f"; {named}" if named else ""),
                     )
-                frames = sock.recv_multipart()
-                try:
-                    reply, _ = chan.open(frames)
-                except RejectedMessage:
+                message = chan.feed(sock.recv_multipart(copy=False))
+                if message is None:
                     continue
+                _, reply, _ = message
                 if reply.get("op_id") != header["op_id"] or reply["kind"] not in (expect, "result"):
                     continue
                 if reply["kind"] == "result" and not reply["ok"]:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import zmq
 
-from nexrl_hpc.rpc.wire import RejectedMessage
 from nexrl_hpc.train.protocol import SignedChannel, TrainerRankError, check_batch
 from nexrl_hpc.train.service import TrainServiceClient
 
@@ -80,7 +79,7 @@ class TrainGroupClient(TrainServiceClient):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._channel.prepare(self._sock)
         self._sock.connect(address)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -114,11 +113,10 @@ class TrainGroupClient(TrainServiceClient):
                     raise TrainerRankError(f"{operation}: {dead}")
             if not self._sock.poll(int((min(deadline, next_check) - now) * 1000) + 1):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                header, tensors = self._channel.open([f.buffer for f in frames])
-            except RejectedMessage:
-                continue  # counted; a forged answer is never taken for the real one
+            message = self._channel.feed(self._sock.recv_multipart(copy=False))
+            if message is None:
+                continue  # part of a longer answer, or dropped and counted (never taken for the real one)
+            _, header, tensors = message
             if header.get("op_id") != op_id or header["kind"] != kind:
                 continue  # a late answer to an operation that already timed out
             if kind == "result" and not header["ok"]:

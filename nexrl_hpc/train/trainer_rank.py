@@ -22,7 +22,6 @@ import torch
 import zmq
 
 from nexrl_hpc.rpc.endpoint import ConnectionWatch
-from nexrl_hpc.rpc.wire import RejectedMessage
 from nexrl_hpc.train.group_comm import GroupComm
 from nexrl_hpc.train.local_engine import LocalTrainEngine
 from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
@@ -57,7 +56,7 @@ class TrainerRank:
             self._ctx = zmq.Context()
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 1000)
-            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            self._channel.prepare(self._router)
             if port:
                 self._router.bind(f"tcp://{host}:{port}")
                 self.address = f"tcp://{host}:{port}"
@@ -103,7 +102,11 @@ class TrainerRank:
                 watch.drain()
             if router in events:
                 frames = router.recv_multipart(copy=False)
-                self._on_message(frames[0].bytes, [f.buffer for f in frames[1:]], frames[0])
+                message = self._channel.feed(frames)
+                if message is not None:
+                    client, header, tensors = message
+                    assert client is not None
+                    self._on_message(client, header, tensors)
             elif self.broken is None and time.monotonic() - last_tick >= tick_s:
                 last_tick = time.monotonic()
                 self._group_step({"op": "tick"}, None, lambda: None)
@@ -113,12 +116,7 @@ class TrainerRank:
             except Exception as exc:  # a follower already gone: nothing to stop there
                 logger.warning("trainer group stop: %s", exc)
 
-    def _on_message(self, client: bytes, frames: list[Any], first: zmq.Frame) -> None:
-        try:
-            header, tensors = self._channel.open(frames)
-        except RejectedMessage as exc:
-            logger.warning("trainer rank 0: rejected a message from %s: %s", _peer(first), exc)
-            return
+    def _on_message(self, client: bytes, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         kind, op_id = header["kind"], str(header.get("op_id", ""))
         if kind == "data":
             operation = header.get("operation")
@@ -259,10 +257,3 @@ class TrainerRank:
             shard = self.comm.scatter_shards(None) if header["plan"] is not None else None
             status = self._execute(header, shard, {})
             self.comm.gather_status(status)
-
-
-def _peer(frame: zmq.Frame) -> str:
-    try:
-        return frame.get("Peer-Address") or "<unknown peer>"
-    except zmq.ZMQError:
-        return "<unknown peer>"
