@@ -29,7 +29,7 @@ def run_status(run_dir: str) -> dict[str, Any]:
         status["job_id"] = info["job_id"]
         try:
             status["slurm_state"] = job_state(info["job_id"])
-        except (OSError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             status["slurm_state"] = f"unknown ({exc})"
         status["logs"] = [info["train_log"], info["stderr"][0]]
     total = None

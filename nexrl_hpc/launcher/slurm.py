@@ -240,6 +240,8 @@ def job_state(job_id: str) -> str:
         text=True,
         timeout=60,
     )
+    if proc.returncode != 0:
+        raise RuntimeError(f"sacct -j {job_id}: {proc.stderr.strip() or proc.returncode}")
     for line in proc.stdout.splitlines():
         jid, _, state = line.partition("|")
         if jid in (job_id, f"{job_id}+0"):

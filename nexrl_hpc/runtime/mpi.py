@@ -399,8 +399,15 @@ def _stop_modules(modules: list[Any], timeout: float) -> None:
 
 
 def configure_rank_logging(run_dir: str, rank: int) -> None:
-    """Rank 0 keeps Hydra's train.log; other ranks log to logs/rank_<k>.log. Every line names its rank."""
+    """Rank 0 keeps Hydra's train.log (or opens it, started without Hydra: the Slurm launcher's
+    tasks); other ranks log to logs/rank_<k>.log. Every line names its rank."""
     root = logging.getLogger()
+    if not root.handlers:  # no Hydra: log to stderr (the task's log) and, on rank 0, to train.log
+        root.setLevel(logging.INFO)
+        root.addHandler(logging.StreamHandler())
+        if rank == 0:
+            os.makedirs(run_dir, exist_ok=True)
+            root.addHandler(logging.FileHandler(os.path.join(run_dir, "train.log")))
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
     for handler in list(root.handlers):
         if rank != 0 and isinstance(handler, logging.FileHandler):
@@ -421,6 +428,10 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     Rank 0's config (and so its run dir, which may hold a timestamp) is the job's config.
     Returns the process exit code: 2 when the placement does not fit (rank 0 says why).
     """
+    # MPI only bootstraps the job, so MPICH's shared-memory transport buys nothing; and its segments
+    # are named after the PMI job/step, which a requeued Slurm job reuses: a segment left by the
+    # killed attempt makes MPI_Init of the next one fail. Local ranks talk over the netmod instead.
+    os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
     import mpi4py
 
     mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
