@@ -1,0 +1,169 @@
+"""launcher=slurm against the real dev cluster: a heterogeneous job that learns, preemption by signal
+and by a high-priority job with exact resume, a sweep, and bad input refused before sbatch."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.test_mpi import FAST, assert_trained_as_planned, metrics
+
+pytestmark = pytest.mark.e2e
+
+
+def launch(env: dict[str, str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launch.train", "launcher=slurm", "launcher.poll_s=1", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def sacct_state(env: dict[str, str], job_id: str) -> str:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout
+    states = [ln.split("|")[1] for ln in out.splitlines() if ln.split("|")[0] in (job_id, f"{job_id}+0")]
+    return states[0] if states else "UNKNOWN"
+
+
+def restarts(env: dict[str, str], job_id: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return int(out.split("Restarts=")[1].split()[0])
+
+
+def trained_steps(run_dir: Path) -> int:
+    if not (run_dir / "metrics.jsonl").exists():
+        return 0
+    return len([r for r in metrics(run_dir) if "train/reward_mean" in r])
+
+
+def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_heterogeneous_job_learns_the_default_task(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "het"
+    # rollout ranks want 2 CPUs, driver and trainer 1: two components, each on its own virtual node
+    proc = launch(slurm_env, ["launcher.wait=true", f"run_dir={run_dir}", "seed=2",
+                              "placement.resources.rollout.cpus_per_rank=2"])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    info = json.loads((run_dir / "launcher.json").read_text())
+    assert info["heterogeneous"] and [c["ntasks"] for c in info["components"]] == [2, 2]
+    assert f"submitted heterogeneous job (2 components) {info['job_id']}" in proc.stdout
+    assert f"job {info['job_id']}: COMPLETED" in proc.stdout
+    submission = (run_dir / "slurm" / f"{info['job_id']}_submission.sh").read_text()
+    assert "#SBATCH hetjob" in submission and "--het-group=0-1" in submission and "--mpi=pmi2" in submission
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
+    nodes = {r["group"]: r["node"] for r in ranks}
+    assert nodes["driver"] == nodes["trainer"] != nodes["rollout"]  # the two virtual nodes
+    val = [r["val/accuracy"] for r in metrics(run_dir) if "val/accuracy" in r]
+    assert val[0] <= 0.3 and val[-1] >= 0.8, val
+    status = subprocess.run([sys.executable, "-m", "launch.status", str(run_dir)], cwd=REPO, env=slurm_env,
+                            capture_output=True, text=True)  # fmt: skip
+    assert status.returncode == 0
+    assert "COMPLETED" in status.stdout and "global_step_50" in status.stdout
+
+
+def preemptible_run(run_dir: Path, steps: int) -> list[str]:
+    """A short run with a fake LLM and rollout dumps (every trained prompt recorded per step)."""
+    return [
+        f"run_dir={run_dir}", f"train_worker.total_train_steps={steps}", "logger.dump_rollouts=true",
+        "service.inference_service.backend=fake", "service.inference_service.fake_latency_ms=150",
+        "data.batch_size=8", "train_worker.save_freq=4", "launcher.signal_grace_s=60", *FAST,
+    ]  # fmt: skip
+
+
+def test_usr2_twice_requeues_and_resumes_exactly(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    steps, run_dir = 24, tmp_path / "usr2"
+    proc = launch(slurm_env, preemptible_run(run_dir, steps))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
+    rng = random.Random(7)
+    for round_, (low, high) in enumerate([(3, 8), (11, 16)], start=1):
+        at = rng.randint(low, high)  # a random moment: some step in the window
+        wait_until(lambda at=at: trained_steps(run_dir) >= at, 300, f"step {at}")
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm_env, check=True)
+        wait_until(lambda r=round_: restarts(slurm_env, job_id) >= r, 120, f"requeue {round_}")
+    wait_until(lambda: sacct_state(slurm_env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
+    assert sacct_state(slurm_env, job_id) == "COMPLETED"
+    log = (run_dir / "train.log").read_text()
+    assert log.count("checkpoint saved, the run resumes from it") == 2, log[-3000:]
+    assert log.count("resumed at step") == 2
+    assert restarts(slurm_env, job_id) == 2
+    assert_trained_as_planned(run_dir, steps)  # every step once; every prompt as often as planned
+
+
+def test_preemption_by_a_high_priority_job_resumes_exactly(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    steps, run_dir = 20, tmp_path / "preempted"
+    proc = launch(slurm_env, preemptible_run(run_dir, steps))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
+    wait_until(lambda: trained_steps(run_dir) >= 6, 300, "step 6")
+    # every CPU of both nodes, in the high-priority partition: the run's job must make room
+    high = subprocess.run(
+        ["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=4", "--wrap", "sleep 8"],
+        env=slurm_env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    wait_until(lambda: restarts(slurm_env, job_id) >= 1, 120, "the preemption requeue")
+    wait_until(lambda: sacct_state(slurm_env, high) == "COMPLETED", 120, "the high-priority job")
+    wait_until(lambda: sacct_state(slurm_env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
+    assert sacct_state(slurm_env, job_id) == "COMPLETED"
+    assert "resumed at step" in (run_dir / "train.log").read_text()
+    assert_trained_as_planned(run_dir, steps)
+
+
+def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "sweep"
+    args = [a for a in preemptible_run(run_dir, 6) if not a.startswith("run_dir=")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", "-m", "launcher=slurm", f"run_dir={run_dir}", "seed=1,2", *args],
+        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = [json.loads((run_dir / str(k) / "launcher.json").read_text())["job_id"] for k in (0, 1)]
+    assert len(set(jobs)) == 2
+    for job in jobs:
+        wait_until(lambda job=job: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED"), 600, f"job {job}")
+        assert sacct_state(slurm_env, job) == "COMPLETED"
+    seeds = [yaml.safe_load((run_dir / str(k) / "config.yaml").read_text())["seed"] for k in (0, 1)]
+    assert seeds == [1, 2]
+    assert all(trained_steps(run_dir / str(k)) == 6 for k in (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("args", "path", "says"),
+    [
+        (["launcher.partition=nowhere"], "launcher.partition", "unknown partition 'nowhere' (available: debug, high)"),
+        (["placement.mode=manual", "+placement.roles.rollout_worker={count:2,colocation_group:rollout}",
+          "+placement.roles.inference_service={count:1,colocation_group:rollout}"],
+         "placement.roles (rollout)", "All roles in colocation group must have same count"),
+        (["data.batch_size=0"], "data.batch_size", ">= 1"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused_before_sbatch(
+    slurm_env: dict[str, str], tmp_path: Path, args: list[str], path: str, says: str
+) -> None:
+    before = subprocess.run(
+        ["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True
+    ).stdout
+    proc = launch(slurm_env, [f"run_dir={tmp_path / 'bad'}", *args], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert path in proc.stderr and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad" / "launcher.json").exists()
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True).stdout
+    assert after == before  # nothing was submitted
