@@ -12,7 +12,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.preflight import preflight
@@ -36,19 +36,21 @@ def _quiet_third_party() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # each point of a sweep is its own run (and dirs)
+        with open_dict(cfg):
+            cfg.run_dir = HydraConfig.get().runtime.output_dir
     try:
         config = validate_config(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     _quiet_third_party()
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if HydraConfig.get().mode == RunMode.MULTIRUN:  # each point of a sweep is its own run
-        config["run_dir"] = HydraConfig.get().runtime.output_dir
     if config["launcher"]["name"] == "slurm":
-        sys.exit(submit_to_slurm(config))
+        _exit_unless_ok(submit_to_slurm(config))
+        return  # a sweep goes on with its next point
     if config["launch_mode"] == "mpi":
         from nexrl_hpc.runtime.mpi import run_mpi
 
@@ -57,7 +59,13 @@ def hydra_main(cfg: DictConfig) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # no MPI_Finalize, no waiting on threads of dead peers: exit never hangs
-    sys.exit(run_controller(config))
+    _exit_unless_ok(run_controller(config))
+
+
+def _exit_unless_ok(code: int) -> None:
+    """Exit with a failure code; on success return, so that a sweep (-m) runs its next point."""
+    if code != 0:
+        sys.exit(code)
 
 
 def run_controller(config: dict, runtime: object = None) -> int:

@@ -142,7 +142,10 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
         assert sacct_state(slurm_env, job) == "COMPLETED"
     seeds = [yaml.safe_load((run_dir / str(k) / "config.yaml").read_text())["seed"] for k in (0, 1)]
     assert seeds == [1, 2]
-    assert all(trained_steps(run_dir / str(k)) == 6 for k in (0, 1))
+    for k in (0, 1):  # each point is a run of its own: its steps, its checkpoints
+        assert trained_steps(run_dir / str(k)) == 6
+        assert (run_dir / str(k) / "checkpoints" / "global_step_6" / "COMPLETE").exists()
+    assert not (run_dir / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(
