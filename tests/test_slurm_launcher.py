@@ -170,3 +170,33 @@ def test_bad_input_is_refused_before_sbatch(
     assert not (tmp_path / "bad" / "launcher.json").exists()
     after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True).stdout
     assert after == before  # nothing was submitted
+
+
+def test_plain_sbatch_template_runs_the_mpi_mode(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "sbatch"
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(REPO / "slurm" / "mpi.sbatch"),
+         *preemptible_run(run_dir, 6)],
+        cwd=REPO, env=slurm_env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    wait_until(lambda: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
+    assert sacct_state(slurm_env, job) == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-3000:]
+    assert trained_steps(run_dir) == 6
+    assert len(json.loads((run_dir / "logs" / "ranks.json").read_text())) == 4
+
+
+def test_the_run_saves_and_requeues_before_the_time_limit(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """No signal at all: the run reads the job's end time and stops in time (preemption.save_before_end_s)."""
+    run_dir = tmp_path / "deadline"
+    args = [*preemptible_run(run_dir, 400), "launcher.time_min=2", "launcher.signal_grace_s=0",
+            "preemption.save_before_end_s=100"]  # fmt: skip
+    proc = launch(slurm_env, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
+    try:
+        wait_until(lambda: restarts(slurm_env, job_id) >= 1, 150, "a requeue before the time limit")
+        log = (run_dir / "train.log").read_text()
+        assert "the job's end time is near" in log and "checkpoint saved, the run resumes from it" in log
+        wait_until(lambda: "resumed at step" in (run_dir / "train.log").read_text(), 120, "the resume")
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_env)
