@@ -3,19 +3,21 @@ again resumes from the previous complete checkpoint, logs every step once and fi
 
 The window is hit without any hook in the code: the test polls the checkpoint folder for the temp
 dir of the targeted save (``.tmp-global_step_<N>-<pid>``, created before anything is written and
-renamed away only after every file is fsynced) and SIGKILLs the run's process group the moment it
-appears. If the kill lands after the save committed anyway (the save of the tiny model takes ~30 ms),
+renamed away only after every file is fsynced) and SIGKILLs every process of the run (the launcher,
+mpirun's proxy, every rank) the moment it appears. If the kill lands after the save committed anyway (the save of the tiny model takes ~30 ms),
 the interrupted run is resumed and the next save is the target.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,49 +50,66 @@ def alive(pid: int) -> bool:
         return False
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every live process of the session the run was started in (mpirun, its proxies, all ranks)."""
-    pids = []
+def process_tree(root: int) -> list[int]:
+    """``root`` and its live descendants. Under mpich, hydra's proxy and every rank run in sessions
+    of their own, so killing mpirun's process group would not reach them: each one is killed."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
+            except OSError:
                 continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(entry))
-    return pids
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
 
 
-def kill_during_save(proc: subprocess.Popen, ckpt: Path, step: int, timeout: float = 300) -> str | None:
-    """SIGKILL the whole run the moment the temp dir of step ``step``'s save appears. Returns what the
-    kill left of that save (the temp dir's name, or the step dir without COMPLETE), None if the save
-    had committed (COMPLETE) by the time the processes were gone."""
+def kill_during_save(
+    proc: subprocess.Popen, ckpt: Path, step: int, timeout: float = 300
+) -> tuple[str | None, list[int]]:
+    """SIGKILL every process of the run the moment the temp dir of step ``step``'s save appears.
+    Returns what the kill left of that save (the temp dir's name, or the step dir without COMPLETE;
+    None if the save had committed by the time the processes were gone) and the killed pids."""
     prefix = f".tmp-global_step_{step}-"
     deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"the run ended before step {step}'s save"
-        assert time.monotonic() < deadline, f"step {step}'s save did not start"
+
+    def wait(cond: Callable[[], bool], what: str, poll_s: float) -> None:
+        while not cond():
+            assert proc.poll() is None, f"the run ended before {what}"
+            assert time.monotonic() < deadline, f"{what} did not happen"
+            time.sleep(poll_s)
+
+    # every process is up once the first checkpoint is saved: take the tree, then watch closely
+    wait(lambda: (ckpt / f"global_step_{SAVE_FREQ}" / "COMPLETE").exists(), "the first checkpoint", 0.05)
+    members = process_tree(proc.pid)
+
+    def started() -> bool:
         try:
-            if any(name.startswith(prefix) for name in os.listdir(ckpt)):
-                break
+            return any(name.startswith(prefix) for name in os.listdir(ckpt))
         except FileNotFoundError:
-            pass
-        time.sleep(0.0005)
-    members = session_pids(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
+            return False
+
+    wait(started, f"step {step}'s save", 0.0005)
+    for pid in reversed(members):  # ranks first, mpirun last
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in members):
         assert time.monotonic() < deadline, [pid for pid in members if alive(pid)]
         time.sleep(0.05)
-    assert len(members) >= 1 and not session_pids(proc.pid)
     final = ckpt / f"global_step_{step}"
     if (final / "COMPLETE").exists():
-        return None
+        return None, members
     left = [n for n in os.listdir(ckpt) if n.startswith(prefix)]
-    return left[0] if left else final.name
+    return (left[0] if left else final.name), members
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -114,10 +133,10 @@ def test_kill_9_of_every_rank_during_a_checkpoint_write_resumes_from_the_previou
         assert target <= STEPS, "no kill landed inside a checkpoint write"
         proc = start(cmd, log)
         starts += 1
-        partial = kill_during_save(proc, ckpt, target)
-        if mode == "mpi":  # every rank was in the killed process group
+        partial, killed = kill_during_save(proc, ckpt, target)
+        if mode == "mpi":  # every rank was among the SIGKILLed processes
             ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
-            assert len(ranks) == 4 and not any(alive(r["pid"]) for r in ranks)
+            assert len(ranks) == 4 and {r["pid"] for r in ranks} <= set(killed), (ranks, killed)
         target += SAVE_FREQ
     target -= SAVE_FREQ
     previous = target - SAVE_FREQ

@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 import torch
 
-from nexrl_hpc.checkpoint.hf import fsync_path
+from nexrl_hpc.checkpoint.hf import WritebackKicker, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,10 @@ class CheckpointManager:
         final = os.path.join(self.folder, step_dir_name(step))
         tmp = os.path.join(self.folder, f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}")
         os.makedirs(tmp)
-        save_model(tmp)
-        state_path = os.path.join(tmp, STATE_FILE)
-        write_state_h5(state_path, state)
+        with WritebackKicker(tmp):
+            save_model(tmp)
+            state_path = os.path.join(tmp, STATE_FILE)
+            write_state_h5(state_path, state)
         fsync_path(state_path)
         fsync_path(tmp)
         old = None
