@@ -11,18 +11,20 @@ Measured, interleaved with their baselines in every repeat (the medians are prin
 shared, so the pairs matter more than the absolute numbers):
 
 - ``dd if=/dev/zero of=F bs=16M count=N conv=fsync`` of the same number of bytes as the path it is
-  compared with (the weights; the whole checkpoint);
-- the weights alone: ``write_hf_model_dir(..., fsync=True)`` (what every checkpoint and export writes);
+  compared with (the weights; the whole checkpoint), before and after it, and the same ``dd`` from a
+  file of random bytes in ``/dev/shm`` (this VM's disk stores zeros ~3x faster than data; the goal
+  is judged against random data);
+- the weights alone: ``write_hf_model_dir(..., fsync=True)`` (what every checkpoint writes);
+- the same checkpoint with ``torch.save``'s CRC32 off (a proposal for the engine, not its code);
 - a whole checkpoint: ``TrainWorker.save_checkpoint()`` (gather, safetensors, optimizer, state.h5,
   fsyncs, rename, COMPLETE, latest, pruning of the previous one);
-- cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (with every page
-  read: it maps the files lazily) and against
-  ``LocalTrainEngine.load_checkpoint`` (weights + optimizer into the live model). Before each read
+- cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (with every
+  page read: it maps the files lazily) and against ``LocalTrainEngine.load_checkpoint`` (weights + optimizer into the live model). Before each read
   the page cache of every file read is dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after
   an fsync), plus ``/proc/sys/vm/drop_caches`` (page cache only, ``1``) when it is writable, unless
   ``--no-drop-caches``: the table's footer says which was used.
 
-Goal: >= 0.90x dd. A placeholder row is left for "signal -> running again on the dev cluster"
+Goal: >= 0.90x dd (of random data). A placeholder row is left for "signal -> running again on the dev cluster"
 (goal <= save time + 10 s), measured with the Slurm launcher.
 
     python bench/checkpoint.py [--dir DIR] [--gb 1.0] [--repeat 3] [--no-drop-caches]
