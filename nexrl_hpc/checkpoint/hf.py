@@ -7,9 +7,11 @@ embeddings) are written out as separate copies so a reloading engine never keeps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +35,49 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class WritebackKicker:
+    """While a save writes under ``root``, start the kernel's writeback of its files every
+    ``interval_s`` (``posix_fadvise(DONTNEED)`` on each file: async writeback of the dirty pages,
+    then the clean ones leave the page cache).
+
+    Why: left alone, the kernel writes little until the final fsync, so serialising (torch.save,
+    safetensors) and the disk take turns; the writers are also throttled to the estimated disk
+    bandwidth. Kicked, the disk works while the next tensors are serialised: a 3 GB checkpoint saves
+    2-4x faster here (bench/checkpoint.py), and it leaves no GBs of checkpoint in the page cache.
+    Works on the files of every process on this host (trainer ranks write model/ and optimizer/)."""
+
+    def __init__(self, root: str, interval_s: float = 0.1):
+        self._root = root
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writeback", daemon=True)
+
+    def __enter__(self) -> WritebackKicker:
+        if hasattr(os, "posix_fadvise"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            for d, _, files in os.walk(self._root):
+                for name in files:
+                    try:
+                        fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                    except OSError:  # renamed or removed meanwhile
+                        continue
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    except OSError:
+                        pass
+                    finally:
+                        os.close(fd)
 
 
 def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,12 +138,15 @@ def write_hf_model_dir(
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    written = write_safetensors(state_dict, tmp, max_shard_bytes)
-    for name in HF_SIDE_FILES:
-        src = os.path.join(source_model_dir, name)
-        if os.path.exists(src):
-            shutil.copyfile(src, os.path.join(tmp, name))
-            written.append(os.path.join(tmp, name))
+    # a durable copy is written for the disk (kicked writeback); a fast one (weight sync) for the
+    # page cache, where the inference service reads it right away
+    with WritebackKicker(tmp) if fsync else contextlib.nullcontext():
+        written = write_safetensors(state_dict, tmp, max_shard_bytes)
+        for name in HF_SIDE_FILES:
+            src = os.path.join(source_model_dir, name)
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(tmp, name))
+                written.append(os.path.join(tmp, name))
     if fsync:
         for path in written:
             fsync_path(path)

@@ -4,10 +4,15 @@
 state) and ``state.h5`` (step, data loader position, RNG states, weight versions). It is written
 in a temp dir, fsynced, renamed into place; ``COMPLETE`` is written last and ``latest`` is then
 replaced atomically. A directory without ``COMPLETE`` is never resumed from.
+
+One writer per checkpoint folder (the train worker): what a killed writer left behind (temp dirs,
+step dirs without ``COMPLETE``) is removed by the next save, and a checkpoint being pruned loses its
+``COMPLETE`` before its files, so a half-deleted directory is never taken for a complete one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +26,7 @@ import h5py
 import numpy as np
 import torch
 
-from nexrl_hpc.checkpoint.hf import fsync_path
+from nexrl_hpc.checkpoint.hf import WritebackKicker, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,9 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STATE_FILE = "state.h5"
+TMP_PREFIX = ".tmp-"  # ".tmp-global_step_<N>-<pid>": a save in progress (or a killed one)
+OLD_PREFIX = ".old-"  # ".old-global_step_<N>-<pid>": a complete step dir being replaced by a new save
+OLD_STEP_DIR = re.compile(r"^\.old-global_step_(\d+)-\d+$")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -109,16 +117,29 @@ def is_complete(path: str) -> bool:
 
 
 def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
-    """Newest complete ``global_step_*`` (the ``latest`` pointer is a hint, the scan is the truth)."""
+    """Newest complete ``global_step_*`` (the ``latest`` pointer is a hint, the scan is the truth).
+
+    A complete ``.old-global_step_<N>-<pid>`` counts when ``global_step_<N>`` is not complete: a
+    writer killed between moving it aside and renaming its replacement into place left only that."""
     if not os.path.isdir(checkpoint_folder):
         return None
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None
     for name in os.listdir(checkpoint_folder):
-        m = STEP_DIR.match(name)
+        m = STEP_DIR.match(name) or OLD_STEP_DIR.match(name)
         path = os.path.join(checkpoint_folder, name)
-        if m and is_complete(path) and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), path)
-    return best[1] if best else None
+        if m and is_complete(path):
+            key = (int(m.group(1)), 1 if STEP_DIR.match(name) else 0, path)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    return best[2] if best else None
+
+
+def _remove_step_dir(path: str) -> None:
+    """``COMPLETE`` first (and durably), then the rest: a deletion cut short leaves an incomplete dir."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, COMPLETE))
+        fsync_path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -129,18 +150,25 @@ class CheckpointManager:
     def save(self, step: int, save_model: Any, state: dict[str, Any]) -> str:
         """``save_model(dir)`` writes model/ and optimizer/ into ``dir``; then state.h5, rename, COMPLETE, latest."""
         os.makedirs(self.folder, exist_ok=True)
+        self._remove_leftovers()
         final = os.path.join(self.folder, step_dir_name(step))
-        tmp = os.path.join(self.folder, f".tmp-{step_dir_name(step)}-{os.getpid()}")
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+        tmp = os.path.join(self.folder, f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}")
         os.makedirs(tmp)
-        save_model(tmp)
-        state_path = os.path.join(tmp, STATE_FILE)
-        write_state_h5(state_path, state)
+        with WritebackKicker(tmp):
+            save_model(tmp)
+            state_path = os.path.join(tmp, STATE_FILE)
+            write_state_h5(state_path, state)
         fsync_path(state_path)
         fsync_path(tmp)
-        if os.path.exists(final):  # an incomplete leftover of an interrupted save of this step
-            shutil.rmtree(final)
+        old = None
+        if os.path.exists(final):
+            if is_complete(final):
+                # the same step saved again (e.g. a preemption save right after a periodic one): move
+                # the complete one aside with a rename, never rmtree it before the new one is in place
+                old = os.path.join(self.folder, f"{OLD_PREFIX}{step_dir_name(step)}-{os.getpid()}")
+                os.replace(final, old)
+            else:  # an incomplete leftover of an interrupted save of this step
+                shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(self.folder)
         marker = os.path.join(final, COMPLETE)
@@ -150,8 +178,32 @@ class CheckpointManager:
             os.fsync(f.fileno())
         fsync_path(final)
         self._point_latest(step)
+        if old is not None:
+            _remove_step_dir(old)
         self._prune(step)
         return final
+
+    def _remove_leftovers(self) -> None:
+        """Temp dirs and stale ``latest`` temp files of saves that were killed (this process is the
+        folder's only writer and is not saving now, so none of them is in progress). A complete
+        ``.old-`` dir whose step has no complete replacement is renamed back instead."""
+        for name in sorted(os.listdir(self.folder)):
+            path = os.path.join(self.folder, name)
+            if (m := OLD_STEP_DIR.match(name)) and is_complete(path):
+                final = os.path.join(self.folder, step_dir_name(int(m.group(1))))
+                if not is_complete(final):
+                    logger.info("restoring %s as %s (its replacement was never completed)", path, final)
+                    if os.path.exists(final):
+                        shutil.rmtree(final)
+                    os.replace(path, final)
+                    fsync_path(self.folder)
+                    continue
+            if name.startswith((TMP_PREFIX, OLD_PREFIX)) and os.path.isdir(path):
+                logger.info("removing %s, left by an interrupted checkpoint save", path)
+                _remove_step_dir(path)
+            elif name.startswith(f".{LATEST}.tmp-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _point_latest(self, step: int) -> None:
         tmp = os.path.join(self.folder, f".{LATEST}.tmp-{os.getpid()}")
@@ -163,16 +215,21 @@ class CheckpointManager:
         fsync_path(self.folder)
 
     def _prune(self, current: int) -> None:
+        """Keep the newest ``max_to_keep`` complete checkpoints (``current`` always); step dirs
+        without ``COMPLETE`` other than ``current`` are leftovers of killed saves and go too."""
+        complete, incomplete = [], []
+        for name in os.listdir(self.folder):
+            if m := STEP_DIR.match(name):
+                path = os.path.join(self.folder, name)
+                (complete if is_complete(path) else incomplete).append(int(m.group(1)))
+        for s in incomplete:
+            if s != current:
+                _remove_step_dir(os.path.join(self.folder, step_dir_name(s)))
         if self.max_to_keep is None:
             return
-        steps = sorted(
-            int(m.group(1))
-            for name in os.listdir(self.folder)
-            if (m := STEP_DIR.match(name)) and is_complete(os.path.join(self.folder, name))
-        )
-        for s in steps[: -self.max_to_keep]:
+        for s in sorted(complete)[: -self.max_to_keep]:
             if s != current:
-                shutil.rmtree(os.path.join(self.folder, step_dir_name(s)), ignore_errors=True)
+                _remove_step_dir(os.path.join(self.folder, step_dir_name(s)))
 
     def latest(self) -> str | None:
         return find_latest_checkpoint(self.folder)

@@ -1,0 +1,293 @@
+"""Checkpoint save and load throughput against ``dd`` on the same filesystem (issue 5).
+
+One run, on ``--dir`` (default: a temp dir under ``outputs/``, where a run's ``run_dir`` goes by
+default, so the same filesystem). The model is the project's tiny Llama scaled up to ``--gb`` of fp32
+weights (hidden 2048, intermediate 5632, as many layers as it takes), trained by the real
+``LocalTrainEngine`` with AdamW state populated (one optimizer step on zero gradients), so a
+checkpoint costs what it costs in a run: ``model/`` (HF safetensors) + ``optimizer/rank_0.pt`` (2x
+the weights) + ``state.h5``, through ``TrainWorker.save_checkpoint`` -> ``CheckpointManager.save``.
+
+Measured, interleaved with their baselines in every repeat (the medians are printed; the machine is
+shared, so the pairs matter more than the absolute numbers):
+
+- ``dd if=/dev/zero of=F bs=16M count=N conv=fsync`` of the same number of bytes as the path it is
+  compared with (the weights; the whole checkpoint), before and after it, and the same ``dd`` from a
+  file of random bytes in ``/dev/shm`` (this VM's disk stores zeros ~3x faster than data; the goal
+  is judged against random data);
+- the weights alone: ``write_hf_model_dir(..., fsync=True)`` (what every checkpoint writes);
+- the same checkpoint with ``torch.save``'s CRC32 off (a proposal for the engine, not its code);
+- a whole checkpoint: ``TrainWorker.save_checkpoint()`` (gather, safetensors, optimizer, state.h5,
+  fsyncs, rename, COMPLETE, latest, pruning of the previous one);
+- cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (with every
+  page read: it maps the files lazily) and against ``LocalTrainEngine.load_checkpoint`` (weights + optimizer into the live model). Before each read
+  the page cache of every file read is dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after
+  an fsync), plus ``/proc/sys/vm/drop_caches`` (page cache only, ``1``) when it is writable, unless
+  ``--no-drop-caches``: the table's footer says which was used.
+
+Goal: >= 0.90x dd (of random data). A placeholder row is left for "signal -> running again on the dev cluster"
+(goal <= save time + 10 s), measured with the Slurm launcher.
+
+    python bench/checkpoint.py [--dir DIR] [--gb 1.0] [--repeat 3] [--no-drop-caches]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.utils.serialization.config as serialization  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
+from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
+from nexrl_hpc.models.tiny import materialize_base_model  # noqa: E402
+from nexrl_hpc.train.local_engine import LocalTrainEngine  # noqa: E402
+from nexrl_hpc.train.worker import TrainWorker  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+BS = 16 << 20
+HIDDEN, INTERMEDIATE = 2048, 5632
+GOAL = 0.90
+
+
+def layers_for(gb: float) -> int:
+    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN) * 4
+    return max(1, round(gb * GB / per_layer))
+
+
+def build(work: str, gb: float) -> tuple[TrainWorker, LocalTrainEngine, str]:
+    """The real trainer on a scaled-up tiny Llama, its AdamW state populated."""
+    register_resolvers()
+    with initialize_config_dir(
+        config_dir=os.path.join(REPO, "configs"), version_base="1.3", job_name="bench"
+    ):
+        raw = compose(
+            "rl_train",
+            overrides=[
+                f"run_dir={work}/run",
+                f"model.tiny.hidden_size={HIDDEN}",
+                f"model.tiny.intermediate_size={INTERMEDIATE}",
+                f"model.tiny.num_hidden_layers={layers_for(gb)}",
+                "model.tiny.num_attention_heads=16",
+                "model.tiny.num_key_value_heads=16",
+                "train_worker.max_ckpt_to_keep=1",
+            ],
+        )
+    cfg: Any = validate_config(raw)
+    base = materialize_base_model(cfg["model"], os.path.join(work, "base_model"))
+    eng = LocalTrainEngine(base)
+    worker = TrainWorker(cfg, eng)
+    eng.initialize_worker(worker.train_service_config())
+    eng.init_model()
+    assert eng.optimizer is not None
+    for p in eng.model.parameters():
+        p.grad = torch.zeros_like(p)
+    eng.optimizer.step()  # AdamW creates exp_avg / exp_avg_sq: a checkpoint's real optimizer state
+    eng.optimizer.zero_grad(set_to_none=True)
+    return worker, eng, base
+
+
+def tree_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, files in os.walk(path) for f in files]
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in tree_files(path))
+
+
+def drop_cache(path: str, use_drop_caches: bool) -> None:
+    """Evict the page cache of every file under ``path`` (fsync first: dirty pages are not dropped)."""
+    for f in tree_files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if use_drop_caches:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    return timed_result(fn)[0]
+
+
+def timed_result(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def touch_pages(state: dict[str, torch.Tensor]) -> float:
+    """Read one value per 4 KiB of every tensor: ``read_safetensors_dir`` maps the files lazily
+    (safetensors mmap), so the disk is read when the tensors are first used."""
+    return sum(float(t.reshape(-1).view(torch.uint8)[::4096].sum()) for t in state.values() if t.numel())
+
+
+class Baseline:
+    """``dd`` writes/reads of ``nbytes`` on the benchmark's filesystem, from ``/dev/zero`` (the issue's
+    baseline) and from a file of random bytes kept in RAM (the VM disks measured here store zeros
+    ~3x faster than data: weights and optimizer moments are not zeros)."""
+
+    def __init__(self, work: str, nbytes: int):
+        self.nbytes = -(-nbytes // BS) * BS
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else work
+        fd, self.random_src = tempfile.mkstemp(prefix="bench-checkpoint-random-", dir=shm)
+        with os.fdopen(fd, "wb") as f:
+            rng = np.random.default_rng(0)
+            for _ in range(self.nbytes // BS):
+                f.write(rng.bytes(BS))
+        self.files = {
+            "zeros": os.path.join(work, "dd-zeros.bin"),
+            "random": os.path.join(work, "dd-random.bin"),
+        }
+
+    def close(self) -> None:
+        os.unlink(self.random_src)
+
+    def write(self, kind: str, nbytes: int) -> float:
+        """Seconds of ``dd bs=16M conv=fsync`` writing ``nbytes`` (rounded up to 16 MiB)."""
+        src = "/dev/zero" if kind == "zeros" else self.random_src
+        count = -(-nbytes // BS)
+        cmd = ["dd", f"if={src}", f"of={self.files[kind]}", f"bs={BS}", f"count={count}", "conv=fsync", "status=none"]  # fmt: skip
+        return timed(lambda: subprocess.run(cmd, check=True)) * nbytes / (count * BS)
+
+    def read(self, kind: str, drop_caches: bool) -> float:
+        """Seconds per byte of a cold-cache ``dd bs=16M`` read of the last file written."""
+        path = self.files[kind]
+        drop_cache(path, drop_caches)
+        cmd = ["dd", f"if={path}", "of=/dev/null", f"bs={BS}", "status=none"]
+        return timed(lambda: subprocess.run(cmd, check=True)) / os.path.getsize(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under outputs/)")
+    ap.add_argument("--gb", type=float, default=1.0, help="fp32 weights, GB (1e9 bytes)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-drop-caches", action="store_true", help="posix_fadvise only")
+    args = ap.parse_args()
+    if args.dir is None:
+        os.makedirs("outputs", exist_ok=True)
+        work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir="outputs")
+    else:
+        os.makedirs(args.dir, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.dir)
+    drop_caches = not args.no_drop_caches and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    try:
+        run(work, args.gb, args.repeat, drop_caches)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+Sample = tuple[int, float, float, float]  # bytes, seconds, dd-zeros seconds, dd-random seconds
+
+
+def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
+    t0 = time.perf_counter()
+    worker, eng, base_dir = build(work, gb)
+    state = eng.model.state_dict()
+    weights_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    ckpt_bytes = 3 * weights_bytes  # weights + AdamW's two moments: what a checkpoint writes
+    dd = Baseline(work, ckpt_bytes)
+    print(f"set-up ({layers_for(gb)} layers, {work}): {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    export = os.path.join(work, "export")
+    rows: dict[str, list[Sample]] = {}
+
+    def bracketed(nbytes: int, ops: list[tuple[str, Callable[[], str]]]) -> list[str]:
+        """dd (zeros, random) of ``nbytes``, the ops (each returns what it wrote), dd again: an op is
+        compared with the mean of the dd runs around it (the shared disk drifts)."""
+        before = [dd.write(kind, nbytes) for kind in ("zeros", "random")]
+        done = []
+        for name, fn in ops:
+            s, path = timed_result(fn)
+            done.append((name, s, path, tree_bytes(path)))  # measured now: a prune may remove it
+        after = [dd.write(kind, nbytes) for kind in ("zeros", "random")]
+        for name, s, _, b in done:
+            z, r = ((x + y) / 2 * b / nbytes for x, y in zip(before, after))
+            rows.setdefault(name, []).append((b, s, z, r))
+        return [path for _, _, path, _ in done]
+
+    def save_without_crc32(step: int) -> str:
+        worker.set_train_step(step)
+        serialization.save.compute_crc32 = False
+        try:
+            return worker.save_checkpoint()
+        finally:
+            serialization.save.compute_crc32 = True
+
+    def export_weights() -> str:
+        write_hf_model_dir(state, base_dir, export, 4096 << 20, fsync=True)
+        return export
+
+    try:
+        for i in range(repeat):
+            bracketed(weights_bytes, [("weights: write_hf_model_dir (safetensors + fsync)", export_weights)])
+            worker.set_train_step(2 * i + 1)
+            _, path = bracketed(
+                ckpt_bytes,
+                [
+                    ("checkpoint: TrainWorker.save_checkpoint (model + optimizer + state.h5)", worker.save_checkpoint),
+                    ("(proposed: the same, optimizer torch.save with compute_crc32=False)",
+                     lambda step=2 * i + 2: save_without_crc32(step)),
+                ],
+            )  # fmt: skip
+            # cold reads of the step 2i+2 checkpoint, between cold dd reads of both dd files
+            before = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
+            drop_cache(export, drop_caches)
+            s_weights = timed(lambda: touch_pages(read_safetensors_dir(export)))
+            drop_cache(path, drop_caches)
+            s_ckpt = timed(lambda p=path: eng.load_checkpoint(p))
+            after = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
+            for name, s, p in (
+                ("weights: read_safetensors_dir + every page read (cold cache)", s_weights, export),
+                ("checkpoint: LocalTrainEngine.load_checkpoint (cold cache)", s_ckpt, path),
+            ):
+                b = tree_bytes(p)
+                z, r = ((x + y) / 2 * b for x, y in zip(before, after))
+                rows.setdefault(name, []).append((b, s, z, r))
+            print(f"repeat {i + 1}/{repeat} done", file=sys.stderr)
+    finally:
+        dd.close()
+    print_table(rows, repeat, drop_caches)
+
+
+def print_table(rows: dict[str, list[Sample]], repeat: int, drop_caches: bool) -> None:
+    print("| path | GB | seconds | GB/s | dd zeros GB/s | ratio vs dd zeros | dd random GB/s | ratio vs dd random | goal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, samples in rows.items():
+        b = statistics.median(x[0] for x in samples)
+        s = statistics.median(x[1] for x in samples)
+        cells = [name, f"{b / GB:.2f}", f"{s:.2f}", f"{b / GB / s:.2f}"]
+        ratios = []
+        for k in (2, 3):  # ratio per repeat (against the dd runs around it), then the median
+            cells.append(f"{statistics.median(x[0] / x[k] for x in samples) / GB:.2f}")
+            ratios.append(statistics.median(x[k] / x[1] for x in samples))
+            cells.append(f"{ratios[-1]:.2f}x")
+        met = "met" if ratios[1] >= GOAL else "NOT met"
+        cells.append(f">= {GOAL:.2f}x vs dd random: {met}")
+        print("| " + " | ".join(cells) + " |")
+    print("| signal -> running again on the dev cluster — PLACEHOLDER, to be measured with the Slurm launcher | | | | | | | | <= save time + 10 s |")  # fmt: skip
+    how = "posix_fadvise(DONTNEED) + /proc/sys/vm/drop_caches=1" if drop_caches else "posix_fadvise(DONTNEED)"
+    print(f"\nmedian of {repeat}; dd bs=16M, writes conv=fsync, each op between dd runs; cold cache: {how}")
+
+
+if __name__ == "__main__":
+    main()
