@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +49,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.utils.serialization.config as serialization  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
@@ -225,14 +225,6 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
             rows.setdefault(name, []).append((b, s, z, r))
         return [path for _, _, path, _ in done]
 
-    def save_without_crc32(step: int) -> str:
-        worker.set_train_step(step)
-        serialization.save.compute_crc32 = False
-        try:
-            return worker.save_checkpoint()
-        finally:
-            serialization.save.compute_crc32 = True
-
     def export_weights() -> str:
         write_hf_model_dir(state, base_dir, export, 4096 << 20, fsync=True)
         return export
@@ -241,13 +233,9 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
         for i in range(repeat):
             bracketed(weights_bytes, [("weights: write_hf_model_dir (safetensors + fsync)", export_weights)])
             worker.set_train_step(2 * i + 1)
-            _, path = bracketed(
+            (path,) = bracketed(
                 ckpt_bytes,
-                [
-                    ("checkpoint: TrainWorker.save_checkpoint (model + optimizer + state.h5)", worker.save_checkpoint),
-                    ("(proposed: the same, optimizer torch.save with compute_crc32=False)",
-                     lambda step=2 * i + 2: save_without_crc32(step)),
-                ],
+                [("checkpoint: TrainWorker.save_checkpoint (model + optimizer + state.h5)", worker.save_checkpoint)],
             )  # fmt: skip
             # cold reads of the step 2i+2 checkpoint, between cold dd reads of both dd files
             before = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
@@ -266,10 +254,59 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
             print(f"repeat {i + 1}/{repeat} done", file=sys.stderr)
     finally:
         dd.close()
-    print_table(rows, repeat, drop_caches)
+    requeue = measure_requeue() if os.environ.get("SLURM_CONF") and shutil.which("sbatch") else None
+    print_table(rows, repeat, drop_caches, requeue)
 
 
-def print_table(rows: dict[str, list[Sample]], repeat: int, drop_caches: bool) -> None:
+def measure_requeue() -> tuple[float, float, float] | None:
+    """A real run (launcher=slurm, fake LLM) on the cluster SLURM_CONF points at: USR2 after a few
+    steps; (seconds from the signal to the job RUNNING again, the preemption save's seconds,
+    seconds from the signal to the first step trained after the resume)."""
+    import json
+    import re
+    import subprocess
+
+    run_dir = tempfile.mkdtemp(prefix="bench-requeue-", dir="outputs")
+    args = [sys.executable, "-m", "launch.train", "launcher=slurm", f"run_dir={os.path.abspath(run_dir)}",
+            "train_worker.total_train_steps=500", "service.inference_service.backend=fake",
+            "service.inference_service.fake_latency_ms=100", "data.batch_size=8", "validate.validate_before_train=false",
+            "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]"]  # fmt: skip
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    job = json.loads(Path(run_dir, "launcher.json").read_text())["job_id"]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+
+    def steps() -> int:
+        return Path(metrics).read_text().count("train/reward_mean") if os.path.exists(metrics) else 0
+
+    def job_field(name: str) -> str:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        return out.split(f"{name}=")[1].split()[0]
+
+    try:
+        deadline = time.monotonic() + 300
+        while steps() < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        before = steps()
+        t0 = time.monotonic()
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        while not (job_field("Restarts") == "1" and job_field("JobState") == "RUNNING"):
+            if time.monotonic() - t0 > 300:
+                return None
+            time.sleep(0.1)
+        running = time.monotonic() - t0
+        while steps() <= before + 1 and time.monotonic() - t0 < 300:  # the stop step, then a new one
+            time.sleep(0.1)
+        training = time.monotonic() - t0
+        saves = re.findall(r"saved checkpoint \S+ in ([0-9.]+)s", Path(run_dir, "train.log").read_text())
+        return running, float(saves[-1]) if saves else float("nan"), training
+    finally:
+        subprocess.run(["scancel", job])
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def print_table(
+    rows: dict[str, list[Sample]], repeat: int, drop_caches: bool, requeue: tuple[float, float, float] | None
+) -> None:
     print("| path | GB | seconds | GB/s | dd zeros GB/s | ratio vs dd zeros | dd random GB/s | ratio vs dd random | goal |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for name, samples in rows.items():
@@ -284,7 +321,18 @@ def print_table(rows: dict[str, list[Sample]], repeat: int, drop_caches: bool) -
         met = "met" if ratios[1] >= GOAL else "NOT met"
         cells.append(f">= {GOAL:.2f}x vs dd random: {met}")
         print("| " + " | ".join(cells) + " |")
-    print("| signal -> running again on the dev cluster — PLACEHOLDER, to be measured with the Slurm launcher | | | | | | | | <= save time + 10 s |")  # fmt: skip
+    if requeue is None:
+        print(
+            "| signal -> running again: not measured (no Slurm cluster: SLURM_CONF unset) | | | | | | | | |"
+        )
+    else:
+        running, save, training = requeue
+        met = "met" if running <= save + 10 else "NOT met"
+        print(f"| signal (USR2) -> job RUNNING again (launcher=slurm, dev cluster; preemption save {save:.2f} s) "
+              f"| | {running:.1f} | | | | | | <= save time + 10 s = {save + 10:.1f} s: {met} |")  # fmt: skip
+        print(
+            f"| signal (USR2) -> first step trained after the resume (for reference) | | {training:.1f} | | | | | | |"
+        )
     how = "posix_fadvise(DONTNEED) + /proc/sys/vm/drop_caches=1" if drop_caches else "posix_fadvise(DONTNEED)"
     print(f"\nmedian of {repeat}; dd bs=16M, writes conv=fsync, each op between dd runs; cold cache: {how}")
 

@@ -246,6 +246,8 @@ class NexRLController:
         if self.preempted:
             logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
                            self._preemption.reason)  # fmt: skip
+            # the checkpoint is complete: requeue now, the orderly stop below overlaps Slurm's requeue
+            self._preemption.requeue()
         else:
             logger.info("training finished at step %d", step)
 

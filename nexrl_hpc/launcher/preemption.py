@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 PREEMPTED_EXIT = 3  # the process exit code of a run that stopped at a checkpoint to be resumed
 
 
+_EARLY = threading.Event()  # the signal came before the controller took it over
+
+
+def catch_signal_early(cfg: dict[str, Any]) -> None:
+    """From a task's first line: a signal during start-up is remembered, not fatal."""
+    signal.signal(getattr(signal, f"SIG{cfg['signal']}"), lambda *_: _EARLY.set())
+
+
 class PreemptionWatch:
     def __init__(self, cfg: dict[str, Any]):
         self._cfg = cfg
@@ -31,11 +39,14 @@ class PreemptionWatch:
         self.reason = ""
         self.job_id = os.environ.get("SLURM_JOB_ID")
         self._deadline: float | None = None
+        self.requeued: bool | None = None
 
     def install(self) -> None:
         """Take over the signal (rank 0 only; the main thread) and read the job's end time."""
         sig = getattr(signal, f"SIG{self._cfg['signal']}")
         signal.signal(sig, self._on_signal)
+        if _EARLY.is_set():
+            self.request(f"signal {sig.name} during start-up")
         margin = self._cfg["save_before_end_s"]
         if self.job_id and margin > 0:
             end = slurm_job_end_time(self.job_id)
@@ -58,7 +69,11 @@ class PreemptionWatch:
         return self._event.is_set()
 
     def requeue(self) -> bool:
-        """Requeue this Slurm job (the run resumes in the next allocation); False outside Slurm."""
+        """Requeue this Slurm job (the run resumes in the next allocation); False outside Slurm.
+        Once is enough: later calls answer what the first did."""
+        if self.requeued is not None:
+            return self.requeued
+        self.requeued = False
         if not self.job_id or not self._cfg["requeue"]:
             return False
         proc = subprocess.run(
@@ -68,6 +83,7 @@ class PreemptionWatch:
             logger.warning("scontrol requeue %s: %s", self.job_id, proc.stderr.strip())
             return False
         logger.info("job %s requeued", self.job_id)
+        self.requeued = True
         return True
 
 

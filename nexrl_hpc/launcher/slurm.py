@@ -145,6 +145,9 @@ class SlurmRun:
         self.config = config
 
     def __call__(self) -> dict[str, Any]:
+        from nexrl_hpc.launcher.preemption import catch_signal_early
+
+        catch_signal_early(self.config["preemption"])
         from launch.train import run_controller
         from nexrl_hpc.runtime.mpi import run_mpi
 
@@ -154,9 +157,10 @@ class SlurmRun:
         sys.stdout.flush()
         sys.stderr.flush()
         # whatever threads of dead peers linger, this process ends (after submitit writes the result)
-        threading.Timer(60.0, os._exit, (code,)).start()
-        if code == PREEMPTED_EXIT:
-            time.sleep(120)  # the job is being requeued: Slurm ends this task; no result to write
+        watchdog = threading.Timer(60.0, os._exit, (code,))
+        watchdog.daemon = True  # never what keeps the process alive (a requeue waits for every process)
+        watchdog.start()
+        if code == PREEMPTED_EXIT:  # rank 0 saved and requeued the job: no result, leave at once
             os._exit(code)
         if code != 0 and rank == 0:
             raise RuntimeError(f"the run failed (exit code {code}); see {self.config['run_dir']}/train.log")

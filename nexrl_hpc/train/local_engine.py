@@ -11,11 +11,13 @@ passes (a rank short of rows runs a zero-weighted pass: the collectives must lin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -357,16 +359,17 @@ class LocalTrainEngine(TrainServiceClient):
         opt_dir = os.path.join(local_path, "optimizer")
         os.makedirs(opt_dir, exist_ok=True)
         path = os.path.join(opt_dir, f"rank_{par.rank}.pt")
-        torch.save(
-            {
-                "optimizer": par.optimizer_state(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "global_step": global_step,
-                "world_size": par.world_size,
-                "engine": self._require_cfg()["engine"],
-            },
-            path,
-        )
+        with _without_crc32():  # torch.load never checks it; it cost 3/4 of the optimizer save time
+            torch.save(
+                {
+                    "optimizer": par.optimizer_state(self.model, self.optimizer),
+                    "scheduler": self.scheduler.state_dict(),
+                    "global_step": global_step,
+                    "world_size": par.world_size,
+                    "engine": self._require_cfg()["engine"],
+                },
+                path,
+            )
         fsync_path(path)
         par.barrier()
         if par.rank == 0:
@@ -406,7 +409,9 @@ class LocalTrainEngine(TrainServiceClient):
                 "or by fewer trainer ranks?)"
             )
         else:
-            saved = torch.load(opt_path, map_location="cpu", weights_only=True)
+            # mmap + one copy reads the file sequentially at disk speed (a plain torch.load parses it
+            # record by record at a third of that); the copy detaches the state from the file
+            saved = _materialize(torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True))
             if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
                 error = ValueError(
                     f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
@@ -417,3 +422,28 @@ class LocalTrainEngine(TrainServiceClient):
         assert self.optimizer is not None and self.scheduler is not None
         par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    """torch.save without its per-record CRC32 (the checkpoint's COMPLETE marker and fsync are
+    what guard against torn writes)."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+def _materialize(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in memory (not in a memory-mapped file)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize(v) for v in obj)
+    return obj

@@ -118,8 +118,9 @@ class TrainWorker(NexRLModule):
             "dataloader": execute(self._dataloader.state_dict) if self._dataloader is not None else {},
             "rng": capture_rng_state(),
         }
+        t0 = time.monotonic()
         path = self._checkpoints.save(step, lambda d: self._client.save_checkpoint(d, step), state)
-        logger.info("saved checkpoint %s", path)
+        logger.info("saved checkpoint %s in %.2fs", path, time.monotonic() - t0)
         return path
 
     # --- loop -----------------------------------------------------------------------------------
