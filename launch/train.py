@@ -99,6 +99,8 @@ def submit_to_slurm(config: dict) -> int:
     """launcher=slurm: submit (after the cluster-side checks), print where to look, maybe follow."""
     from nexrl_hpc.launcher.slurm import follow, submit
 
+    if config["resume"]["mode"] == "disable":
+        print("note: the job runs with resume.mode=auto (a requeued job must resume its run)")
     try:
         job, info = submit(config)
     except ConfigError as err:

@@ -3,11 +3,13 @@ and by a high-priority job with exact resume, a sweep, and bad input refused bef
 
 from __future__ import annotations
 
+import getpass
 import json
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,13 @@ from tests.conftest import REPO
 from tests.test_mpi import FAST, assert_trained_as_planned, metrics
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind(slurm_env: dict[str, str]) -> Iterator[None]:
+    """A job a failed test leaves running would hold the nodes every later test needs."""
+    yield
+    subprocess.run(["scancel", "--user", getpass.getuser()], env=slurm_env)
 
 
 def launch(env: dict[str, str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -116,7 +125,8 @@ def test_preemption_by_a_high_priority_job_resumes_exactly(slurm_env: dict[str, 
     wait_until(lambda: trained_steps(run_dir) >= 6, 300, "step 6")
     # every CPU of both nodes, in the high-priority partition: the run's job must make room
     high = subprocess.run(
-        ["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=4", "--wrap", "sleep 8"],
+        ["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=4", f"--output={tmp_path}/high-%j.out",
+         "--wrap", "sleep 8"],
         env=slurm_env, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     wait_until(lambda: restarts(slurm_env, job_id) >= 1, 120, "the preemption requeue")
@@ -137,9 +147,14 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [json.loads((run_dir / str(k) / "launcher.json").read_text())["job_id"] for k in (0, 1)]
     assert len(set(jobs)) == 2
-    for job in jobs:
-        wait_until(lambda job=job: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED"), 600, f"job {job}")
-        assert sacct_state(slurm_env, job) == "COMPLETED"
+    try:
+        for job in jobs:
+            wait_until(
+                lambda job=job: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED"), 600, f"job {job}"
+            )
+            assert sacct_state(slurm_env, job) == "COMPLETED"
+    finally:  # a job left behind would hold the nodes the next tests need
+        subprocess.run(["scancel", *jobs], env=slurm_env)
     seeds = [yaml.safe_load((run_dir / str(k) / "config.yaml").read_text())["seed"] for k in (0, 1)]
     assert seeds == [1, 2]
     for k in (0, 1):  # each point is a run of its own: its steps, its checkpoints

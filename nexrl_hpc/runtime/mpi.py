@@ -432,6 +432,10 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     # are named after the PMI job/step, which a requeued Slurm job reuses: a segment left by the
     # killed attempt makes MPI_Init of the next one fail. Local ranks talk over the netmod instead.
     os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
+    _remove_stale_mpich_segments()
+    watchdog = threading.Timer(config["runtime"]["bootstrap_timeout_s"], _bootstrap_timed_out, (config,))
+    watchdog.daemon = True
+    watchdog.start()
     import mpi4py
 
     mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
@@ -449,9 +453,11 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     try:
         world = bootstrap(config, comm)
     except PlacementError as err:
+        watchdog.cancel()
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
+    watchdog.cancel()
     if rank != 0:
         from nexrl_hpc.launcher.preemption import ignore_preemption_signal
 
@@ -466,6 +472,50 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         sys.stderr.flush()
         runtime.release_ranks()
         world.endpoint.close()
+
+
+def _remove_stale_mpich_segments(min_age_s: float = 30.0) -> None:
+    """Unlink MPICH shared-memory segments that no live process maps. Their names derive from the
+    PMI job/step, which comes back (a requeued job; job ids restarting on a fresh cluster), and a
+    stale one left by killed processes breaks MPI_Init of the job that reuses the name. Only this
+    user's files, only ones older than ``min_age_s`` (a starting job's fresh segment is spared)."""
+    shm = "/dev/shm"
+    try:
+        names = [n for n in os.listdir(shm) if n.startswith("mpich_shm_")]
+    except OSError:
+        return
+    if not names:
+        return
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped.update(
+                        line.rsplit("/", 1)[-1].strip() for line in f if "/dev/shm/mpich_shm_" in line
+                    )
+            except OSError:
+                continue
+    now, uid = time.time(), os.getuid()
+    for name in names:
+        path = os.path.join(shm, name)
+        try:
+            st = os.stat(path)
+            if name not in mapped and st.st_uid == uid and now - st.st_mtime > min_age_s:
+                os.unlink(path)
+        except OSError:
+            continue
+
+
+def _bootstrap_timed_out(config: RLTrainConfig) -> None:
+    rank = os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "?"))
+    print(
+        f"error: rank {rank} ({socket.gethostname()}, pid {os.getpid()}): MPI start-up did not finish within "
+        f"runtime.bootstrap_timeout_s={config['runtime']['bootstrap_timeout_s']}s (a peer failed MPI_Init?)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
 
 
 def _remove_if_only_logs(path: str) -> None:

@@ -27,6 +27,7 @@ from nexrl_hpc.train.local_engine import LocalTrainEngine
 from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
 
 logger = logging.getLogger(__name__)
+_MAX_PENDING = 4  # batches held between their ACK and their execute signal
 
 
 class TrainerRank:
@@ -123,6 +124,10 @@ class TrainerRank:
             if operation not in BATCH_OPERATIONS:
                 self._reply(client, op_id, error=f"unknown batch operation {operation!r}")
                 return
+            while len(self._pending) >= _MAX_PENDING:  # clients that gave up never execute theirs
+                dropped = next(iter(self._pending))
+                del self._pending[dropped]
+                logger.warning("trainer rank 0: dropped the data of %s (never executed)", dropped)
             self._pending[op_id] = (client, operation, tensors)
             logger.debug("data for %s %s received; ACK", operation, op_id)
             self._channel.send(self._router, {"kind": "ack", "op_id": op_id}, routing_id=client)
