@@ -428,10 +428,6 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     Rank 0's config (and so its run dir, which may hold a timestamp) is the job's config.
     Returns the process exit code: 2 when the placement does not fit (rank 0 says why).
     """
-    # MPI only bootstraps the job, so MPICH's shared-memory transport buys nothing; and its segments
-    # are named after the PMI job/step, which a requeued Slurm job reuses: a segment left by the
-    # killed attempt makes MPI_Init of the next one fail. Local ranks talk over the netmod instead.
-    os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
     _remove_stale_mpich_segments()
     watchdog = threading.Timer(config["runtime"]["bootstrap_timeout_s"], _bootstrap_timed_out, (config,))
     watchdog.daemon = True
@@ -474,11 +470,12 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         world.endpoint.close()
 
 
-def _remove_stale_mpich_segments(min_age_s: float = 30.0) -> None:
+def _remove_stale_mpich_segments(min_age_s: float = 5.0) -> None:
     """Unlink MPICH shared-memory segments that no live process maps. Their names derive from the
     PMI job/step, which comes back (a requeued job; job ids restarting on a fresh cluster), and a
-    stale one left by killed processes breaks MPI_Init of the job that reuses the name. Only this
-    user's files, only ones older than ``min_age_s`` (a starting job's fresh segment is spared)."""
+    stale one left by killed processes breaks MPI_Init of the job that reuses the name (seen: every
+    requeued job). Only this user's files, only ones older than ``min_age_s`` (a starting job maps
+    its segment right after creating it)."""
     shm = "/dev/shm"
     try:
         names = [n for n in os.listdir(shm) if n.startswith("mpich_shm_")]
