@@ -17,7 +17,6 @@ from omegaconf import DictConfig, open_dict
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
-from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CONFIG_NAME = "rl_train"
@@ -51,6 +50,8 @@ def hydra_main(cfg: DictConfig) -> None:
     if config["launcher"]["name"] == "slurm":
         _exit_unless_ok(submit_to_slurm(config))
         return  # a sweep goes on with its next point
+    from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
+
     if config["launch_mode"] == "mpi":
         from nexrl_hpc.runtime.mpi import run_mpi
 
@@ -66,33 +67,6 @@ def _exit_unless_ok(code: int) -> None:
     """Exit with a failure code; on success return, so that a sweep (-m) runs its next point."""
     if code != 0:
         sys.exit(code)
-
-
-def run_controller(config: dict, runtime: object = None) -> int:
-    """Run the controller (rank 0 in mpi mode); the process exit code."""
-    from nexrl_hpc.controller import NexRLController, RunFailed
-
-    controller = NexRLController(config, runtime)
-    try:
-        controller.run()
-    except RunFailed as exc:
-        logger.error("run failed: %s", exc)
-        print(f"error: run failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    if controller.preempted:
-        step = controller.current_step()
-        requeued = controller.requeue()
-        where = "the job is requeued and resumes there" if requeued else "run the same command to resume"
-        print(f"stopped at step {step} ({controller.preemption_reason}): checkpoint saved; {where}")
-        return PREEMPTED_EXIT
-    summary = controller.final_validation()
-    print(f"run dir: {controller.run_dir}")
-    if summary:
-        print("last validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.items())))
-    return 0
 
 
 def submit_to_slurm(config: dict) -> int:

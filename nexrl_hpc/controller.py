@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any
@@ -33,7 +34,7 @@ from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.data.prepare import prepare_datasets
-from nexrl_hpc.launcher.preemption import PreemptionWatch
+from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.runtime.local import LocalRuntime
 from nexrl_hpc.runtime.roles import RunContext
@@ -492,3 +493,28 @@ class NexRLController:
     @property
     def rollout_workers(self) -> list[Any]:
         return self._rollout_workers
+
+
+def run_controller(config: RLTrainConfig, runtime: Any = None) -> int:
+    """Run the controller (rank 0 in mpi mode) and say how it ended; the process exit code."""
+    controller = NexRLController(config, runtime)
+    try:
+        controller.run()
+    except RunFailed as exc:
+        logger.error("run failed: %s", exc)
+        print(f"error: run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if controller.preempted:
+        step = controller.current_step()
+        requeued = controller.requeue()
+        where = "the job is requeued and resumes there" if requeued else "run the same command to resume"
+        print(f"stopped at step {step} ({controller.preemption_reason}): checkpoint saved; {where}")
+        return PREEMPTED_EXIT
+    summary = controller.final_validation()
+    print(f"run dir: {controller.run_dir}")
+    if summary:
+        print("last validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.items())))
+    return 0

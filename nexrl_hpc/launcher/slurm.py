@@ -148,7 +148,7 @@ class SlurmRun:
         from nexrl_hpc.launcher.preemption import catch_signal_early
 
         catch_signal_early(self.config["preemption"])
-        from launch.train import run_controller
+        from nexrl_hpc.controller import run_controller
         from nexrl_hpc.runtime.mpi import run_mpi
 
         rank = int(os.environ.get("SLURM_PROCID", "0"))

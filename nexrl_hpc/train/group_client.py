@@ -245,7 +245,7 @@ class ApiServerControl(Control):
                 if info["ready"]:
                     return info
             except TrainerRankError as exc:
-                if "HTTP 401" in str(exc) or "401" in str(exc):
+                if "HTTP 401" in str(exc):  # a wrong token will not get better by waiting
                     raise
             time.sleep(0.2)
         reported = len(info.get("endpoints", {})) if info else 0

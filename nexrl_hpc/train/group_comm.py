@@ -15,10 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}  # fmt: skip
+from nexrl_hpc.rpc.bulk import DTYPES
 
 
 class GroupComm:
@@ -125,7 +122,7 @@ def unpack_tensors(flat: torch.Tensor, specs: list[list[Any]]) -> dict[str, torc
     out = {}
     data = flat.numpy()
     for name, dtype_name, shape, offset, nbytes in specs:
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         chunk = np.ascontiguousarray(data[offset : offset + nbytes])
         out[name] = (
             torch.from_numpy(chunk).view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
