@@ -276,10 +276,17 @@ class MPIRuntime:
             "shutdown", (reason, exit_code), self._config["runtime_monitor"]["stop_timeout_s"]
         )
 
-    def release_ranks(self) -> None:
+    def release_ranks(self) -> bool:
         """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
-        for the answers: closing the endpoint at once could drop the queued messages."""
-        self._call_live_ranks("release", (), 1.0)
+        for the answers: closing the endpoint at once could drop the queued messages.
+
+        When every rank is alive, all of them (rank 0 too) call MPI_Finalize before exiting: under
+        mpirun a rank exiting without it makes Hydra SIGKILL the others, which could cut rank 0
+        short and turn a finished run's exit code into 9. Returns whether rank 0 should finalize."""
+        w = self._world
+        everyone = all(not w.endpoint.is_dead(r) for r in range(1, len(w.peers)))
+        self._call_live_ranks("release", (everyone,), 1.0)
+        return everyone  # not "all answered": a released rank may close its socket before its reply leaves
 
     def _call_live_ranks(self, builtin: str, args: tuple, timeout: float) -> None:
         """Call a rank built-in on every rank not declared dead; wait up to ``timeout`` for all."""
@@ -310,7 +317,7 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     tracker = world.directory.resolve(TRACKER)
     monitor = config["runtime_monitor"]
     stop, stopped, released = threading.Event(), threading.Event(), threading.Event()
-    verdict = {"reason": "", "code": 0}
+    verdict: dict[str, Any] = {"reason": "", "code": 0, "finalize": False}
 
     def shutdown(reason: str, exit_code: int) -> bool:
         verdict.update(reason=reason, code=exit_code)
@@ -318,7 +325,12 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
         return stopped.wait(monitor["stop_timeout_s"])
 
     world.registry.add_builtin("shutdown", shutdown)
-    world.registry.add_builtin("release", lambda: released.set())
+
+    def release(finalize: bool = False) -> None:
+        verdict["finalize"] = finalize
+        released.set()
+
+    world.registry.add_builtin("release", release)
     modules = _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
     world.comm.barrier()
     names = world.peers[world.rank]["modules"]
@@ -353,6 +365,8 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     if stop.is_set():  # rank 0 is alive and asked: wait for its go (or its end)
         _heartbeat_until(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
     world.endpoint.close()
+    if released.is_set() and verdict["finalize"]:
+        _finalize_mpi(monitor["stop_timeout_s"], int(verdict["code"]))
     return int(verdict["code"])
 
 
@@ -460,14 +474,18 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         ignore_preemption_signal(config["preemption"])  # Slurm signals every task; rank 0 decides
         return serve_rank(config, world)
     runtime = MPIRuntime(config, world)
+    code = 1  # run_controller raised
     try:
-        return int(run_controller(config, runtime))
+        code = int(run_controller(config, runtime))
+        return code
     finally:
         runtime.abort_startup()
         sys.stdout.flush()
         sys.stderr.flush()
-        runtime.release_ranks()
+        finalize = runtime.release_ranks()
         world.endpoint.close()
+        if finalize:
+            _finalize_mpi(config["runtime_monitor"]["stop_timeout_s"], code)
 
 
 def _remove_stale_mpich_segments(min_age_s: float = 5.0) -> None:
@@ -502,6 +520,18 @@ def _remove_stale_mpich_segments(min_age_s: float = 5.0) -> None:
                 os.unlink(path)
         except OSError:
             continue
+
+
+def _finalize_mpi(timeout_s: float, exit_code: int) -> None:
+    """MPI_Finalize (a barrier of all ranks) so that no rank's exit kills another; a peer that dies
+    meanwhile cannot hang the exit: after ``timeout_s`` this process exits (``exit_code``) without it."""
+    from mpi4py import MPI
+
+    watchdog = threading.Timer(timeout_s, os._exit, (exit_code,))
+    watchdog.daemon = True
+    watchdog.start()
+    MPI.Finalize()
+    watchdog.cancel()
 
 
 def _bootstrap_timed_out(config: RLTrainConfig) -> None:
