@@ -147,6 +147,34 @@ def test_staleness_histogram_and_row_selection() -> None:
     assert kept.metadata["global_token_num"] == 9
 
 
+@pytest.mark.parametrize(
+    ("mode", "policy"), [("fully-async", "drop"), ("fully-async", "keep"), ("sync", "drop")]
+)
+def test_trainer_applies_the_staleness_bound_by_policy(tmp_path: Path, mode: str, policy: str) -> None:
+    from nexrl_hpc.train.noop import NoopTrainService
+    from nexrl_hpc.train.worker import TrainWorker
+
+    cfg = compose_config(
+        [
+            f"run_dir={tmp_path}",
+            f"weight.sync_mode={mode}",
+            "weight.staleness_threshold=1",
+            f"weight.stale_policy={policy}",
+        ]
+    )
+    worker = TrainWorker(cfg, NoopTrainService())
+    kept, metrics = worker._apply_staleness_bound(_batch([4, 3, 2, 1]), step=5)  # gaps 0, 1, 2, 3
+    assert metrics["train/stale_over_bound"] == 2 and metrics["train/staleness_hist/3"] == 1
+    if mode == "fully-async" and policy == "drop":
+        assert kept is not None and kept.metadata["uid"] == ["u0", "u1"]
+        assert metrics["train/stale_dropped_total"] == 2 and metrics["train/stale_kept_total"] == 0
+        all_stale, _ = worker._apply_staleness_bound(_batch([0, 0]), step=5)
+        assert all_stale is None  # nothing left to train on
+    else:  # kept (and counted in async modes); sync mode has no bound to apply
+        assert kept is not None and len(kept) == 4
+        assert metrics["train/stale_kept_total"] == (2 if mode != "sync" else 0)
+
+
 def test_importance_weights_are_truncated_and_scale_the_surrogate() -> None:
     prox = torch.log(torch.tensor([[0.5, 0.2], [0.4, 0.1]]))
     behaviour = torch.log(torch.tensor([[0.25, 0.2], [0.1, 0.1]]))
@@ -272,4 +300,5 @@ def test_fully_async_run_learns_with_decoupled_correction(tmp_path: Path) -> Non
     assert any(r["train/staleness_max"] >= 1 for r in train)  # off-policy data was trained on
     assert all(0.0 < r["train/is_weight_mean"] < 2.0 for r in train)
     val = [r for r in rows if "val/accuracy" in r]
+    assert [r["step"] for r in val] == [0, 10, 20, 30, 40, 50]  # every validate_freq versions, as in sync
     assert val[-1]["val/accuracy"] >= 0.8, val[-1]
