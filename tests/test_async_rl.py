@@ -24,8 +24,9 @@ from tests.test_weight_sync_and_activity import make_wsc
 class CountingLoader:
     """The dispatch-budget side of a data loader."""
 
-    def __init__(self) -> None:
+    def __init__(self, untrained: int = 0) -> None:
         self.budget: int | None = None
+        self.untrained = untrained
 
     def set_dispatch_budget(self, budget: int | None) -> None:
         self.budget = budget
@@ -33,8 +34,8 @@ class CountingLoader:
     def add_dispatch_budget(self, items: int) -> None:
         self.budget = (self.budget or 0) + items
 
-    def num_returned(self) -> int:
-        return 0
+    def num_untrained(self) -> int:
+        return self.untrained
 
 
 def async_wsc(tmp_path: Any, mode: str, threshold: int, *extra: str) -> tuple[Any, Any, CountingLoader]:
@@ -64,6 +65,20 @@ def test_fully_async_hands_out_threshold_plus_one_batches_ahead_of_the_trainer(t
     wsc.train_worker_notify_weight_update("train_worker", "default", 2)
     assert loader.budget == 4
     assert wsc.check_rollout_service_status("default") == "continue"
+
+
+def test_a_resumed_async_run_counts_the_tasks_handed_out_again(tmp_path: Path) -> None:
+    """At version 4 with 6 tasks untrained at the checkpoint (maybe already taken by a worker),
+    batches 5..7 need 3 x 4 - 6 fresh tasks."""
+    wsc, _, _ = async_wsc(tmp_path, "fully-async", 2, "train_worker.total_train_steps=12")
+    loader = CountingLoader(untrained=6)
+    wsc.set_module_references(loader, wsc._trajectory_pool)
+    wsc.set_versions("default", 4)
+    wsc.start("default")
+    assert loader.budget == 3 * 4 - 6
+    loader.budget = 0
+    wsc.train_worker_notify_weight_update("train_worker", "default", 5)
+    assert loader.budget == 4  # later batches in full
 
 
 def test_fully_async_never_holds_requests_during_a_reload(tmp_path: Path) -> None:

@@ -263,10 +263,10 @@ class JsonlDataLoader(BaseDataLoader):
                 self._delivered.pop(key, None)
 
     @quick
-    def num_returned(self) -> int:
-        """Tasks waiting to be handed out again (returned, or restored by a resume)."""
+    def num_untrained(self) -> int:
+        """Tasks not trained yet that are waiting to go out, are out, or are done (in the pool)."""
         with self._lock:
-            return len(self._returned) + len(self._extra)
+            return len(self._returned) + len(self._extra) + len(self._outstanding) + len(self._delivered)
 
     def requeue_consumer(self, consumer: str) -> int:
         """Hand out again, first, every task ``consumer`` held (it died); returns how many."""

@@ -229,8 +229,8 @@ class WeightSyncController(NexRLModule):
             new = max(0, allowed - out)
             self._batches_out[model_tag] = out + new
         items = new * self._batch_items
-        if first:  # a resume hands out the tasks that were out (or untrained) at the checkpoint first
-            items = max(0, items - execute(self._dataloader.num_returned))
+        if first:  # a resume hands out again the tasks that were untrained at the checkpoint: they count
+            items = max(0, items - execute(self._dataloader.num_untrained))
         if items:
             execute(self._dataloader.add_dispatch_budget, items)
 
