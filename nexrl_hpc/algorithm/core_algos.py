@@ -86,13 +86,19 @@ def ppo_clip_loss(
     clip_high: float,
     agg_mode: str,
     normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level PPO-clip surrogate: -min(r A, clip(r, 1-lo, 1+hi) A), aggregated by ``agg_mode``."""
+    """Token-level PPO-clip surrogate: -min(r A, clip(r, 1-lo, 1+hi) A), aggregated by ``agg_mode``.
+
+    ``token_weights`` (constant per token, e.g. importance weights pi_prox / pi_behaviour of
+    decoupled PPO or truncated IS) scale each token's surrogate."""
     log_ratio = log_prob - old_log_prob
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        token_loss = token_loss * token_weights
     loss = aggregate(token_loss, mask, agg_mode, normalizer)
     with torch.no_grad():
         m = mask.to(torch.float32)

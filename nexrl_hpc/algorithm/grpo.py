@@ -8,6 +8,7 @@ from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import group_index, grpo_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.types import Batch
 
 
@@ -52,8 +53,15 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             global_token_num=int(tensors["attention_mask"].sum()),
             uid=list(batch.values.get("uid", [])),
             epoch=list(batch.values.get("epoch", [])),
+            task_keys=[task_key(row) for row in _task_fields(batch)],
         )
         return Batch(values=tensors, metadata=metadata)
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
         self._put_batch(self.compute(batch), update_fn)
+
+
+def _task_fields(batch: Batch) -> list[dict]:
+    """Per row, the task fields that identify it (see data.loader.task_key)."""
+    columns = {k: batch.values[k] for k in ("group_id", "uid", "sample_index") if k in batch.values}
+    return [{k: col[i] for k, col in columns.items() if col[i] is not None} for i in range(len(batch))]

@@ -178,6 +178,17 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "service.train_service.config.zmq_recv_timeout_ms",
         "must not exceed service.train_service.config.zmq_total_timeout_ms",
     )
+    check(
+        lambda: g("algorithm.off_policy_correction") == "none" or g("algorithm.recompute_old_log_prob"),
+        "algorithm.off_policy_correction",
+        f"{g_safe(cfg, 'algorithm.off_policy_correction')} needs the proximal policy's logprobs: "
+        "set algorithm.recompute_old_log_prob=true",
+    )
+    check(
+        lambda: g("algorithm.off_policy_correction") != "tis" or g("algorithm.is_cap") is not None,
+        "algorithm.is_cap",
+        "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
+    )
     problems += _deepspeed_problems(cfg)
     if g_safe(cfg, "model.path") is None:
         check(

@@ -90,6 +90,8 @@ class AlgorithmConfig(TypedDict):
     norm_adv_by_std: bool
     adv_epsilon: Annotated[float, Ge(0.0)]
     recompute_old_log_prob: bool
+    off_policy_correction: Literal["none", "decoupled", "tis"]
+    is_cap: Annotated[float, Gt(1.0)] | None
     kl_loss_coef: Annotated[float, Ge(0.0)]
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
     long_poll_s: Annotated[
@@ -118,8 +120,9 @@ class TrainWorkerConfig(TypedDict):
 
 class WeightConfig(TypedDict):
     type: Literal["default"]
-    sync_mode: Literal["sync"]  # fully-async and batch-async: see weight_sync/controller.py
+    sync_mode: Literal["sync", "fully-async", "batch-async"]  # see weight_sync/controller.py
     staleness_threshold: Annotated[int, Ge(0)]
+    stale_policy: Literal["drop", "keep"]
     sync_method: Literal["disk"]
     sync_weight_path: str
     validate_freq: Annotated[int, Ge(0)]

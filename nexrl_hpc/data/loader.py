@@ -90,6 +90,8 @@ class JsonlDataLoader(BaseDataLoader):
         self._outstanding: dict[
             str, tuple[str, dict[str, Any]]
         ] = {}  # handed out, not yet done: key -> (consumer, task)
+        # done (trajectory in the pool), not yet trained: a checkpoint hands these out again too
+        self._delivered: dict[str, dict[str, Any]] = {}
         self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
         self._budget: int | None = None
         self._epoch = 0
@@ -244,11 +246,27 @@ class JsonlDataLoader(BaseDataLoader):
             self._lock.notify_all()
 
     @quick
-    def complete_items(self, consumer: str, keys: list[str]) -> None:
-        """``consumer`` is done with these tasks (their trajectories are in the pool)."""
+    def complete_items(self, consumer: str, keys: list[str], delivered: bool = True) -> None:
+        """``consumer`` is done with these tasks: their trajectories are in the pool (``delivered``,
+        remembered until ``release_items``) or were dropped."""
         with self._lock:
             for key in keys:
-                self._outstanding.pop(key, None)
+                entry = self._outstanding.pop(key, None)
+                if delivered and entry is not None:
+                    self._delivered[key] = entry[1]
+
+    @quick
+    def release_items(self, keys: list[str]) -> None:
+        """The trainer consumed (trained or dropped) the trajectories of these tasks."""
+        with self._lock:
+            for key in keys:
+                self._delivered.pop(key, None)
+
+    @quick
+    def num_untrained(self) -> int:
+        """Tasks not trained yet that are waiting to go out, are out, or are done (in the pool)."""
+        with self._lock:
+            return len(self._returned) + len(self._extra) + len(self._outstanding) + len(self._delivered)
 
     def requeue_consumer(self, consumer: str) -> int:
         """Hand out again, first, every task ``consumer`` held (it died); returns how many."""
@@ -285,6 +303,7 @@ class JsonlDataLoader(BaseDataLoader):
             self._returned.clear()
             self._extra.clear()
             self._outstanding.clear()
+            self._delivered.clear()
             self._issued_fresh = 0
             self._start_epoch(0)
 
@@ -306,6 +325,12 @@ class JsonlDataLoader(BaseDataLoader):
             self._budget = budget
             self._lock.notify_all()
 
+    def add_dispatch_budget(self, items: int) -> None:
+        """Allow ``items`` more fresh tasks on top of what is left (async modes open one batch at a time)."""
+        with self._lock:
+            self._budget = (self._budget or 0) + items
+            self._lock.notify_all()
+
     def get_dispatch_budget(self) -> int | None:
         with self._lock:
             return self._budget
@@ -323,8 +348,10 @@ class JsonlDataLoader(BaseDataLoader):
                 "repeat_index": self._repeat_index,
                 "issued_fresh": self._issued_fresh,
                 "num_rows": len(self._rows),
-                # tasks out at save time are handed out again after a resume
-                "returned": [task for _, task in self._outstanding.values()] + list(self._returned),
+                # tasks out (or done but not trained) at save time are handed out again after a resume
+                "returned": [task for _, task in self._outstanding.values()]
+                + list(self._delivered.values())
+                + list(self._returned),
                 "extra": list(self._extra),
             }
 

@@ -7,8 +7,13 @@ trainer can train on them) and constant logprobs.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+import time
 from typing import Any
+
+from nexrl_hpc.core.execute import execute
 
 
 class FakeLLMServiceClient:
@@ -23,13 +28,22 @@ class FakeLLMServiceClient:
         self._eos = tokenizer.eos_token_id
         self._rng = random.Random(seed)
         self._latency_s = latency_s
-        self._version = 0
+        self._controller: Any = None
+        self.in_flight = 0  # requests being answered now, the most at once, and the threads then
+        self.peak_in_flight = 0
+        self.threads_at_peak = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
     def set_weight_sync_controller(self, controller: Any) -> None:
         self._controller = controller
 
-    def _answer(self, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _version(self) -> int:
+        """The version the (imaginary) engine serves: the weight sync controller's rollout version."""
+        if self._controller is None:
+            return 0
+        return int(execute(self._controller.get_rollout_model_version, self._model_tag))
+
+    def _answer(self, prompt: Any, kwargs: dict[str, Any], version: int) -> dict[str, Any]:
         text, token = self._choices[self._rng.randrange(len(self._choices))]
         if isinstance(prompt, str):
             prompt_ids = self._prompt_ids.get(prompt)
@@ -45,24 +59,28 @@ class FakeLLMServiceClient:
             prompt_ids=prompt_ids,
             response_ids=[token, self._eos],
             logprobs=[-2.3, -0.1],
-            weight_version=self._version,
+            weight_version=version,
             model_tag=self._model_tag,
         )
         return out
 
     def completion(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
+        version = self._version()  # the weights a request starts with produce all of its tokens
         if self._latency_s:
-            import time
-
             time.sleep(self._latency_s)
-        return self._answer(prompt, kwargs)
+        return self._answer(prompt, kwargs, version)
 
     async def acompletion(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
-        if self._latency_s:
-            import asyncio
-
-            await asyncio.sleep(self._latency_s)
-        return self._answer(prompt, kwargs)
+        version = self._version()
+        self.in_flight += 1
+        if self.in_flight > self.peak_in_flight:
+            self.peak_in_flight, self.threads_at_peak = self.in_flight, threading.active_count()
+        try:
+            if self._latency_s:
+                await asyncio.sleep(self._latency_s)
+            return self._answer(prompt, kwargs, version)
+        finally:
+            self.in_flight -= 1
 
     async def aclose(self) -> None:
         return None

@@ -179,17 +179,18 @@ class BaseRolloutWorker(NexRLModule):
         _IS_VALIDATE.set(is_validate)  # the tasks below inherit this context
         try:
             done = await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
-            finished = [task_key(t) for t, ok in zip(tasks, done) if ok]
-            if finished:
-                loader = self._validate_dataloader if is_validate else self._dataloader
-                execute(loader.complete_items, self._module_name, finished)
+            loader = self._validate_dataloader if is_validate else self._dataloader
+            for outcome in ("delivered", "dropped"):
+                finished = [task_key(t) for t, o in zip(tasks, done) if o == outcome]
+                if finished:
+                    execute(loader.complete_items, self._module_name, finished, outcome == "delivered")
         finally:
             self._activity_tracker.end(token)
 
     async def _run_task(
         self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None
-    ) -> bool:
-        """Run one step; True once the task is done with (trajectory accepted, or dropped and reported)."""
+    ) -> str | None:
+        """Run one step: "delivered" (trajectory accepted), "dropped" (reported), None (task returned)."""
         assert self._activity_tracker is not None
         try:
             if self._step_is_async:
@@ -198,7 +199,7 @@ class BaseRolloutWorker(NexRLModule):
                 result = await asyncio.to_thread(self.step, task)
             if result == "re-rollout":
                 self._put_rollout_task(task, is_validate)
-                return False
+                return None
             if result in (None, "fail"):
                 self.num_failed += 1
                 self._activity_tracker.report_error(
@@ -208,9 +209,9 @@ class BaseRolloutWorker(NexRLModule):
                     ErrorSeverity.ERROR,
                     details={"uid": task.get("uid")},
                 )
-            else:
-                self.num_completed += 1
-            return True
+                return "dropped"
+            self.num_completed += 1
+            return "delivered"
         except asyncio.CancelledError:
             self._put_rollout_task(task, is_validate)
             raise
@@ -220,7 +221,7 @@ class BaseRolloutWorker(NexRLModule):
             self._activity_tracker.report_exception(
                 self._module_name, "rollout", exc, details={"uid": task.get("uid")}
             )
-            return False
+            return None
         finally:
             self._inflight -= 1
             if slot_freed is not None:

@@ -42,7 +42,7 @@ def check_training_batch(tensors: dict[str, Any], need: tuple[str, ...]) -> int:
     if len(set(sizes.values())) > 1:
         raise ValueError(f"training batch tensors have different row counts: {sizes}")
     r = tensors["responses"].shape[1]
-    for k in ("response_mask", "old_log_probs", "advantages"):
+    for k in ("response_mask", "old_log_probs", "advantages", "is_weights"):
         if k in tensors and tensors[k].shape[1] != r:
             raise ValueError(f"training batch {k!r} has {tensors[k].shape[1]} columns, responses has {r}")
     return next(iter(sizes.values()))
@@ -289,6 +289,7 @@ class LocalTrainEngine(TrainServiceClient):
                         actor["clip_ratio_high"],
                         agg,
                         normalizer,
+                        token_weights=part.get("is_weights"),
                     )
                     pg_value = float(loss.detach())
                     kl = None

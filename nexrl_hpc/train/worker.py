@@ -11,8 +11,7 @@ import logging
 import time
 from typing import Any
 
-import torch
-
+from nexrl_hpc.algorithm.off_policy import importance_weights, select_rows, staleness, staleness_metrics
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
@@ -37,7 +36,16 @@ class TrainWorker(NexRLModule):
         self._long_poll_s = tw["long_poll_s"]
         self._sync_path = tw["sync_weight_path"]
         self._model_tag = config["service"]["train_service"]["model_tag"]
-        self._recompute = config["algorithm"]["recompute_old_log_prob"]
+        algo = config["algorithm"]
+        self._recompute = algo["recompute_old_log_prob"]
+        self._correction = algo["off_policy_correction"]
+        self._is_cap = algo["is_cap"]
+        weight = config["weight"]
+        self._async = weight["sync_mode"] != "sync"
+        self._staleness_bound = weight["staleness_threshold"]
+        self._drop_stale = weight["stale_policy"] == "drop"
+        self._stale_dropped_total = 0
+        self._stale_kept_total = 0
         self._dump_rollouts = config["logger"]["dump_rollouts"]
         self._run_dir = config["run_dir"]
         keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
@@ -147,21 +155,60 @@ class TrainWorker(NexRLModule):
     def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
         return execute(self._train_batch_pool.get_batch, self._model_tag, wait_s)
 
+    def _release_tasks(self, keys: list[str]) -> None:
+        if self._dataloader is not None and keys:
+            execute(self._dataloader.release_items, keys)
+
+    def _apply_staleness_bound(self, batch: Batch, step: int) -> tuple[Batch | None, dict[str, float]]:
+        """Async modes: rows more than ``staleness_threshold`` versions old are dropped or kept (counted)."""
+        gap = staleness(batch, step)
+        metrics = staleness_metrics(gap)
+        stale = gap > self._staleness_bound
+        n_stale = int(stale.sum())
+        if self._async and n_stale:
+            if self._drop_stale:
+                self._stale_dropped_total += n_stale
+                batch = select_rows(batch, ~stale) if n_stale < len(batch) else None
+            else:
+                self._stale_kept_total += n_stale
+        metrics["train/stale_dropped_total"] = float(self._stale_dropped_total)
+        metrics["train/stale_kept_total"] = float(self._stale_kept_total)
+        metrics["train/stale_over_bound"] = float(n_stale)
+        return batch, metrics
+
     def _step(self, batch: Batch) -> None:
         assert self._activity_tracker is not None
         t0 = time.monotonic()
+        consumed = list(batch.metadata.get("task_keys", []))  # trained or dropped below
+        kept, stale_metrics = self._apply_staleness_bound(batch, self._train_step + 1)
+        if kept is None:
+            self._release_tasks(consumed)
+            logger.warning(
+                "a batch of %d trajectories was over the staleness bound (%d) and dropped: no step trained",
+                len(batch),
+                self._staleness_bound,
+            )
+            return
+        batch = kept
         tensors = dict(batch.values)
         tensors["old_log_probs"] = tensors["behaviour_log_probs"]
         metrics: dict[str, Any] = dict(batch.metadata.get("metrics", {}))
+        metrics.update(stale_metrics)
         if self._recompute:
             recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"][
                 "old_log_probs"
             ]
             mask = tensors["response_mask"]
-            metrics["train/logprob_mismatch_max"] = float(
-                ((recomputed - tensors["behaviour_log_probs"]).abs() * mask).max()
-            )
+            diff = (recomputed - tensors["behaviour_log_probs"]).abs() * mask
+            metrics["train/logprob_mismatch_max"] = float(diff.max())
+            metrics["train/logprob_mismatch_mean"] = float(diff.sum() / mask.sum().clamp(min=1.0))
             tensors["old_log_probs"] = recomputed
+            if self._correction != "none":  # decoupled / truncated IS: weight by pi_prox / pi_behaviour
+                weights, is_metrics = importance_weights(
+                    recomputed, tensors["behaviour_log_probs"], mask, self._is_cap
+                )
+                tensors["is_weights"] = weights
+                metrics.update(is_metrics)
         t1 = time.monotonic()
         result = self._client.update_actor(
             {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}}
@@ -187,9 +234,7 @@ class TrainWorker(NexRLModule):
         metrics["train/grad_norm"] = actor["actor/grad_norm"]
         metrics.setdefault("train/logprob_mismatch_max", actor.get("actor/logprob_mismatch_max"))
         metrics["train/nan_skipped"] = actor["actor/nan_skipped"]
-        versions = batch.values.get("weight_version")
-        if isinstance(versions, torch.Tensor) and versions.numel():
-            metrics["train/staleness_max"] = float((step - 1 - versions).max())
+        self._release_tasks(consumed)  # before the checkpoint: a resume does not hand them out again
         if self._dataloader is not None:
             metrics["data/skipped_rows"] = execute(self._dataloader.get_skipped_rows)
         now = time.monotonic()

@@ -1,11 +1,21 @@
 """WeightSyncController: decides when rollouts may run and moves new weights to the inference service.
 
-``sync`` mode (seed 000): one training batch of fresh tasks is dispatched per policy version
-(the data loader's dispatch budget). When the batch is complete the pool sends stragglers back
-("re-rollout"), the trainer updates and exports, the inference service reloads (``publish``;
-clients hold new requests meanwhile), the version is bumped, an optional validation runs, and the
-next batch is released. Every trajectory records the version that produced it. (fully-async and
-batch-async are not implemented yet; the config schema refuses them.)
+Rollouts are paced by the data loader's dispatch budget, one training batch of fresh tasks at a
+time; every trajectory records the weight version that produced it.
+
+- ``sync`` (seed 000): one batch per policy version. When the batch is complete the pool sends
+  stragglers back ("re-rollout"), the trainer updates and exports, the inference service reloads
+  (``publish``; clients hold new requests meanwhile), the version is bumped, an optional
+  validation runs, and the next batch is released.
+- ``fully-async``: a reload never holds a request (the engines swap weights between two forward
+  batches) and batches are handed out ahead of the trainer: batch b goes out once the trainer
+  holds version b - 1 - staleness_threshold. Generation overlaps training; the pool is the
+  back-pressure.
+- ``batch-async``: as fully-async, counted from the version the engines *serve*: a rollout waits
+  while train_version + 1 - rollout_version > staleness_threshold and resumes when the sync lands.
+
+In every mode a due validation measures its version: the next version is published only after
+it. The trainer drops (or keeps) trajectories over the bound, see TrainWorker.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ class WeightSyncController(NexRLModule):
         super().__init__()
         weight = config["weight"]
         self._mode = weight["sync_mode"]
+        self._threshold = weight["staleness_threshold"]
         self._sync_path = weight["sync_weight_path"]
         self._validate_freq = weight["validate_freq"]
         self._keep_versions = weight["keep_versions"]
@@ -49,6 +60,7 @@ class WeightSyncController(NexRLModule):
         self._rollout_version: dict[ModelTag, int] = {}
         self._syncing: set[ModelTag] = set()
         self._released_for: dict[ModelTag, int] = {}  # the version whose training batch has been released
+        self._batches_out: dict[ModelTag, int] = {}  # async modes: batches handed out since the start
         self._waiting_validation: ModelTag | None = None
         self._validation_version = 0
         self._dataloader: Any = None
@@ -57,8 +69,7 @@ class WeightSyncController(NexRLModule):
     def set_module_references(self, dataloader: Any, trajectory_pool: Any) -> None:
         self._dataloader = dataloader
         self._trajectory_pool = trajectory_pool
-        if self._mode == "sync":
-            execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
+        execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
 
     def set_inference_services(self, services: list[Any]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
@@ -92,7 +103,7 @@ class WeightSyncController(NexRLModule):
         self, model_tag: ModelTag = DEFAULT_MODEL_TAG
     ) -> Literal["continue", "block"]:
         with self._lock:
-            return "block" if model_tag in self._syncing else "continue"
+            return "block" if self._mode == "sync" and model_tag in self._syncing else "continue"
 
     def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> None:
         """Sync mode: the batch is complete; stragglers are sent back ("re-rollout") until the new weights serve."""
@@ -103,8 +114,11 @@ class WeightSyncController(NexRLModule):
     def train_worker_notify_weight_update(
         self, worker_name: str, model_tag: ModelTag, version: int | None = None
     ) -> None:
-        """The trainer finished a step and exported its weights; publish them and maybe validate."""
-        with self._lock:
+        """The trainer finished a step and exported its weights; publish them and maybe validate.
+
+        A pending validation measures its own version: the next one is published after it."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._waiting_validation is None)
             new_version = version if version is not None else self._train_version.get(model_tag, 0) + 1
             self._train_version[model_tag] = new_version
         self.sync_weight_to_rollout_service(model_tag)
@@ -184,10 +198,14 @@ class WeightSyncController(NexRLModule):
             if self._waiting_validation != model_tag:
                 return
             self._waiting_validation = None
+            self._bump()
         self._release_rollouts(model_tag)
 
     def _release_rollouts(self, model_tag: ModelTag) -> None:
-        """Open the pool and hand out the training batch of the current version — once per version."""
+        """Open the pool and hand out the training batch(es) the mode allows now."""
+        if self._mode != "sync":
+            self._release_async(model_tag)
+            return
         with self._lock:
             version = self._train_version.get(model_tag, 0)
             if self._released_for.get(model_tag) == version:
@@ -197,6 +215,24 @@ class WeightSyncController(NexRLModule):
         execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
         if self._mode == "sync":
             execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)
+
+    def _release_async(self, model_tag: ModelTag) -> None:
+        """Hand out every batch b with b - 1 - threshold <= the version the mode counts from."""
+        with self._lock:
+            if self._mode == "batch-async":
+                basis = self._rollout_version.get(model_tag, 0)
+            else:
+                basis = self._train_version.get(model_tag, 0)
+            first = model_tag not in self._batches_out
+            out = self._batches_out.setdefault(model_tag, self._train_version.get(model_tag, 0))
+            allowed = min(self._total_steps, basis + 1 + self._threshold)
+            new = max(0, allowed - out)
+            self._batches_out[model_tag] = out + new
+        items = new * self._batch_items
+        if first:  # a resume hands out again the tasks that were untrained at the checkpoint: they count
+            items = max(0, items - execute(self._dataloader.num_untrained))
+        if items:
+            execute(self._dataloader.add_dispatch_budget, items)
 
     def _prune(self, current: int) -> None:
         if not os.path.isdir(self._sync_path):
