@@ -221,6 +221,12 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) 
         elapsed = time.monotonic() - start
         stdout, out_cut = _read_capped(out_path, limits.max_output_bytes)
         stderr, err_cut = _read_capped(err_path, limits.max_output_bytes)
+    if prefix:  # the wrappers' own complaints when their child is killed are not the program's output
+        stderr = "".join(
+            line
+            for line in stderr.splitlines(keepends=True)
+            if not line.startswith(("unshare: ", "setpriv: "))
+        )
     status = _classify(returncode, timed_out, stderr, out_cut or err_cut)
     return SandboxResult(status, stdout, stderr, returncode, elapsed, isolated, notes)
 
