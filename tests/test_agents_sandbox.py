@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -106,11 +107,80 @@ def test_fork_bomb_is_bounded_and_leaves_no_process_behind() -> None:
 
 
 def test_real_fork_bomb_is_stopped() -> None:
-    result = run_python(
-        "import os\nwhile True:\n    os.fork()\n", "", SandboxLimits(wall_time_s=1.5, max_processes=16)
-    )
-    assert result.status in ("timeout", "error")
+    code = "import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    os.fork()\n"
+    result = run_python(code, "", SandboxLimits(wall_time_s=1.5, max_processes=16))
+    assert result.status in ("timeout", "error")  # killed, or died of fork's BlockingIOError
     assert not result.ok
+    assert _processes_in(result.stdout.splitlines()[0]) == []
+
+
+def test_concurrent_runs_are_independent() -> None:
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        results[i] = run_python(f"print({i} * 3)", "", FAST).stdout.strip()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == {0: "0", 1: "3", 2: "6", 3: "9"}
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+FORK_COUNT = """\
+import os, time
+n = 0
+for _ in range(100):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    n += 1
+print(n)
+"""
+UNPRIVILEGED_CASES = [
+    "print(6 * 7)",
+    "while True: pass",
+    "x = bytearray(1 << 30)",
+    FORK_COUNT,
+    "import socket; socket.create_connection(('151.101.0.223', 443), timeout=2)",
+]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="as non-root the other tests already take the unprivileged path",
+)
+def test_unprivileged_caller_path() -> None:
+    """The sandbox called by a non-root user (user namespaces instead of setpriv), with a python nobody can read."""
+    repo = str(Path(__file__).resolve().parents[1])
+    script = (
+        "from nexrl_hpc.agents.sandbox import run_python, SandboxLimits\n"
+        "limits = SandboxLimits(wall_time_s=3, cpu_time_s=1, memory_mb=256, max_processes=16)\n"
+        f"for code in {UNPRIVILEGED_CASES!r}:\n"
+        "    r = run_python(code, '', limits)\n"
+        "    print(r.status, r.network_isolated, r.stdout.strip() or '-')\n"
+    )
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd="/tmp",
+        env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ok, loop, memory, fork, network = (line.split() for line in proc.stdout.splitlines())
+    assert ok == ["ok", "True", "42"]
+    assert loop[:2] == ["cpu_limit", "True"]
+    assert memory[:2] == ["memory_limit", "True"]
+    assert fork[:2] == ["ok", "True"] and int(fork[2]) < 16
+    assert network[:2] == ["error", "True"]
 
 
 def test_detached_child_does_not_outlive_the_run() -> None:

@@ -10,6 +10,8 @@ The tag syntax::
   bare text that fills the tool's primary argument (``<calculator>3+4</calculator>`` ->
   ``{"expression": "3+4"}``). Bare text is stripped of surrounding whitespace.
 * Text outside calls is ``content`` (the model's answer / prose).
+* Limitation: a body cannot contain ``<name>`` or ``</name>`` for any identifier ``name`` (such a
+  call is reported as malformed); models that need that use the JSON form with escaped ``\u003c``.
 
 A call that cannot be parsed (unclosed, closed by another name, nested, empty, bad JSON) becomes
 a ``ToolCallError`` naming the tool and the problem. The environment turns it into an error

@@ -43,8 +43,10 @@ class ToolCall:
 class ModelOutput:
     """One model response with the token accounting training needs (seed 004's ModelOutput).
 
-    ``text`` is everything the model produced (reasoning included), ``content`` the answer part.
-    ``prompt_ids``/``completion_ids``/``logprobs`` are exactly what the server returned.
+    ``content`` is the answer part, ``reasoning`` what a reasoning parser split off (chat API),
+    ``text`` their concatenation: the chat API does not return the raw decoded text, so ``text``
+    is for reading and reward parsing, never for training. ``prompt_ids``/``completion_ids``/
+    ``logprobs`` are exactly what the server returned, and they are what trains.
     """
 
     text: str = ""
