@@ -1,22 +1,27 @@
 """Run untrusted Python (model-written code) in a child process with hard limits.
 
 Why a subprocess and not exec(): a reward or tool call must survive code that loops forever,
-allocates without bound, forks without bound, fills the disk or phones home. The layers, each
-verified by tests/test_agents_sandbox.py on Linux:
+allocates without bound, forks without bound, floods its output or phones home. The layers, each
+exercised by tests/test_agents_sandbox.py:
 
-* wall time: the parent kills the whole process group (and, with a PID namespace, every process
-  in it) after ``wall_time_s``;
+* wall time: after ``wall_time_s`` the parent SIGKILLs the PID namespace's init (the kernel then
+  kills every process in the namespace, also ones that left the session) and the session;
 * CPU time, address space, file size, open files, core dumps, process count: ``setrlimit`` in the
   child just before it execs the interpreter (a small launcher does this, no ``preexec_fn``);
-* no network: a fresh network namespace (``unshare``); where namespaces are not available the
-  result says ``network_isolated=False`` and ``SandboxLimits.require_isolation`` makes it an error;
-* a fresh session, an empty environment, ``python -I`` (no site/user paths, no PYTHON* vars),
-  and a temporary working directory removed afterwards.
+* no network and a private /proc: fresh network, PID and mount namespaces (``unshare``; root
+  creates them directly, other users through a user namespace). Where that fails the result
+  says ``network_isolated=False``; ``SandboxLimits.require_isolation`` makes it an error instead;
+* a fresh session, an empty environment, ``python -I`` (no site/user paths, no PYTHON* vars), a
+  temporary working directory removed afterwards, stdio through unlinked temp files.
 
-RLIMIT_NPROC is not enforced by Linux for uid 0, so when the parent runs as root the child drops
-to ``unprivileged_uid`` (default 65534, "nobody") keeping only CAP_DAC_READ_SEARCH, so the
-interpreter stays readable wherever it is installed. The process count is per uid: concurrent
-sandboxes running as the same uid share ``max_processes``.
+RLIMIT_NPROC is not enforced by Linux for uid 0, so a root caller runs the code as
+``unprivileged_uid`` (default 65534, "nobody"). When that uid cannot read the interpreter (e.g.
+a Python under /root), it keeps CAP_DAC_READ_SEARCH, which also lets the code read any file on
+the host; the result's notes say so, and ``python_executable`` pointing to a world-readable
+Python avoids it. Not limited: the number of files the code creates in its temp dir (each is
+capped by RLIMIT_FSIZE), total memory across its processes (RLIMIT_AS is per process), and
+reading world-readable host files. The process count is per uid: concurrent root-started
+sandboxes share ``max_processes`` of ``unprivileged_uid``.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import functools
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 Status = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed"]
 
@@ -66,6 +72,7 @@ class SandboxLimits:
     isolate_network: bool = True
     require_isolation: bool = False
     unprivileged_uid: int = 65534
+    python_executable: str | None = None  # default: this process's interpreter
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,55 +132,71 @@ def _probe(cmd: tuple[str, ...]) -> bool:
         return False
 
 
-def _wrapper(limits: SandboxLimits) -> tuple[list[str], bool, list[str]]:
-    """The command prefix that isolates the child, whether it isolates the network, and notes."""
-    notes: list[str] = []
+def _others_can_use(path: str) -> bool:
+    """Whether a uid that is neither owner nor group can traverse to ``path`` and read/run it."""
+    real = Path(os.path.realpath(path))
+    for parent in real.parents:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+    return bool(os.stat(real).st_mode & stat.S_IROTH)
+
+
+@dataclass
+class _Wrapper:
+    """How the child is started: the command prefix, and what that buys."""
+
+    prefix: list[str] = field(default_factory=list)
+    network_isolated: bool = False
+    run_as_uid: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _wrapper(limits: SandboxLimits, python: str) -> _Wrapper:
+    wrap = _Wrapper()
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    prefix: list[str] = []
-    isolated = False
     if limits.isolate_network and unshare:
         # root may create namespaces directly; others need a user namespace (-r) first
-        ns = (
-            [unshare, "--net", "--pid", "--fork", "--kill-child"]
-            if root
-            else [unshare, "-r", "--net", "--pid", "--fork", "--kill-child"]
-        )
+        user = [] if root else ["-r"]
+        ns = [unshare, *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
         if _probe(tuple(ns)):
-            prefix, isolated = ns, True
+            wrap.prefix, wrap.network_isolated = ns, True
         else:
-            notes.append("unshare cannot create namespaces here: network not isolated")
+            wrap.notes.append("unshare cannot create namespaces here: network not isolated")
     elif limits.isolate_network:
-        notes.append("no unshare binary: network not isolated")
+        wrap.notes.append("no unshare binary: network not isolated")
     if root:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
-            notes.append("running as root without setpriv: the process limit is not enforced")
+            wrap.notes.append(
+                "running as root without setpriv: the code runs as root, process limit not enforced"
+            )
         else:
             uid = str(limits.unprivileged_uid)
-            prefix += [
-                setpriv,
-                f"--reuid={uid}",
-                f"--regid={uid}",
-                "--clear-groups",
-                "--inh-caps=-all,+dac_read_search",
-                "--ambient-caps=+dac_read_search",
-            ]
-    if limits.require_isolation and not isolated:
-        raise SandboxUnavailableError("sandbox isolation required but unavailable: " + "; ".join(notes))
-    return prefix, isolated, notes
+            wrap.run_as_uid = limits.unprivileged_uid
+            wrap.prefix += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+            lib = str(Path(os.path.realpath(python)).parents[1] / "lib")
+            if not (_others_can_use(python) and _others_can_use(lib)):
+                wrap.prefix += ["--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search"]
+                wrap.notes.append(
+                    f"{python} is not readable by uid {uid}: it keeps CAP_DAC_READ_SEARCH and can read any host file"
+                )
+    if limits.require_isolation and not wrap.network_isolated:
+        raise SandboxUnavailableError("sandbox isolation required but unavailable: " + "; ".join(wrap.notes))
+    return wrap
 
 
-def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(cap + 1)
+def _read_capped(f: IO[bytes], cap: int) -> tuple[str, bool]:
+    f.seek(0)
+    data = f.read(cap + 1)
     return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
 
 
 def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh temp dir under ``limits``; never raises for what the code does."""
     limits = limits or SandboxLimits()
-    prefix, isolated, notes = _wrapper(limits)
+    python = limits.python_executable or sys.executable
+    wrap = _wrapper(limits, python)
     memory = int(limits.memory_mb) << 20
     files = int(limits.max_output_bytes) + 1024
     # CPU: SIGXCPU at the soft limit (reported as cpu_limit), SIGKILL one second later
@@ -185,50 +208,47 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) 
         "RLIMIT_CORE": (0, 0),
         "RLIMIT_NPROC": (int(limits.max_processes), int(limits.max_processes)),
     }
-    with tempfile.TemporaryDirectory(prefix="nexrl_sandbox_") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="nexrl_sandbox_") as tmp,
+        tempfile.TemporaryFile() as fin,
+        tempfile.TemporaryFile() as fout,
+        tempfile.TemporaryFile() as ferr,
+    ):
         work = Path(tmp)
         (work / "main.py").write_text(code)
         (work / "launcher.py").write_text(_LAUNCHER.format(limits=rlimits))
-        (work / "stdin.txt").write_text(stdin)
-        if os.geteuid() == 0 and prefix and "--reuid" in " ".join(prefix):
-            os.chown(work, limits.unprivileged_uid, limits.unprivileged_uid)
-        out_path, err_path = work / ".stdout", work / ".stderr"
+        if wrap.run_as_uid is not None:
+            os.chown(work, wrap.run_as_uid, wrap.run_as_uid)
+        fin.write(stdin.encode())
+        fin.seek(0)
         start = time.monotonic()
-        with (
-            open(work / "stdin.txt", "rb") as fin,
-            open(out_path, "wb") as fout,
-            open(err_path, "wb") as ferr,
-        ):
-            proc = subprocess.Popen(
-                [*prefix, sys.executable, "-I", "-B", "launcher.py"],
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=work,
-                env={},
-                start_new_session=True,
-                close_fds=True,
-            )
-            timed_out = False
-            try:
-                returncode: int | None = proc.wait(timeout=limits.wall_time_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
-                returncode = proc.returncode
-            else:
-                _kill_group(proc)  # leftovers (background children) die with the run
+        proc = subprocess.Popen(
+            [*wrap.prefix, python, "-I", "-B", "launcher.py"],
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            cwd=work,
+            env={},
+            start_new_session=True,
+            close_fds=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=limits.wall_time_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(proc)  # on success too: background children die with the run
         elapsed = time.monotonic() - start
-        stdout, out_cut = _read_capped(out_path, limits.max_output_bytes)
-        stderr, err_cut = _read_capped(err_path, limits.max_output_bytes)
-    if prefix:  # the wrappers' own complaints when their child is killed are not the program's output
+        stdout, out_cut = _read_capped(fout, limits.max_output_bytes)
+        stderr, err_cut = _read_capped(ferr, limits.max_output_bytes)
+    if wrap.prefix:  # the wrappers' own complaints when their child is killed are not the program's output
         stderr = "".join(
             line
             for line in stderr.splitlines(keepends=True)
             if not line.startswith(("unshare: ", "setpriv: "))
         )
-    status = _classify(returncode, timed_out, stderr, out_cut or err_cut)
-    return SandboxResult(status, stdout, stderr, returncode, elapsed, isolated, notes)
+    status = _classify(proc.returncode, timed_out, stderr, out_cut or err_cut)
+    return SandboxResult(status, stdout, stderr, proc.returncode, elapsed, wrap.network_isolated, wrap.notes)
 
 
 def _children(pid: int) -> list[int]:
