@@ -9,6 +9,7 @@ from nexrl_hpc.agents.tool_format import (
     format_tool_result,
     parse_openai_tool_calls,
     parse_tool_calls,
+    tag_alphabet,
     tool_arguments,
 )
 from nexrl_hpc.agents.tools import MultiTool, ToolCall, ToolOutput
@@ -133,3 +134,28 @@ def test_format_round_trips_through_the_parser() -> None:
         "function": {"name": "c", "arguments": '{"expression": "1"}'},
         "id": "x",
     }
+
+
+def test_tag_alphabet_for_a_char_tokenizer() -> None:
+    assert tag_alphabet(["c"], result_tag="r") == "</>cr"
+    assert tag_alphabet(["calc", "lookup"], result_tag="r") == "</>calokupr"
+    with pytest.raises(ValueError, match="tag name 's' collides with the char tokenizer's special tokens"):
+        tag_alphabet(["s"], result_tag="r")
+    with pytest.raises(ValueError, match="tag name 'unk' collides"):
+        tag_alphabet(["c"], result_tag="unk")
+    with pytest.raises(ValueError, match="tag name 'a b' is not an identifier"):
+        tag_alphabet(["a b"])
+
+
+def test_tag_calls_tokenize_one_char_per_token() -> None:
+    """With the alphabet extended by tag_alphabet, a call and its result are plain characters to the tiny model."""
+    from nexrl_hpc.models.tokenizer import build_char_tokenizer
+
+    alphabet = "0123456789+*=" + tag_alphabet(["c"], result_tag="r")
+    tokenizer = build_char_tokenizer(alphabet)
+    text = "<c>3+4</c><r>7</r>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    completion = tokenizer.decode(ids[: text.index("<r>")])  # what the model wrote; the result is the env's
+    assert parse_tool_calls(completion, {"c": "expression"}).calls == [ToolCall("c", {"expression": "3+4"})]

@@ -10,6 +10,11 @@ The tag syntax::
   bare text that fills the tool's primary argument (``<calculator>3+4</calculator>`` ->
   ``{"expression": "3+4"}``). Bare text is stripped of surrounding whitespace.
 * Text outside calls is ``content`` (the model's answer / prose).
+* Results come back as ``<result>7</result>`` (``format_tool_result``, tag configurable, e.g.
+  ``<r>7</r>``). They are written by the environment; a model that writes one itself is calling
+  an unknown tool and is told so.
+* For the char tokenizer, ``tag_alphabet`` gives the characters to add; tag names ``s``, ``pad``
+  and ``unk`` are refused because ``<s>``/``</s>`` etc. are its BOS/EOS/special tokens.
 * Limitation: a body cannot contain ``<name>`` or ``</name>`` for any identifier ``name`` (such a
   call is reported as malformed); models that need that use the JSON form with escaped ``\u003c``.
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,3 +197,24 @@ def format_tool_result(output: ToolOutput, tag: str = "result") -> str:
 def tool_arguments(tools: Mapping[str, Any]) -> dict[str, str | None]:
     """name -> primary argument for ``parse_tool_calls``, from a MultiTool's ``tools`` dict."""
     return {name: tool.primary_argument for name, tool in tools.items()}
+
+
+def tag_alphabet(tool_names: Iterable[str], result_tag: str = "result") -> str:
+    """The characters the tag syntax needs in a char-level tokenizer's alphabet (tool arguments not included).
+
+    Raises ValueError for a tag that would not be read as characters: ``<s>``, ``</s>``, ``<pad>``,
+    ``<unk>`` are the char tokenizer's special tokens (``</s>`` is EOS: generation would stop there).
+    """
+    from nexrl_hpc.models.tokenizer import SPECIAL_TOKENS  # transformers: only when building a task
+
+    names = [*tool_names, result_tag]
+    chars = dict.fromkeys("</>")
+    for name in names:
+        if not _TAG.fullmatch(f"<{name}>"):
+            raise ValueError(f"tag name {name!r} is not an identifier ([A-Za-z_][A-Za-z0-9_]*)")
+        if f"<{name}>" in SPECIAL_TOKENS or f"</{name}>" in SPECIAL_TOKENS:
+            raise ValueError(
+                f"tag name {name!r} collides with the char tokenizer's special tokens {SPECIAL_TOKENS}"
+            )
+        chars.update(dict.fromkeys(name))
+    return "".join(chars)
