@@ -18,7 +18,8 @@ from nexrl_hpc.agents.rewards.code import extract_code
 from nexrl_hpc.agents.sandbox import SandboxLimits
 from nexrl_hpc.config.validate import ConfigError
 
-LIMITS = SandboxLimits(wall_time_s=2.0, cpu_time_s=5, memory_mb=256)
+LIMITS = SandboxLimits(wall_time_s=10.0, cpu_time_s=5, memory_mb=256)  # generous: the machine is shared
+SHORT = SandboxLimits(wall_time_s=2.0, cpu_time_s=5, memory_mb=256)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_code_reward_names_the_failing_test() -> None:
 
 
 def test_code_reward_survives_hostile_solutions() -> None:
-    loop = code_reward_fn({"tests": STDIN_TESTS}, "while True: pass", limits=LIMITS)
+    loop = code_reward_fn({"tests": STDIN_TESTS}, "while True: pass", limits=SHORT)
     assert loop.reward == 0.0 and loop.metadata["status"] == "timeout"
     bomb = code_reward_fn({"tests": STDIN_TESTS}, "x = bytearray(4 << 30)", limits=LIMITS)
     assert bomb.reward == 0.0 and bomb.metadata["status"] == "memory_limit"

@@ -15,7 +15,9 @@ import pytest
 from nexrl_hpc.agents import sandbox
 from nexrl_hpc.agents.sandbox import SandboxLimits, SandboxUnavailableError, run_python
 
-FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=10, memory_mb=256, max_processes=16, max_output_bytes=4096)
+# generous wall time: other jobs share this machine's 2 cores; tests of the wall limit set their own
+FAST = SandboxLimits(wall_time_s=10.0, cpu_time_s=10, memory_mb=256, max_processes=16, max_output_bytes=4096)
+SHORT = SandboxLimits(wall_time_s=2.0, cpu_time_s=10, memory_mb=256, max_processes=16)
 
 
 def _processes_in(cwd: str) -> list[int]:
@@ -56,7 +58,7 @@ def test_correct_program_reads_stdin_and_runs_isolated() -> None:
 
 def test_infinite_loop_is_killed_at_the_wall_time_limit() -> None:
     start = time.monotonic()
-    result = run_python("while True:\n    pass\n", "", FAST)
+    result = run_python("while True:\n    pass\n", "", SHORT)
     elapsed = time.monotonic() - start
     assert result.status == "timeout"
     assert "wall-time limit" in result.error_message()
@@ -100,10 +102,10 @@ def test_fork_bomb_is_bounded_and_leaves_no_process_behind() -> None:
         "print(made, flush=True)\n"
         "time.sleep(60)\n"
     )
-    result = run_python(code, "", FAST)
+    result = run_python(code, "", SHORT)
     cwd, made = result.stdout.split()
     assert result.status == "timeout"
-    assert int(made) < FAST.max_processes  # RLIMIT_NPROC stopped it
+    assert int(made) < SHORT.max_processes  # RLIMIT_NPROC stopped it
     assert _processes_in(cwd) == []  # everything it forked died with it
 
 
@@ -182,6 +184,28 @@ def test_unprivileged_caller_path() -> None:
     assert memory[:2] == ["memory_limit", "True"]
     assert fork[:2] == ["ok", "True"] and int(fork[2]) < 16
     assert network[:2] == ["error", "True"]
+
+
+def test_orphans_are_reaped_so_they_do_not_eat_the_process_limit() -> None:
+    code = (
+        "import os, time\n"
+        "failures = 0\n"
+        "for _ in range(40):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            if os.fork() == 0:\n"
+        "                os._exit(0)  # grandchild: an orphan, reparented to the namespace's init\n"
+        "        except OSError:\n"
+        "            os._exit(1)\n"
+        "        os._exit(0)\n"
+        "    failures += os.waitpid(pid, 0)[1] != 0\n"
+        "    time.sleep(0.01)\n"
+        "print(failures)\n"
+    )
+    result = run_python(code, "", FAST)  # 40 orphans > max_processes=16
+    assert result.status == "ok", result.stderr
+    assert result.stdout.strip() == "0"
 
 
 def test_detached_child_does_not_outlive_the_run() -> None:

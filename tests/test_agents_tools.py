@@ -135,12 +135,12 @@ def test_register_tool_refuses_a_taken_name() -> None:
 
 
 def test_python_tool_runs_in_the_sandbox() -> None:
-    tool = PythonTool(limits=SandboxLimits(wall_time_s=1.5, memory_mb=256), max_output_chars=10)
+    tool = PythonTool(limits=SandboxLimits(wall_time_s=10.0, memory_mb=256), max_output_chars=10)
     ok = tool(code="print(sum(range(10)))")
     assert ok.ok and ok.output == "45\n" and ok.metadata["status"] == "ok"
     long = tool(code="print('y' * 100)")
     assert long.output == "y" * 10
-    loop = tool(code="while True: pass")
+    loop = PythonTool(limits=SandboxLimits(wall_time_s=1.5, cpu_time_s=10))(code="while True: pass")
     assert loop.error == "python killed after the wall-time limit"
     crash = tool(code="1/0")
     assert crash.error == "python exited with code 1: ZeroDivisionError: division by zero"

@@ -50,9 +50,10 @@ import os, resource, sys
 limits = {limits!r}
 if os.getpid() == 1:
     pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    while pid:  # as init, reap orphans too (zombies would count against RLIMIT_NPROC)
+        done, status = os.wait()
+        if done == pid:
+            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 for name, (soft, hard) in limits.items():
     resource.setrlimit(getattr(resource, name), (soft, hard))
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
@@ -116,7 +117,8 @@ class SandboxResult:
             "killed": f"killed by signal {_signal_of(self.returncode)}",
             "error": f"exited with code {self.returncode}",
         }
-        return f"{reasons[self.status]}: {tail[0]}".rstrip(": ")
+        reason, last = reasons[self.status], tail[0].strip()
+        return f"{reason}: {last}" if last else reason
 
 
 class SandboxUnavailableError(RuntimeError):
