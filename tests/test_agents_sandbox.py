@@ -155,13 +155,18 @@ UNPRIVILEGED_CASES = [
 ]
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
-    reason="as non-root the other tests already take the unprivileged path",
+    os.geteuid() != 0
+    or not os.access(SYSTEM_PYTHON, os.X_OK)
+    or not sandbox._others_can_use(str(REPO / "nexrl_hpc" / "agents" / "sandbox.py")),
+    reason="as non-root the other tests already take the unprivileged path; needs a python and a checkout nobody can read",
 )
 def test_unprivileged_caller_path() -> None:
     """The sandbox called by a non-root user (user namespaces instead of setpriv), with a python nobody can read."""
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(REPO)
     script = (
         "from nexrl_hpc.agents.sandbox import run_python, SandboxLimits\n"
         "limits = SandboxLimits(wall_time_s=3, cpu_time_s=1, memory_mb=256, max_processes=16)\n"
