@@ -169,7 +169,8 @@ def test_unprivileged_caller_path() -> None:
     repo = str(REPO)
     script = (
         "from nexrl_hpc.agents.sandbox import run_python, SandboxLimits\n"
-        "limits = SandboxLimits(wall_time_s=3, cpu_time_s=1, memory_mb=256, max_processes=16)\n"
+        # wall >> cpu: on a loaded machine the busy loop must still hit the CPU limit first
+        "limits = SandboxLimits(wall_time_s=20, cpu_time_s=1, memory_mb=256, max_processes=16)\n"
         f"for code in {UNPRIVILEGED_CASES!r}:\n"
         "    r = run_python(code, '', limits)\n"
         "    print(r.status, r.network_isolated, r.stdout.strip() or '-')\n"
