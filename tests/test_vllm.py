@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -287,3 +288,59 @@ def test_whole_run_with_vllm_learns(cfg: dict[str, Any], tmp_path: Path) -> None
     )
     assert val[-1] >= 0.8
     assert mismatch <= 1e-4
+
+
+def _supervisor_pid(model_dir: str, timeout: float) -> int:
+    """The pid (= process group) of the vLLM server a run started for ``model_dir``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"nexrl_hpc.inference.supervise" in argv and model_dir.encode() in argv:
+                return int(pid)
+        time.sleep(0.5)
+    raise AssertionError(f"no vLLM server for {model_dir} within {timeout}s")
+
+
+@pytest.mark.e2e
+def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    run_dir = tmp_path / "run"
+    args = [
+        f"run_dir={run_dir}",
+        "service.inference_service.backend=vllm",
+        "service.inference_service.retry_backoff_s=0.05",
+        "train_worker.total_train_steps=200",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pgid = _supervisor_pid(str(run_dir / "base_model"), timeout=120)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and '"step": 2' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.2)
+        os.killpg(pgid, signal.SIGKILL)  # the server crashes mid-run
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    failed = [line for line in err.splitlines() if "run failed" in line]
+    print(f"exit 1; {failed[-1][:400] if failed else err[-2000:]}")
+    # the rollout client (retries exhausted) or the weight sync, whichever met the dead server first
+    assert failed and re.search(r"http://127\.0\.0\.1:\d+", failed[-1])
