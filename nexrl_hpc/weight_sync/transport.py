@@ -110,9 +110,7 @@ class VLLMReloadTransport(WeightTransport):
         try:
             resp = self._http.request(method, url, headers=self._headers, timeout=self._timeout, **kwargs)
         except httpx.HTTPError as exc:
-            raise WeightSyncError(
-                f"weight reload: {url} failed ({type(exc).__name__}: {exc}); server left paused"
-            ) from exc
+            raise WeightSyncError(f"weight reload: {url} failed ({type(exc).__name__}: {exc})") from exc
         if resp.status_code != 200:
             raise WeightSyncError(
                 f"weight reload: {url} answered {resp.status_code}: {resp.text[:500]}; server left paused"
