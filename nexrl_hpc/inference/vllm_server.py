@@ -123,6 +123,7 @@ class VLLMServer:
                 if resp.status_code == 200:
                     served = [m.get("id") for m in resp.json().get("data", [])]
                     if self.served_model_name not in served:
+                        self.stop()
                         raise InferenceServerStartError(
                             f"{self.base_url} serves {served}, not {self.served_model_name!r}: another "
                             f"server holds the port ({CONFIG_KEY}.port)"
