@@ -231,6 +231,15 @@ def test_reload_while_requests_are_in_flight_loses_none_and_mixes_no_versions(
 def test_failed_reload_raises_names_the_server_and_bumps_no_version(
     cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
 ) -> None:
+    try:
+        _failed_reloads(cfg, server, model_dir, transport, tmp_path)
+    finally:  # a paused server would hang the tests after this one
+        httpx.post(f"{server.base_url}/resume")
+
+
+def _failed_reloads(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
     served = transport.served_version
     with pytest.raises(WeightSyncError, match=f"{server.base_url}/collective_rpc answered 500"):
         transport.publish(str(tmp_path / "missing"), 8)

@@ -107,11 +107,22 @@ class VLLMReloadTransport(WeightTransport):
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         url = f"{self._base_url}{path}"
-        try:
-            resp = self._http.request(method, url, headers=self._headers, timeout=self._timeout, **kwargs)
-        except httpx.HTTPError as exc:
-            raise WeightSyncError(f"weight reload: {url} failed ({type(exc).__name__}: {exc})") from exc
+        for attempt in (0, 1):
+            try:
+                resp = self._http.request(method, url, headers=self._headers, timeout=self._timeout, **kwargs)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # a kept-alive connection the server had closed (vLLM resets it after an error
+                # answer, uvicorn after idling): every step is idempotent, so once more on a new one
+                self._renew()
+                if attempt:
+                    raise WeightSyncError(
+                        f"weight reload: {url} failed ({type(exc).__name__}: {exc})"
+                    ) from exc
+            except httpx.HTTPError as exc:
+                raise WeightSyncError(f"weight reload: {url} failed ({type(exc).__name__}: {exc})") from exc
         if resp.status_code != 200:
+            self._renew()
             raise WeightSyncError(
                 f"weight reload: {url} answered {resp.status_code}: {resp.text[:500]}; server left paused"
             )
@@ -119,6 +130,10 @@ class VLLMReloadTransport(WeightTransport):
             return resp.json()
         except ValueError:
             return None
+
+    def _renew(self) -> None:
+        self._http.close()
+        self._http = _http_client()
 
     def publish(self, model_path: str, version: int) -> None:
         if self._base_url is None:
