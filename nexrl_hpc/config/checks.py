@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -190,6 +191,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
     )
     problems += _deepspeed_problems(cfg)
+    problems += _inference_backend_problems(cfg)
     if g_safe(cfg, "model.path") is None:
         check(
             lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,
@@ -214,6 +216,59 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "model.tiny.tokenizer.alphabet",
             "must not be empty",
         )
+    return problems
+
+
+def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """vllm: the venv exists (unless a server is given) and reloaded models have an untied lm_head;
+    sglang: only an already running server (base_url) is supported."""
+    backend = g_safe(cfg, "service.inference_service.backend")
+    base_url = g_safe(cfg, "service.inference_service.base_url")
+    problems: list[ConfigProblem] = []
+    if backend == "sglang" and not base_url:
+        problems.append(
+            ConfigProblem(
+                "service.inference_service.base_url",
+                "backend=sglang connects to a running SGLang server: set its URL (the run starts vLLM or "
+                "the local server only)",
+            )
+        )
+    if backend != "vllm":
+        return problems
+    python = g_safe(cfg, "service.inference_service.vllm.python")
+    if not base_url and isinstance(python, str) and not os.access(python, os.X_OK):
+        problems.append(
+            ConfigProblem(
+                "service.inference_service.vllm.python",
+                f"{python!r} is not an executable: install vLLM's venv with `bash scripts/install_vllm.sh` "
+                "(NEXRL_VLLM_VENV picks its location) or point this key at one",
+            )
+        )
+    # vLLM keeps the old lm_head when a model with tied embeddings is reloaded (no error, stale weights)
+    path = g_safe(cfg, "model.path")
+    if path is None:
+        if g_safe(cfg, "model.tiny.tie_word_embeddings") is True:
+            problems.append(
+                ConfigProblem(
+                    "model.tiny.tie_word_embeddings",
+                    "must be false with backend=vllm: vLLM silently keeps the old lm_head when it reloads "
+                    "a model with tied embeddings",
+                )
+            )
+    elif isinstance(path, str):
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                tied = json.load(f).get("tie_word_embeddings", False)
+        except (OSError, ValueError):
+            tied = False  # a missing or unreadable model is reported where it is loaded
+        if tied:
+            problems.append(
+                ConfigProblem(
+                    "model.path",
+                    f"{path}/config.json has tie_word_embeddings: true; backend=vllm needs an untied lm_head "
+                    "(vLLM silently keeps the old one on reload): save the model with untied embeddings",
+                )
+            )
     return problems
 
 

@@ -197,8 +197,22 @@ class LocalInferenceConfig(TypedDict):
     seed: int
 
 
+class VLLMInferenceConfig(TypedDict):
+    python: str  # the vLLM venv's interpreter (bash scripts/install_vllm.sh)
+    host: str
+    port: Annotated[int, Ge(0), Le(65535)]  # 0: a free port
+    startup_timeout_s: Annotated[float, Gt(0.0)]
+    dtype: Literal["float32", "bfloat16", "float16", "auto"]
+    max_model_len: Annotated[int, Ge(1)] | None  # null: the model's max_position_embeddings
+    pause_mode: Literal["wait", "keep"]  # weight reload: finish in-flight requests first | keep them
+    extra_args: list[str]  # appended to the api_server command line
+    env: dict[str, Any]  # added to the server's environment (values as strings)
+
+
 class InferenceServiceConfig(TypedDict):
-    backend: Literal["local", "fake"]  # fake: zero-latency stand-in (data-path benchmarks)
+    # fake: zero-latency stand-in (data-path benchmarks) | vllm: vLLM's OpenAI server, its own venv
+    # | sglang: an SGLang server at base_url (native /generate, /update_weights_from_disk)
+    backend: Literal["local", "fake", "vllm", "sglang"]
     model_tag: str
     model: str
     base_url: str | None
@@ -211,6 +225,7 @@ class InferenceServiceConfig(TypedDict):
     coalesce_wait_ms: Annotated[float, Ge(0.0)]
     max_coalesce: Annotated[int, Ge(1)]
     local: LocalInferenceConfig
+    vllm: VLLMInferenceConfig
 
 
 class ServiceConfig(TypedDict):

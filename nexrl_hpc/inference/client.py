@@ -1,8 +1,9 @@
 """LLMServiceClient: the rollout side's only way to an inference server, built on the ``openai`` package.
 
-It asks for what training needs in vLLM's request fields (``return_token_ids``, ``logprobs``) and
-returns the engine's token ids and behaviour log-probs (text is never re-tokenised). Concurrent
-async calls with the same sampling parameters are coalesced into one ``/v1/completions`` request
+It asks for what training needs in each engine's own request fields (an ``EngineAdapter`` from
+``nexrl_hpc.inference.adapters``, picked by ``service.inference_service.backend``) and returns the
+engine's token ids and behaviour log-probs (text is never re-tokenised). Concurrent
+async calls with the same sampling parameters are coalesced into one completion request
 with a list of prompts, which is what makes hundreds of in-flight rollouts cheap. Failed calls are
 retried with exponential backoff; after ``max_retries`` the error names the server URL.
 """
@@ -20,6 +21,10 @@ import openai
 
 from nexrl_hpc.config.schema import InferenceServiceConfig
 from nexrl_hpc.core.execute import execute
+from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
+from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
+
+__all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +42,6 @@ class _Bucket:
 
     kwargs: dict[str, Any]
     items: list[tuple[Any, asyncio.Future]] = field(default_factory=list)
-
-
-class InferenceServiceError(RuntimeError):
-    """The inference service failed or could not be reached; the message names its URL."""
-
-
-class MissingTokenIdsError(InferenceServiceError):
-    pass
-
-
-def _sampling_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split caller kwargs into OpenAI request parameters and extra (vLLM) body fields."""
-    standard = {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-    }
-    request = {k: v for k, v in kwargs.items() if k in standard}
-    extra = {k: v for k, v in kwargs.items() if k not in standard}
-    return request, extra
 
 
 def _freeze(value: Any) -> Any:
@@ -84,9 +64,9 @@ class LLMServiceClient:
         url = base_url or config["base_url"]
         if not url:
             raise ValueError("service.inference_service.base_url is not set and no server was started")
-        self._base_url = url.rstrip("/")
-        if not self._base_url.endswith("/v1"):
-            self._base_url += "/v1"
+        self._root = url.rstrip("/").removesuffix("/v1")  # adapters give paths below the server root
+        self._base_url = self._root + "/v1"  # named in errors
+        self._adapter = create_engine_adapter(config["backend"], self._base_url)
         self._api_key = api_key or config["api_key"] or "EMPTY"
         self._max_retries = config["max_retries"]
         self._backoff = config["retry_backoff_s"]
@@ -96,7 +76,7 @@ class LLMServiceClient:
         self._max_coalesce = config["max_coalesce"]
         self._weight_sync_controller: Any = None
         self._client = openai.OpenAI(
-            base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout
+            base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
         )
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
@@ -109,17 +89,18 @@ class LLMServiceClient:
         """One completion of ``prompt``: text, finish reason, prompt/response token ids, logprobs, version."""
         self._wait_for_weight_sync()
         version = self._rollout_version()
-        body = self._completion_body([prompt], kwargs)
-        payload = self._with_retries(lambda: self._post_sync("completions", body))
-        return self._completion_result(prompt, payload["choices"][0], payload, version, kwargs)
+        path, body = self._adapter.completion_request(self._model, [prompt], kwargs)
+        payload = self._with_retries(lambda: self._post_sync(path, body))
+        choices = self._adapter.completion_choices(payload, 1, kwargs.get("n", 1))
+        return self._completion_result(prompt, choices[0], version, kwargs)
 
     def generate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """One chat completion: response text, tool calls, token ids, logprobs, version."""
         self._wait_for_weight_sync()
         version = self._rollout_version()
-        body = self._chat_body(messages, kwargs)
-        payload = self._with_retries(lambda: self._post_sync("chat/completions", body))
-        return self._chat_result(messages, payload, version, kwargs)
+        path, body = self._adapter.chat_request(self._model, messages, kwargs)
+        payload = self._with_retries(lambda: self._post_sync(path, body))
+        return self._chat_result(messages, self._adapter.chat_choice(payload), version, kwargs)
 
     # --- async API ------------------------------------------------------------------------------
     async def acompletion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
@@ -139,9 +120,9 @@ class LLMServiceClient:
     async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         await self._await_weight_sync()
         version = self._rollout_version()
-        body = self._chat_body(messages, kwargs)
-        payload = await self._with_retries_async(lambda: self._post_async("chat/completions", body))
-        return self._chat_result(messages, payload, version, kwargs)
+        path, body = self._adapter.chat_request(self._model, messages, kwargs)
+        payload = await self._with_retries_async(lambda: self._post_async(path, body))
+        return self._chat_result(messages, self._adapter.chat_choice(payload), version, kwargs)
 
     def _flush(self, key: Any, bucket: _Bucket) -> None:
         if self._pending.get(key) is not bucket:
@@ -155,72 +136,36 @@ class LLMServiceClient:
         try:
             await self._await_weight_sync()
             version = self._rollout_version()
-            body = self._completion_body(prompts, kwargs)
-            payload = await self._with_retries_async(lambda: self._post_async("completions", body))
+            path, body = self._adapter.completion_request(self._model, prompts, kwargs)
+            payload = await self._with_retries_async(lambda: self._post_async(path, body))
             n = kwargs.get("n", 1)
-            choices = sorted(payload["choices"], key=lambda c: c["index"])
-            if len(choices) != len(prompts) * n:
-                raise InferenceServiceError(
-                    f"{self._base_url}: asked for {len(prompts) * n} choices, got {len(choices)}"
-                )
+            choices = self._adapter.completion_choices(payload, len(prompts), n)
             for i, (prompt, future) in enumerate(bucket.items):
                 if future.done():
                     continue
                 if n == 1:
-                    future.set_result(self._completion_result(prompt, choices[i], payload, version, kwargs))
+                    future.set_result(self._completion_result(prompt, choices[i], version, kwargs))
                 else:
                     group = choices[i * n : (i + 1) * n]
-                    future.set_result(
-                        [self._completion_result(prompt, c, payload, version, kwargs) for c in group]
-                    )
+                    future.set_result([self._completion_result(prompt, c, version, kwargs) for c in group])
         except Exception as exc:
             for _, future in bucket.items:
                 if not future.done():
                     future.set_exception(exc)
 
-    # --- request bodies and results -------------------------------------------------------------
-    def _completion_body(self, prompts: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        request, extra = _sampling_kwargs(kwargs)
-        body: dict[str, Any] = {"model": self._model, "prompt": prompts if len(prompts) > 1 else prompts[0]}
-        body.update(request)
-        body["logprobs"] = 1
-        body["return_token_ids"] = True
-        body.update(extra)
-        return body
-
-    def _chat_body(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        request, extra = _sampling_kwargs(kwargs)
-        body: dict[str, Any] = {"model": self._model, "messages": messages}
-        body.update(request)
-        body["logprobs"] = True
-        body["return_token_ids"] = True
-        body.update(extra)
-        return body
-
+    # --- results --------------------------------------------------------------------------------
     def _completion_result(
-        self,
-        prompt: Any,
-        choice: dict[str, Any],
-        payload: dict[str, Any],
-        version: int | None,
-        kwargs: dict[str, Any],
+        self, prompt: Any, choice: EngineChoice, version: int | None, kwargs: dict[str, Any]
     ) -> dict[str, Any]:
-        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
-            raise MissingTokenIdsError(
-                f"{self._base_url} returned no token ids; the server must support 'return_token_ids' (vLLM >= 0.10.2 or nexrl_hpc's server)"
-            )
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if logprobs is None or len(logprobs) != len(choice["token_ids"]):
-            raise InferenceServiceError(f"{self._base_url} returned no per-token logprobs for the completion")
         result = dict(kwargs)
         result.update(
             prompt=prompt,
-            response=choice["text"],
-            finish_reason=choice["finish_reason"],
-            prompt_ids=list(choice["prompt_token_ids"]),
-            response_ids=list(choice["token_ids"]),
-            logprobs=[float(x) for x in logprobs],
-            weight_version=payload.get("weight_version", version),
+            response=choice.text,
+            finish_reason=choice.finish_reason,
+            prompt_ids=choice.prompt_ids,
+            response_ids=choice.response_ids,
+            logprobs=choice.logprobs,
+            weight_version=version if choice.weight_version is None else choice.weight_version,
             model_tag=self._model_tag,
         )
         return result
@@ -228,41 +173,33 @@ class LLMServiceClient:
     def _chat_result(
         self,
         messages: list[dict[str, Any]],
-        payload: dict[str, Any],
+        choice: EngineChoice,
         version: int | None,
         kwargs: dict[str, Any],
     ) -> dict[str, Any]:
-        choice = payload["choices"][0]
-        prompt_ids = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        if choice.get("token_ids") is None or prompt_ids is None:
-            raise MissingTokenIdsError(
-                f"{self._base_url} returned no token ids; the server must support 'return_token_ids'"
-            )
-        content = (choice.get("logprobs") or {}).get("content") or []
         result = dict(kwargs)
-        message = choice["message"]
         result.update(
             messages=messages,
-            response=message.get("content") or "",
-            reasoning=message.get("reasoning_content") or message.get("reasoning"),
-            tool_calls=message.get("tool_calls") or [],
-            finish_reason=choice["finish_reason"],
-            prompt_ids=list(prompt_ids),
-            response_ids=list(choice["token_ids"]),
-            logprobs=[float(c["logprob"]) for c in content],
-            weight_version=payload.get("weight_version", version),
+            response=choice.text,
+            reasoning=choice.message.get("reasoning"),
+            tool_calls=choice.message.get("tool_calls") or [],
+            finish_reason=choice.finish_reason,
+            prompt_ids=choice.prompt_ids,
+            response_ids=choice.response_ids,
+            logprobs=choice.logprobs,
+            weight_version=version if choice.weight_version is None else choice.weight_version,
             model_tag=self._model_tag,
         )
         return result
 
     # --- transport ------------------------------------------------------------------------------
-    def _post_sync(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
         return json.loads(self._client.post(f"/{path}", body=body, cast_to=bytes))
 
-    async def _post_async(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_async(self, path: str, body: dict[str, Any]) -> Any:
         if self._aclient is None:
             self._aclient = openai.AsyncOpenAI(
-                base_url=self._base_url, api_key=self._api_key, max_retries=0, timeout=self._timeout
+                base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
             )
         return json.loads(await self._aclient.post(f"/{path}", body=body, cast_to=bytes))
 

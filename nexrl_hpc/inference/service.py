@@ -1,7 +1,7 @@
 """InferenceService: the inference engine a rollout worker talks to, as a module on the worker's rank.
 
-It starts nexrl_hpc's local server (``backend=local`` without ``base_url``) or stands for a given
-server (``base_url``), hands the endpoint to colocated rollout workers (the per-run API key never
+It starts nexrl_hpc's local server or a vLLM server in vLLM's own venv (``backend=local|vllm``
+without ``base_url``) or stands for a given server (``base_url``; the only way for ``sglang``), hands the endpoint to colocated rollout workers (the per-run API key never
 leaves the rank), and reloads weights through the transport its backend needs — so the weight sync
 controller publishes the same way whatever the engine and wherever it runs.
 """
@@ -32,16 +32,28 @@ class InferenceService(NexRLModule):
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
         self._transport = create_weight_transport(
-            self._service["backend"], self._service["request_timeout_s"]
+            self._service["backend"], self._service["request_timeout_s"], self._service["vllm"]["pause_mode"]
         )
 
     @property
     def _manages_server(self) -> bool:
-        return self._service["backend"] == "local" and not self._service["base_url"]
+        return self._service["backend"] in ("local", "vllm") and not self._service["base_url"]
 
     def launch(self) -> None:
         """Start the server process (if this service runs one) without waiting for it."""
         if not self._manages_server or self._server is not None:
+            return
+        if self._service["backend"] == "vllm":
+            from nexrl_hpc.inference.vllm_server import VLLMServer
+
+            self._server = VLLMServer(
+                self._model_dir,
+                self._service["vllm"],
+                os.path.join(self._run_dir, "logs"),
+                self._service["model"],
+                log_name=f"{self._module_name}.log",
+            )
+            self._server.launch()
             return
         from nexrl_hpc.inference.local_server import LocalInferenceServer
 

@@ -2,14 +2,20 @@
 
 The algorithm never branches on the engine: the weight sync controller calls ``publish`` with an
 HF-layout directory and a version. ``DiskReloadTransport`` speaks SGLang's
-``/update_weights_from_disk`` (which nexrl_hpc's local server implements too).
+``/update_weights_from_disk`` (which nexrl_hpc's local server implements too; ``SGLangDiskTransport``
+is the same class). ``VLLMReloadTransport`` drives vLLM's dev-mode endpoints: pause, reload the
+weights from the directory, drop the prefix cache (its KV was computed with the old weights),
+resume. vLLM has no weight version: the transport records which version it made the server serve.
+Any failure raises ``WeightSyncError`` naming the server, so the caller does not bump the version.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from abc import ABC, abstractmethod
+from typing import Any
 
 import httpx
 
@@ -36,10 +42,7 @@ class DiskReloadTransport(WeightTransport):
         self._timeout = timeout_s
         self._base_url: str | None = None
         self._headers: dict[str, str] = {}
-        # one kept-alive connection, no Nagle: a reload is a few ms, not a TCP setup + delayed ACK
-        self._http = httpx.Client(
-            transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        )
+        self._http = _http_client()
 
     def set_endpoint(self, base_url: str, api_key: str | None) -> None:
         self._base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -71,6 +74,100 @@ class DiskReloadTransport(WeightTransport):
             raise WeightSyncError(f"{url} reports version {served} after loading version {version}")
 
 
+SGLangDiskTransport = DiskReloadTransport
+
+
+def _http_client() -> httpx.Client:
+    # one kept-alive connection, no Nagle: a reload is a few ms, not a TCP setup + delayed ACK
+    return httpx.Client(
+        transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    )
+
+
+class VLLMReloadTransport(WeightTransport):
+    """POST /pause?mode=M, /collective_rpc reload_weights(weights_path), /update_weight_version,
+    check GET /weight_info, POST /reset_prefix_cache, /resume (vLLM >= 0.32, VLLM_SERVER_DEV_MODE=1).
+
+    If any step fails the server stays paused: after a failed reload it may hold a mix of old and
+    new tensors, and no sample must come from that. The next successful ``publish`` resumes it.
+    """
+
+    def __init__(self, timeout_s: float, pause_mode: str):
+        self._timeout = timeout_s
+        self._pause_mode = pause_mode
+        self._base_url: str | None = None
+        self._headers: dict[str, str] = {}
+        self._http = _http_client()
+        self.served_version: int | None = None  # the version this transport last made the server serve
+        self.last_timings: dict[str, float] = {}  # seconds per step of the last publish (benchmarks)
+
+    def set_endpoint(self, base_url: str, api_key: str | None) -> None:
+        self._base_url = base_url.rstrip("/").removesuffix("/v1")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        url = f"{self._base_url}{path}"
+        for attempt in (0, 1):
+            try:
+                resp = self._http.request(method, url, headers=self._headers, timeout=self._timeout, **kwargs)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # a kept-alive connection the server had closed (vLLM resets it after an error
+                # answer, uvicorn after idling): every step is idempotent, so once more on a new one
+                self._renew()
+                if attempt:
+                    raise WeightSyncError(
+                        f"weight reload: {url} failed ({type(exc).__name__}: {exc})"
+                    ) from exc
+            except httpx.HTTPError as exc:
+                raise WeightSyncError(f"weight reload: {url} failed ({type(exc).__name__}: {exc})") from exc
+        if resp.status_code != 200:
+            self._renew()
+            raise WeightSyncError(
+                f"weight reload: {url} answered {resp.status_code}: {resp.text[:500]}; server left paused"
+            )
+        try:
+            return resp.json()
+        except ValueError:
+            return None
+
+    def _renew(self) -> None:
+        self._http.close()
+        self._http = _http_client()
+
+    def publish(self, model_path: str, version: int) -> None:
+        if self._base_url is None:
+            raise WeightSyncError("no inference endpoint set for weight sync")
+        t0 = time.perf_counter()
+        self._call("POST", "/pause", params={"mode": self._pause_mode})
+        t1 = time.perf_counter()
+        answer = self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": model_path}},
+        )
+        # one entry per worker (reload_weights returns None); anything else is not a finished reload
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or any(r is not None for r in results):
+            raise WeightSyncError(
+                f"weight reload of {model_path} at {self._base_url}/collective_rpc: unexpected answer "
+                f"{answer!r}; server left paused"
+            )
+        t2 = time.perf_counter()
+        self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        served = (self._call("GET", "/weight_info") or {}).get("weight_version")
+        if served != str(version):
+            raise WeightSyncError(
+                f"{self._base_url}/weight_info reports version {served!r} after loading version {version}; "
+                "server left paused"
+            )
+        self._call("POST", "/reset_prefix_cache")  # cached KV was computed with the old weights
+        self._call("POST", "/resume")
+        t3 = time.perf_counter()
+        self.served_version = version
+        self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
+
+
 class NoopTransport(WeightTransport):
     """For the fake inference backend (benchmarks, tests): nothing to reload."""
 
@@ -78,9 +175,13 @@ class NoopTransport(WeightTransport):
         return None
 
 
-def create_weight_transport(backend: str, timeout_s: float) -> WeightTransport:
+def create_weight_transport(backend: str, timeout_s: float, vllm_pause_mode: str) -> WeightTransport:
     if backend == "local":
         return DiskReloadTransport(timeout_s)
+    if backend == "sglang":
+        return SGLangDiskTransport(timeout_s)
+    if backend == "vllm":
+        return VLLMReloadTransport(timeout_s, vllm_pause_mode)
     if backend == "fake":
         return NoopTransport()
     raise ValueError(f"no weight transport for service.inference_service.backend={backend!r}")

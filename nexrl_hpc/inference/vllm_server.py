@@ -1,0 +1,175 @@
+"""Start and stop a vLLM OpenAI server (its own venv) as a child of the run.
+
+Why a separate interpreter: vLLM pins its own torch and transformers; the project's environment
+must not follow them (scripts/install_vllm.sh builds the venv). The server runs in its own process
+group under ``nexrl_hpc.inference.supervise``, so ``stop`` ends vLLM's engine processes too and a
+run that dies without cleaning up does not leave it behind. A fresh API key per start (vLLM's
+``--api-key``, passed as ``VLLM_API_KEY`` so it is not visible in ``ps``); the weight-reload
+endpoints need ``VLLM_SERVER_DEV_MODE=1``, which is always set (they are reachable only where the
+server binds: loopback by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from nexrl_hpc.config.schema import VLLMInferenceConfig
+from nexrl_hpc.inference.local_server import InferenceServerStartError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY = "service.inference_service.vllm"
+
+
+def free_port(host: str) -> int:
+    """A port that is free on ``host`` now (vLLM cannot report the port it bound for port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One ``vllm.entrypoints.openai.api_server`` process serving ``model_dir`` as ``served_model_name``."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: VLLMInferenceConfig,
+        log_dir: str,
+        served_model_name: str,
+        log_name: str = "vllm_server.log",
+    ):
+        self.model_dir = model_dir
+        self.config = config
+        self.log_dir = log_dir
+        self.served_model_name = served_model_name
+        self.api_key = secrets.token_urlsafe(24)
+        self.process: subprocess.Popen | None = None
+        self.base_url: str | None = None
+        self.log_path = os.path.join(log_dir, log_name)
+        self._deadline = 0.0
+
+    def command(self, port: int) -> list[str]:
+        cfg = self.config
+        cmd = [
+            cfg["python"], "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--host", cfg["host"],
+            "--port", str(port),
+            "--dtype", cfg["dtype"],
+        ]  # fmt: skip
+        if cfg["max_model_len"] is not None:
+            cmd += ["--max-model-len", str(cfg["max_model_len"])]
+        return cmd + [str(a) for a in cfg["extra_args"]]
+
+    def start(self) -> str:
+        """Launch, wait until it serves the model, return its base URL."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting (its 30-60 s start-up overlaps with the trainer's)."""
+        python = self.config["python"]
+        if not os.access(python, os.X_OK):
+            raise InferenceServerStartError(
+                f"{CONFIG_KEY}.python={python!r} is not an executable: run `bash scripts/install_vllm.sh`"
+            )
+        os.makedirs(self.log_dir, exist_ok=True)
+        host = self.config["host"]
+        port = self.config["port"] or free_port(host)
+        url_host = f"[{host}]" if ":" in host else host
+        self.base_url = f"http://{url_host}:{port}"
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in self.config["env"].items()})
+        env.update(
+            VLLM_API_KEY=self.api_key,
+            VLLM_SERVER_DEV_MODE="1",  # /pause, /collective_rpc, /reset_prefix_cache, /resume
+            HF_HUB_OFFLINE="1",  # never download: the model is a local directory
+        )
+        cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
+        cmd += self.command(port)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self._deadline = time.monotonic() + self.config["startup_timeout_s"]
+        logger.info(
+            "vLLM server starting at %s (pid %d, log %s)", self.base_url, self.process.pid, self.log_path
+        )
+
+    def wait_ready(self) -> str:
+        """Block until the server lists the model under our key; return its base URL."""
+        assert self.process is not None and self.base_url is not None, "launch() first"
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        while time.monotonic() < self._deadline:
+            if self.process.poll() is not None:
+                raise InferenceServerStartError(
+                    f"vLLM server ({self.base_url}) exited with code {self.process.returncode} during "
+                    f"start-up; last lines of {self.log_path}:\n{self._log_tail()}"
+                )
+            try:
+                resp = httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=2.0)
+                if resp.status_code == 200:
+                    served = [m.get("id") for m in resp.json().get("data", [])]
+                    if self.served_model_name not in served:
+                        self.stop()
+                        raise InferenceServerStartError(
+                            f"{self.base_url} serves {served}, not {self.served_model_name!r}: another "
+                            f"server holds the port ({CONFIG_KEY}.port)"
+                        )
+                    logger.info("vLLM server up at %s (pid %d)", self.base_url, self.process.pid)
+                    return self.base_url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise InferenceServerStartError(
+            f"vLLM server at {self.base_url} not ready after {self.config['startup_timeout_s']}s "
+            f"({CONFIG_KEY}.startup_timeout_s); see {self.log_path}"
+        )
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the server's process group (supervisor, API server, engine), SIGKILL if it lingers."""
+        if self.process is None:
+            return
+        pgid = self.process.pid  # session leader: its pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.process.poll()  # reap the supervisor, or the group never looks empty
+            if not _signal_group(pgid, 0):
+                return
+            time.sleep(0.1)
+        logger.warning("vLLM server group %d still running after %.0fs: SIGKILL", pgid, timeout)
+        _signal_group(pgid, signal.SIGKILL)
+        self.process.wait(timeout=timeout)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the group; False if it has no process left."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True

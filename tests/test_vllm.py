@@ -1,0 +1,359 @@
+"""Against a real vLLM server (CPU build, its own venv from scripts/install_vllm.sh).
+
+One server is shared by the module (start-up is 30-60 s); the tests run in file order and the last
+one kills it. A missing venv FAILS the tests with the install command (it is part of the dev
+install: scripts/install.sh --dev).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from nexrl_hpc.algorithm.batching import pack_trajectories
+from nexrl_hpc.checkpoint.hf import write_hf_model_dir
+from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.inference.client import InferenceServiceError, LLMServiceClient
+from nexrl_hpc.inference.service import InferenceService
+from nexrl_hpc.inference.vllm_server import VLLMServer
+from nexrl_hpc.models.tiny import build_tiny_model, load_model, load_tokenizer, materialize_base_model
+from nexrl_hpc.tasks.max_digit import generate_splits
+from nexrl_hpc.train.local_engine import response_log_probs
+from nexrl_hpc.types import Batch
+from nexrl_hpc.weight_sync.transport import VLLMReloadTransport, WeightSyncError
+from tests.conftest import compose_config, run_train
+
+OVERRIDES = ["seed=1", "service.inference_service.backend=vllm"]
+
+
+@pytest.fixture(scope="module")
+def cfg() -> dict[str, Any]:
+    raw = compose_config([*OVERRIDES, "service.inference_service.base_url=http://unused"])  # no venv check
+    python = raw["service"]["inference_service"]["vllm"]["python"]
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"vLLM's venv is missing ({python}): run `bash scripts/install_vllm.sh`")
+    return compose_config(OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def model_dir(cfg: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> str:
+    return materialize_base_model(cfg["model"], str(tmp_path_factory.mktemp("vllm") / "base_model"))
+
+
+@pytest.fixture(scope="module")
+def server(
+    cfg: dict[str, Any], model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    svc = cfg["service"]["inference_service"]
+    srv = VLLMServer(model_dir, svc["vllm"], str(tmp_path_factory.mktemp("vllm_logs")), svc["model"])
+    t0 = time.monotonic()
+    srv.start()
+    print(f"vLLM server ready in {time.monotonic() - t0:.1f}s")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def transport(cfg: dict[str, Any], server: VLLMServer) -> VLLMReloadTransport:
+    t = VLLMReloadTransport(30.0, cfg["service"]["inference_service"]["vllm"]["pause_mode"])
+    assert server.base_url is not None
+    t.set_endpoint(server.base_url, server.api_key)
+    return t
+
+
+def _client(cfg: dict[str, Any], server: VLLMServer, **service: Any) -> LLMServiceClient:
+    svc = dict(cfg["service"]["inference_service"], **service)
+    return LLMServiceClient(svc, base_url=server.base_url, api_key=server.api_key)  # type: ignore[arg-type]
+
+
+def _prompts(cfg: dict[str, Any], n: int) -> list[str]:
+    return [row["prompt"] for row in generate_splits(cfg["task"]["params"], seed=cfg["seed"])["train"][:n]]
+
+
+def _trainer_log_probs(model: Any, results: list[dict[str, Any]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """The trainer's log-probs of the engine's response tokens, packed as the trainer packs them."""
+    batch = Batch(
+        values={
+            "prompt_ids": [r["prompt_ids"] for r in results],
+            "response_ids": [r["response_ids"] for r in results],
+            "behaviour_log_probs": [r["logprobs"] for r in results],
+        }
+    )
+    packed = pack_trajectories(batch, pad_id)
+    with torch.no_grad():
+        trainer = response_log_probs(model, packed)
+    return trainer, packed["behaviour_log_probs"], packed["response_mask"]
+
+
+def _gather(client: LLMServiceClient, prompts: list[Any], **kwargs: Any) -> list[Any]:
+    async def run() -> list[Any]:
+        try:
+            return await asyncio.gather(*(client.acompletion(p, **kwargs) for p in prompts))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def _greedy_hf(model: Any, prompt_ids: list[list[int]], steps: int) -> list[list[int]]:
+    """transformers' greedy continuation (prompts of one length: no padding)."""
+    ids = torch.tensor(prompt_ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[:, len(prompt_ids[0]) :].tolist()
+
+
+def _new_weights(cfg: dict[str, Any], model_dir: str, out: Path, init_seed: int) -> Any:
+    """Other weights for the same architecture, exported as the trainer exports them."""
+    model, _ = build_tiny_model(dict(cfg["model"]["tiny"], init_seed=init_seed))
+    write_hf_model_dir(model.state_dict(), model_dir, str(out), max_shard_bytes=1 << 30)
+    return load_model(str(out), attn_implementation=cfg["model"]["attn_implementation"]).eval()
+
+
+def test_default_task_rollouts_carry_engine_ids_and_logprobs_matching_the_trainer(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str
+) -> None:
+    tok = load_tokenizer(model_dir)
+    prompts = _prompts(cfg, 32)
+    rw = cfg["rollout_worker"]
+    n = cfg["data"]["rollout_repeat_n"]
+    groups = _gather(
+        _client(cfg, server),
+        prompts,
+        max_tokens=rw["max_response_length"],
+        temperature=rw["temperature"],
+        top_p=rw["top_p"],
+        n=n,
+    )
+    results = [r for g in groups for r in g]
+    assert len(results) == 32 * n
+    for prompt, group in zip(prompts, groups, strict=True):
+        assert all(
+            r["prompt_ids"] == tok(prompt)["input_ids"] for r in group
+        )  # the engine's ids, BOS included
+    assert len({tuple(r["response_ids"]) for r in results}) > 10  # really sampled at temperature 1
+    model = load_model(model_dir, attn_implementation=cfg["model"]["attn_implementation"]).eval()
+    trainer, engine, mask = _trainer_log_probs(model, results, tok.pad_token_id)
+    mismatch = ((trainer - engine).abs() * mask).max().item()
+    print(f"max |trainer - vLLM| logprob over {int(mask.sum())} tokens: {mismatch:.2e}")
+    assert mismatch <= 1e-4
+
+
+def test_weight_sync_makes_greedy_outputs_those_of_transformers_with_the_new_weights(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
+    tok = load_tokenizer(model_dir)
+    prompts = _prompts(cfg, 48)
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    steps = 6
+    greedy = dict(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    before = [r["response_ids"] for r in _gather(_client(cfg, server), prompts, **greedy)]
+    old_model = load_model(model_dir, attn_implementation=cfg["model"]["attn_implementation"]).eval()
+    assert before == _greedy_hf(old_model, prompt_ids, steps)
+
+    new_model = _new_weights(cfg, model_dir, tmp_path / "version_1", init_seed=1234)
+    expected = _greedy_hf(new_model, prompt_ids, steps)
+    assert sum(a != b for a, b in zip(before, expected, strict=True)) > len(prompts) // 2  # a real change
+
+    transport.publish(str(tmp_path / "version_1"), 1)
+    print(f"reload timings: {transport.last_timings}")
+    after = _gather(_client(cfg, server), prompts, **greedy)
+    assert [r["response_ids"] for r in after] == expected
+    trainer, engine, mask = _trainer_log_probs(new_model, after, tok.pad_token_id)
+    assert ((trainer - engine).abs() * mask).max().item() <= 1e-4
+    info = httpx.get(f"{server.base_url}/weight_info").json()
+    assert info["weight_version"] == "1" and transport.served_version == 1
+
+
+def test_reload_while_requests_are_in_flight_loses_none_and_mixes_no_versions(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
+    """Wave 1 is generating when the reload starts, wave 2 arrives while the server is paused: every
+    request completes in full, and each sequence comes from exactly one weight version."""
+    tok = load_tokenizer(model_dir)
+    old = _new_weights(cfg, model_dir, tmp_path / "version_2", init_seed=1234)
+    new = _new_weights(cfg, model_dir, tmp_path / "version_3", init_seed=99)
+    transport.publish(str(tmp_path / "version_2"), 2)  # the old weights: known, whatever ran before
+    prompts = _prompts(cfg, 96)
+    tokens = 24
+    client = _client(cfg, server, max_coalesce=8)  # several HTTP requests in flight at once
+    marks: dict[str, float] = {}
+
+    def reload() -> None:
+        marks["start"] = time.monotonic()
+        transport.publish(str(tmp_path / "version_3"), 3)
+        marks["end"] = time.monotonic()
+
+    async def one(p: str) -> tuple[dict[str, Any], float]:
+        r = await client.acompletion(p, max_tokens=tokens, temperature=1.0, ignore_eos=True)
+        return r, time.monotonic()
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        try:
+            wave1 = [asyncio.ensure_future(one(p)) for p in prompts[:48]]
+            await asyncio.sleep(0.3)
+            reloading = asyncio.get_running_loop().run_in_executor(None, reload)
+            async with httpx.AsyncClient(base_url=str(server.base_url)) as http:
+                while not reloading.done() and not (await http.get("/is_paused")).json()["is_paused"]:
+                    await asyncio.sleep(0.005)  # wave 2 must find the server paused (or reloaded)
+            wave2 = [asyncio.ensure_future(one(p)) for p in prompts[48:]]
+            await reloading
+            return await asyncio.gather(*wave1), await asyncio.gather(*wave2)
+        finally:
+            await client.aclose()
+
+    wave1, wave2 = asyncio.run(run())
+    results = [r for r, _ in wave1 + wave2]
+    assert all(r["finish_reason"] == "length" and len(r["response_ids"]) == tokens for r in results)
+    running = sum(t > marks["start"] for _, t in wave1)
+    print(f"reload {transport.last_timings}; {running}/48 of wave 1 finished after the reload began")
+    assert running > 0  # wave 1 was still generating when the reload began
+    per_version = []
+    for model in (old, new):
+        trainer, engine, mask = _trainer_log_probs(model, results, tok.pad_token_id)
+        per_version.append(((trainer - engine).abs() * mask).amax(dim=1))
+    from_old, from_new = (per_version[0] <= 1e-4), (per_version[1] <= 1e-4)
+    assert bool((from_old ^ from_new).all()), "a sequence matches neither (or both) weight versions"
+    print(f"wave 1: {int(from_old[:48].sum())} old / wave 2: {int(from_new[48:].sum())} new of 48")
+    # pause mode "wait": what the engine had scheduled finishes on the old weights, what was still
+    # queued (most of wave 1 right after start-up, when the first batch is slow) runs on the new
+    assert bool(from_old.any()) and bool(from_new[48:].all())
+
+
+def test_failed_reload_raises_names_the_server_and_bumps_no_version(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
+    try:
+        _failed_reloads(cfg, server, model_dir, transport, tmp_path)
+    finally:  # a paused server would hang the tests after this one
+        httpx.post(f"{server.base_url}/resume")
+
+
+def _failed_reloads(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
+    served = transport.served_version
+    with pytest.raises(WeightSyncError, match=f"{server.base_url}/collective_rpc answered 500"):
+        transport.publish(str(tmp_path / "missing"), 8)
+    assert transport.served_version == served
+    assert httpx.get(f"{server.base_url}/weight_info").json()["weight_version"] == str(served)
+    assert httpx.get(f"{server.base_url}/is_paused").json()["is_paused"]  # no sample from a mixed state
+    # the InferenceService module (what the weight sync controller calls) raises the same way
+    svc = InferenceService(dict(cfg, service=dict(cfg["service"], inference_service=dict(
+        cfg["service"]["inference_service"], base_url=server.base_url, api_key=server.api_key))),
+        model_dir, str(tmp_path))  # fmt: skip
+    svc.wait_ready()
+    with pytest.raises(WeightSyncError, match="server left paused"):
+        svc.reload_weights(str(tmp_path / "missing"), 9)
+    svc.reload_weights(model_dir, 10)  # a good reload resumes it
+    assert not httpx.get(f"{server.base_url}/is_paused").json()["is_paused"]
+    assert httpx.get(f"{server.base_url}/weight_info").json()["weight_version"] == "10"
+
+
+def test_bad_configs_name_their_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.tiny.tie_word_embeddings"):
+        compose_config([*OVERRIDES, "model.tiny.tie_word_embeddings=true"])
+    with pytest.raises(ConfigError, match=r"service.inference_service.vllm.python.*install_vllm.sh"):
+        compose_config([*OVERRIDES, f"service.inference_service.vllm.python={tmp_path}/nope/python"])
+
+
+def test_server_that_dies_mid_run_is_retried_then_named(cfg: dict[str, Any], server: VLLMServer) -> None:
+    """Runs last: it kills the shared server."""
+    client = _client(cfg, server, max_retries=2, retry_backoff_s=0.05)
+    assert client.completion("m123=", max_tokens=1)["response_ids"]
+    assert server.process is not None
+    os.killpg(server.process.pid, signal.SIGKILL)  # a crash: no clean shutdown
+    server.process.wait(timeout=30)
+    with pytest.raises(
+        InferenceServiceError, match=f"inference service at {server.base_url}/v1 unreachable after 3"
+    ):
+        client.completion("m123=", max_tokens=1)
+    assert not server.is_alive()
+
+
+@pytest.mark.e2e
+def test_whole_run_with_vllm_learns(cfg: dict[str, Any], tmp_path: Path) -> None:
+    """python -m launch.train service.inference_service.backend=vllm (local mode, CPU vLLM)."""
+    import json
+
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = run_train([f"run_dir={run_dir}", "seed=7", "service.inference_service.backend=vllm"], timeout=1200)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    mismatch = max(r["actor/logprob_mismatch_max"] for r in rows if "actor/logprob_mismatch_max" in r)
+    print(
+        f"vLLM run: {elapsed:.0f}s, val/accuracy {val}, trainer-vs-vLLM logprob mismatch max {mismatch:.2e}"
+    )
+    assert val[-1] >= 0.8
+    assert mismatch <= 1e-4
+
+
+def _supervisor_pid(model_dir: str, timeout: float) -> int:
+    """The pid (= process group) of the vLLM server a run started for ``model_dir``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"nexrl_hpc.inference.supervise" in argv and model_dir.encode() in argv:
+                return int(pid)
+        time.sleep(0.5)
+    raise AssertionError(f"no vLLM server for {model_dir} within {timeout}s")
+
+
+@pytest.mark.e2e
+def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    run_dir = tmp_path / "run"
+    args = [
+        f"run_dir={run_dir}",
+        "service.inference_service.backend=vllm",
+        "service.inference_service.retry_backoff_s=0.05",
+        "train_worker.total_train_steps=200",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pgid = _supervisor_pid(str(run_dir / "base_model"), timeout=120)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and '"step": 2' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.2)
+        os.killpg(pgid, signal.SIGKILL)  # the server crashes mid-run
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    failed = [line for line in err.splitlines() if "run failed" in line]
+    print(f"exit 1; {failed[-1][:400] if failed else err[-2000:]}")
+    # the rollout client (retries exhausted) or the weight sync, whichever met the dead server first
+    assert failed and re.search(r"http://127\.0\.0\.1:\d+", failed[-1])
