@@ -9,22 +9,13 @@ import pytest
 
 from nexrl_hpc.agents.types import Episode, ModelOutput, Step, TerminationReason, ToolCall, Trajectory
 from nexrl_hpc.inference.client import LLMServiceClient
+from tests.conftest import compose_config
 
 
 def _client() -> LLMServiceClient:
-    config: Any = {
-        "model_tag": "default",
-        "model": "tiny",
-        "base_url": "http://127.0.0.1:9/v1",  # never contacted: only the result builders are used
-        "api_key": None,
-        "max_retries": 0,
-        "retry_backoff_s": 0.0,
-        "request_timeout_s": 1.0,
-        "freeze_for_weight_sync": False,
-        "coalesce_wait_ms": 0.0,
-        "max_coalesce": 1,
-    }
-    return LLMServiceClient(config)
+    """The real client with the run's config; only its result builders (and engine adapter) are used."""
+    config = compose_config(["service.inference_service.base_url=http://127.0.0.1:9/v1"])
+    return LLMServiceClient(config["service"]["inference_service"])
 
 
 def _chat_payload() -> dict[str, Any]:
@@ -55,7 +46,9 @@ def _chat_payload() -> dict[str, Any]:
 
 
 def test_model_output_from_chat_result_keeps_engine_tokens_and_parses_tool_calls() -> None:
-    result = _client()._chat_result([{"role": "user", "content": "3+4?"}], _chat_payload(), None, {})
+    client = _client()
+    choice = client._adapter.chat_choice(_chat_payload())
+    result = client._chat_result([{"role": "user", "content": "3+4?"}], choice, None, {})
     out = ModelOutput.from_client_result(result)
     assert out.prompt_ids == [1, 5, 6, 7]
     assert out.completion_ids == [8, 9, 2]
@@ -78,7 +71,9 @@ def test_model_output_from_completion_result() -> None:
         "token_ids": [11, 2],
         "logprobs": {"token_logprobs": [-1.0, -0.5]},
     }
-    result = _client()._completion_result("m372=", choice, {}, 5, {})
+    client = _client()
+    (engine_choice,) = client._adapter.completion_choices({"choices": [choice]}, 1, 1)
+    result = client._completion_result("m372=", engine_choice, 5, {})
     out = ModelOutput.from_client_result(result)
     assert (out.text, out.content, out.reasoning, out.tool_calls) == ("7", "7", "", [])
     assert (out.prompt_ids, out.completion_ids, out.logprobs) == ([1, 4], [11, 2], [-1.0, -0.5])
