@@ -1,0 +1,34 @@
+"""RolloutEngine (seed 004): ``await get_model_response(messages) -> ModelOutput``.
+
+Workflows only see this interface, so they run the same against the real inference client and
+against a scripted test double.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from nexrl_hpc.agents.types import ModelOutput
+
+
+class RolloutEngine(ABC):
+    @abstractmethod
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput: ...
+
+
+class ClientRolloutEngine(RolloutEngine):
+    """Chat completions through ``LLMServiceClient.agenerate``; ``sampling`` are default request kwargs.
+
+    The server applies its chat template; ids and logprobs are taken from its answer unchanged.
+    """
+
+    def __init__(self, client: Any, **sampling: Any) -> None:
+        if not hasattr(client, "agenerate"):
+            raise TypeError(f"client {type(client).__name__} has no agenerate(messages, **kwargs)")
+        self.client = client
+        self.sampling = sampling
+
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
+        result = await self.client.agenerate(messages, **{**self.sampling, **kwargs})
+        return ModelOutput.from_client_result(result)
