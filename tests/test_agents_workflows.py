@@ -17,6 +17,7 @@ from nexrl_hpc.agents.environments import (
     ToolEnvironment,
 )
 from nexrl_hpc.agents.rewards.types import RewardOutput
+from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine
 from nexrl_hpc.agents.types import Episode, Step, TerminationReason, ToolCall, Trajectory
 from nexrl_hpc.agents.workflow import (
     MultiTurnWorkflow,
@@ -349,3 +350,69 @@ def test_episode_round_trips_through_json() -> None:
     actions = [s.action for s in loaded.trajectories[0].steps]
     assert actions[1] == [ToolCall("calculator", {"expression": "3+4"})]
     assert loaded.trajectories[0].steps[2].model_output.completion_ids == [ord("7"), 2]
+
+
+def test_server_context_length_refusal_is_max_prompt_length_not_error() -> None:
+    refusal = RuntimeError(
+        "http://x/v1 rejected the request: This model's maximum context length is 64 tokens"
+    )
+    episode = run(tool_workflow(ScriptedModel([refusal])).run_with_termination_handling(TASK, "t0"))
+    assert episode.termination_reason == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+    assert episode.error is None
+
+
+def test_custom_workflow_env_cls_is_checked_for_thread_safety() -> None:
+    class MakesEnvInRun(Workflow):
+        def __init__(self, rollout_engine: Any, env_cls: type[BaseEnv], **kw: Any) -> None:
+            super().__init__(rollout_engine, **kw)
+            self.env_cls = env_cls
+
+        async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode | None:
+            raise TerminationEvent(TerminationReason.ENV_DONE)
+
+    with pytest.raises(NotThreadSafeError, match="SharedStateEnv"):
+        AgentWorkflowEngine(MakesEnvInRun, {"env_cls": SharedStateEnv}, ScriptedModel([]), n_parallel_tasks=2)
+
+
+class FakeClient:
+    """TEST DOUBLE for LLMServiceClient.agenerate: returns a fixed server-shaped result dict."""
+
+    def __init__(self, tool_calls: list[dict[str, Any]]) -> None:
+        self.tool_calls = tool_calls
+        self.kwargs: list[dict[str, Any]] = []
+
+    async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        self.kwargs.append(kwargs)
+        return {
+            "response": "",
+            "tool_calls": self.tool_calls,
+            "prompt_ids": [1, 5],
+            "response_ids": [7, 2],
+            "logprobs": [-0.5, -0.25],
+            "finish_reason": "tool_calls",
+            "weight_version": 3,
+        }
+
+
+def test_client_engine_turns_malformed_openai_tool_calls_into_error_observations() -> None:
+    client = FakeClient(
+        [
+            {"id": "a", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}},
+            {"id": "b", "function": {"name": "calculator", "arguments": "{not json"}},
+        ]
+    )
+    engine = ClientRolloutEngine(client, temperature=0.5, max_tokens=8)
+    out = run(engine.get_model_response([{"role": "user", "content": "q"}], max_tokens=4))
+    assert client.kwargs == [{"temperature": 0.5, "max_tokens": 4}]
+    assert (out.prompt_ids, out.completion_ids, out.logprobs) == ([1, 5], [7, 2], [-0.5, -0.25])
+    assert out.weight_version == 3 and out.tool_calls[0] == ToolCall("calculator", {"expression": "2*3"}, "a")
+    assert (
+        out.tool_calls[1].name == TOOL_CALL_ERROR
+        and "not valid JSON" in out.tool_calls[1].arguments["message"]
+    )
+    agent, env = ToolAgent(tools=["calculator"]), ToolEnvironment(tools=["calculator"])
+    agent.update_from_env(env.reset(TASK)[0], 0.0, False, {})
+    obs, _, done, info = env.step(agent.update_from_model(out).action)
+    assert not done and info == {"num_tool_calls": 1, "num_tool_errors": 1}
+    assert [o["output"] for o in obs["tool_outputs"]] == ["6", None]
+    assert obs["tool_outputs"][0]["metadata"] == {"tool_call_id": "a"}

@@ -25,15 +25,16 @@ class NotThreadSafeError(ValueError):
     """An environment that is not multithread-safe was asked to run in parallel."""
 
 
-def _check_thread_safety(workflows: list[Workflow], what: str) -> None:
+def _check_thread_safety(workflows: list[Workflow], what: str, env_cls: Any = None) -> None:
+    """Envs the workflows hold, and ``env_cls`` from the workflow args (workflows may make envs in ``run``)."""
     if len(workflows) <= 1:
         return
-    unsafe = sorted(
-        {type(e).__qualname__ for w in workflows for e in w.envs() if not e.is_multithread_safe()}
-    )
+    unsafe = {type(e).__qualname__ for w in workflows for e in w.envs() if not e.is_multithread_safe()}
+    if isinstance(env_cls, type) and issubclass(env_cls, BaseEnv) and not env_cls.is_multithread_safe():
+        unsafe.add(env_cls.__qualname__)
     if unsafe:
         raise NotThreadSafeError(
-            f"{what} > 1 runs environments in parallel threads, but {', '.join(unsafe)} "
+            f"{what} > 1 runs environments in parallel threads, but {', '.join(sorted(unsafe))} "
             "is not multithread-safe (is_multithread_safe() returns False); use 1 or make the env safe"
         )
 
@@ -69,7 +70,7 @@ class AgentWorkflowEngine:
             workflow_cls(rollout_engine=rollout_engine, executor=self.executor, **self.workflow_args)
             for _ in range(n_parallel_tasks)
         ]
-        _check_thread_safety(self.workflows, "n_parallel_tasks")
+        _check_thread_safety(self.workflows, "n_parallel_tasks", self.workflow_args.get("env_cls"))
         self._queue: asyncio.Queue[Workflow] | None = None
 
     def _pool(self) -> asyncio.Queue[Workflow]:

@@ -20,6 +20,9 @@ from nexrl_hpc.agents.environments import BaseEnv
 from nexrl_hpc.agents.rollout_engine import RolloutEngine
 from nexrl_hpc.agents.types import Episode, ModelOutput, TerminationReason, Trajectory
 
+CONTEXT_LENGTH_MESSAGE = "maximum context length"
+"""What vLLM, SGLang and nexrl_hpc's server say when prompt + max_tokens does not fit the model."""
+
 
 class TerminationEvent(Exception):
     """Raised inside ``run`` to end the episode with ``reason``."""
@@ -185,7 +188,14 @@ class Workflow(ABC):
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
-        return await self.rollout_engine.get_model_response(messages, **kwargs)
+        """The engine's answer; a server's "maximum context length" refusal ends the episode with
+        MAX_PROMPT_LENGTH_EXCEEDED (deterministic: retrying it as an ERROR would fail again)."""
+        try:
+            return await self.rollout_engine.get_model_response(messages, **kwargs)
+        except Exception as exc:
+            if CONTEXT_LENGTH_MESSAGE in str(exc):
+                raise TerminationEvent(TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED) from exc
+            raise
 
     def _named_agents(self) -> list[tuple[str, BaseAgent]]:
         return [(k, v) for k, v in vars(self).items() if isinstance(v, BaseAgent)]
