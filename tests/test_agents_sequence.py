@@ -115,3 +115,34 @@ def test_sequence_survives_a_json_round_trip_of_the_episode() -> None:
     a, b = trajectory_to_sequence(ep.trajectories[0]), trajectory_to_sequence(loaded.trajectories[0])
     assert a == b
     assert sum(a.loss_mask) == sum(len(s.model_output.completion_ids) for s in ep.trajectories[0].steps)
+
+
+def test_masked_tokens_carry_no_gradient_in_the_ppo_loss() -> None:
+    """The repo's ppo_clip_loss with this mask: changing anything at mask-0 positions changes nothing.
+
+    (Done-when of issue 7 asks this of the full trainer path too; that needs the pipeline integration.)
+    """
+    import torch
+
+    from nexrl_hpc.algorithm.core_algos import ppo_clip_loss
+
+    seq = trajectory_to_sequence(episode([CALL, "7"], gamma=1.0).trajectories[0])
+    mask = torch.tensor([seq.loss_mask], dtype=torch.float32)
+    old = torch.tensor([seq.logprobs])
+    adv = torch.tensor([seq.token_rewards]).flip(-1).cumsum(-1).flip(-1)  # reward-to-go per token
+    new = (old + 0.05).requires_grad_(True)
+
+    def loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        return ppo_clip_loss(new_lp, old_lp, advantages, mask, 0.2, 0.2, "token-mean")[0]
+
+    base = loss(new, old, adv)
+    base.backward()
+    grad = new.grad[0]
+    assert all(g == 0.0 for g, m in zip(grad.tolist(), seq.loss_mask) if not m)
+    assert any(g != 0.0 for g, m in zip(grad.tolist(), seq.loss_mask) if m)
+    off = 1.0 - mask  # perturb every masked position of every input
+    with torch.no_grad():
+        perturbed = loss(new + 3.0 * off, old - 2.0 * off, adv + 5.0 * off)
+        on_model_tokens = loss(new + 3.0 * mask, old, adv)
+    assert perturbed.item() == base.item()
+    assert on_model_tokens.item() != base.item()
