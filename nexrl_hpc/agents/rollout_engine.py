@@ -1,0 +1,45 @@
+"""RolloutEngine (seed 004): ``await get_model_response(messages) -> ModelOutput``.
+
+Workflows only see this interface, so they run the same against the real inference client and
+against a scripted test double.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from nexrl_hpc.agents.agent import TOOL_CALL_ERROR
+from nexrl_hpc.agents.tool_format import parse_openai_tool_calls
+from nexrl_hpc.agents.types import ModelOutput, ToolCall
+
+
+class RolloutEngine(ABC):
+    @abstractmethod
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput: ...
+
+
+class ClientRolloutEngine(RolloutEngine):
+    """Chat completions through ``LLMServiceClient.agenerate``; ``sampling`` are default request kwargs.
+
+    The server applies its chat template; ids and logprobs are taken from its answer unchanged.
+    OpenAI ``tool_calls`` that do not parse become ``TOOL_CALL_ERROR`` pseudo calls in
+    ``ModelOutput.tool_calls`` (the ToolEnvironment answers them with an error observation)
+    instead of failing the episode.
+    """
+
+    def __init__(self, client: Any, **sampling: Any) -> None:
+        if not hasattr(client, "agenerate"):
+            raise TypeError(f"client {type(client).__name__} has no agenerate(messages, **kwargs)")
+        self.client = client
+        self.sampling = sampling
+
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
+        result = dict(await self.client.agenerate(messages, **{**self.sampling, **kwargs}))
+        parsed = parse_openai_tool_calls(result.pop("tool_calls", None) or [])
+        output = ModelOutput.from_client_result(result)
+        output.tool_calls = parsed.calls + [
+            ToolCall(name=TOOL_CALL_ERROR, arguments={"message": e.message, "tool": e.name})
+            for e in parsed.errors
+        ]
+        return output
