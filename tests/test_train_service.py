@@ -232,3 +232,20 @@ def test_a_run_without_the_token_stops_before_training(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "NEXRL_TRAIN_SERVICE_TOKEN" in proc.stderr and "service.train_service.token_env" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_collector() -> None:
+    """Collected in a cycle, a client's ZMQ context used to wait forever for a socket nobody closed
+    (a GC pass in a later test hung until pytest's timeout)."""
+    import gc
+    import threading
+
+    client = TrainGroupClient("tcp://127.0.0.1:9", b"k" * 32, None, 1000, 1000, 1 << 20)  # type: ignore[arg-type]
+    client.cycle = client  # type: ignore[attr-defined]  # only the cyclic collector can free it now
+    ctx = client._ctx
+    del client
+    done = threading.Event()
+    collector = threading.Thread(target=lambda: (gc.collect(), done.set()), daemon=True)
+    collector.start()
+    assert done.wait(20), "gc.collect() hung on the client's ZMQ context"
+    assert ctx.closed

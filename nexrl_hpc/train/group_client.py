@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -81,6 +82,10 @@ class TrainGroupClient(TrainServiceClient):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._channel.prepare(self._sock)
         self._sock.connect(address)
+        # an unclosed client must not hang the garbage collector: collected in a reference cycle,
+        # the context's __del__ no longer sees its socket (weakrefs are cleared first) and its
+        # term() would wait for that socket forever; the finalizer holds both and closes in order
+        self._release = weakref.finalize(self, _close_zmq, self._sock, self._ctx)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
@@ -196,8 +201,7 @@ class TrainGroupClient(TrainServiceClient):
             return False
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._release()
 
 
 class ApiServerControl(Control):
@@ -283,3 +287,8 @@ def _detail(resp: Any) -> str:
         return str(resp.json().get("detail", resp.text))
     except ValueError:
         return resp.text[:500]
+
+
+def _close_zmq(sock: zmq.Socket, ctx: zmq.Context) -> None:
+    sock.close(linger=0)
+    ctx.term()
