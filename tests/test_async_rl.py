@@ -81,6 +81,15 @@ def test_a_resumed_async_run_counts_the_tasks_handed_out_again(tmp_path: Path) -
     assert loader.budget == 4  # later batches in full
 
 
+def test_a_dropped_batch_is_replaced(tmp_path: Path) -> None:
+    wsc, _, loader = async_wsc(tmp_path, "fully-async", 1, "train_worker.total_train_steps=2")
+    wsc.start("default")
+    assert loader.budget == 2 * 4  # both batches of the run
+    loader.budget = 0
+    wsc.trainer_dropped_batch("default")  # one of them was entirely too stale
+    assert loader.budget == 4
+
+
 def test_fully_async_never_holds_requests_during_a_reload(tmp_path: Path) -> None:
     wsc, transport, _ = async_wsc(tmp_path, "fully-async", 1)
     seen = []

@@ -183,6 +183,7 @@ class TrainWorker(NexRLModule):
         kept, stale_metrics = self._apply_staleness_bound(batch, self._train_step + 1)
         if kept is None:
             self._release_tasks(consumed)
+            execute(self._weight_sync_controller.trainer_dropped_batch, self._model_tag)
             logger.warning(
                 "a batch of %d trajectories was over the staleness bound (%d) and dropped: no step trained",
                 len(batch),

@@ -216,6 +216,12 @@ class WeightSyncController(NexRLModule):
         if self._mode == "sync":
             execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)
 
+    def trainer_dropped_batch(self, model_tag: ModelTag) -> None:
+        """Async modes: a whole batch was over the staleness bound; hand out one batch more in its
+        place (otherwise the last steps of the run would wait for data that never comes)."""
+        if self._mode != "sync":
+            execute(self._dataloader.add_dispatch_budget, self._batch_items)
+
     def _release_async(self, model_tag: ModelTag) -> None:
         """Hand out every batch b with b - 1 - threshold <= the version the mode counts from."""
         with self._lock:
