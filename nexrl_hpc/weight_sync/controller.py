@@ -7,8 +7,8 @@ time; every trajectory records the weight version that produced it.
   stragglers back ("re-rollout"), the trainer updates and exports, the inference service reloads
   (``publish``; clients hold new requests meanwhile), the version is bumped, an optional
   validation runs, and the next batch is released.
-- ``fully-async``: a reload never holds a request (the engines swap weights between two forward
-  batches) and batches are handed out ahead of the trainer: batch b goes out once the trainer
+- ``fully-async``: the controller holds no request for a reload (the local engine swaps weights
+  between two forward batches; vLLM pauses itself briefly) and batches are handed out ahead of the trainer: batch b goes out once the trainer
   holds version b - 1 - staleness_threshold. Generation overlaps training; the pool is the
   back-pressure.
 - ``batch-async``: as fully-async, counted from the version the engines *serve*: a rollout waits
