@@ -100,7 +100,7 @@ class LocalInferenceServer:
             if self.process.poll() is not None:
                 raise InferenceServerStartError(
                     f"local inference server exited with code {self.process.returncode} during start-up; "
-                    f"last lines of {self.log_path}:\n{self._log_tail()}"
+                    f"last lines of {self.log_path}:\n{log_tail(self.log_path, 20)}"
                 )
             if os.path.exists(ready_file):
                 with open(ready_file) as f:
@@ -129,13 +129,6 @@ class LocalInferenceServer:
             time.sleep(0.05)
         raise InferenceServerStartError(f"{self.base_url}/health did not answer; see {self.log_path}")
 
-    def _log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return "<no log>"
-
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -148,3 +141,12 @@ class LocalInferenceServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=timeout)
+
+
+def log_tail(path: str, lines: int) -> str:
+    """The last ``lines`` lines of a server's log, for start-up errors."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "<no log>"

@@ -23,7 +23,7 @@ import time
 import httpx
 
 from nexrl_hpc.config.schema import VLLMInferenceConfig
-from nexrl_hpc.inference.local_server import InferenceServerStartError
+from nexrl_hpc.inference.local_server import InferenceServerStartError, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class VLLMServer:
             if self.process.poll() is not None:
                 raise InferenceServerStartError(
                     f"vLLM server ({self.base_url}) exited with code {self.process.returncode} during "
-                    f"start-up; last lines of {self.log_path}:\n{self._log_tail()}"
+                    f"start-up; last lines of {self.log_path}:\n{log_tail(self.log_path, 30)}"
                 )
             try:
                 resp = httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=2.0)
@@ -138,13 +138,6 @@ class VLLMServer:
             f"vLLM server at {self.base_url} not ready after {self.config['startup_timeout_s']}s "
             f"({CONFIG_KEY}.startup_timeout_s); see {self.log_path}"
         )
-
-    def _log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return "<no log>"
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
