@@ -13,48 +13,27 @@ step to the end of the last (warm-up excluded).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from local_run import run_local
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
-from nexrl_hpc.controller import NexRLController  # noqa: E402
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 GOALS = {"fully-async": 1.9, "batch-async": 1.6}
 
 
 def run(mode: str, threshold: int, steps: int, gen_ms: float) -> dict[str, float]:
-    register_resolvers()
-    run_dir = tempfile.mkdtemp(prefix=f"nexrl_bench_async_{mode}_")
-    overrides = [
-        f"run_dir={run_dir}",
-        f"weight.sync_mode={mode}",
-        f"weight.staleness_threshold={threshold}",
-        "service.inference_service.backend=fake",
-        f"service.inference_service.fake_latency_ms={gen_ms}",
-        "service.train_service.num_threads=1",  # the rollout side needs the other core
-        f"train_worker.total_train_steps={steps}",
-        "train_worker.save_freq=0",
-        "validate.validate_before_train=false",
-        "validate.validate_at_end=false",
-        "validate.eval.validate_freq=0",
-        "logger.backend=[]",
-        "resume.mode=disable",
-    ]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="bench"):
-        cfg = validate_config(compose("rl_train", overrides=overrides))
-    NexRLController(cfg).run()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if "train/reward_mean" in line]
+    cfg, rows = run_local(
+        f"nexrl_bench_async_{mode}_",
+        [
+            f"weight.sync_mode={mode}",
+            f"weight.staleness_threshold={threshold}",
+            "service.inference_service.backend=fake",
+            f"service.inference_service.fake_latency_ms={gen_ms}",
+            "service.train_service.num_threads=1",  # the rollout side needs the other core
+            f"train_worker.total_train_steps={steps}",
+        ],
+    )
     elapsed = rows[-1]["time"] - rows[0]["time"]
     trajectories = sum(r["train/num_groups"] for r in rows[1:]) * cfg["data"]["rollout_repeat_n"]
     train_s = [r["timing/update_s"] + r["timing/export_s"] + r["timing/old_log_prob_s"] for r in rows[1:]]

@@ -9,49 +9,26 @@ path in local mode (the real controller, modules, threads, metrics files). Goal:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
-from nexrl_hpc.controller import NexRLController  # noqa: E402
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from local_run import run_local
 
 
 def run(
     steps: int, prompts: int, samples: int, workers: int, extra: tuple[str, ...] = ()
 ) -> dict[str, float]:
-    register_resolvers()
-    run_dir = tempfile.mkdtemp(prefix="nexrl_bench_pipeline_")
-    overrides = [
-        f"run_dir={run_dir}",
-        "service.inference_service.backend=fake",
-        "service.train_service.backend=noop",
-        f"train_worker.total_train_steps={steps}",
-        "train_worker.save_freq=0",
-        f"data.batch_size={prompts}",
-        f"data.rollout_repeat_n={samples}",
-        f"rollout_worker.num_workers={workers}",
-        f"rollout_worker.max_concurrency={prompts * samples}",
-        *extra,
-        "validate.validate_before_train=false",
-        "validate.validate_at_end=false",
-        "validate.eval.validate_freq=0",
-        "logger.backend=[]",
-        "resume.mode=disable",
-    ]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="bench"):
-        cfg = validate_config(compose("rl_train", overrides=overrides))
-    controller = NexRLController(cfg)
-    controller.run()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if "train/reward_mean" in line]
+    _, rows = run_local(
+        "nexrl_bench_pipeline_",
+        [
+            "service.inference_service.backend=fake",
+            "service.train_service.backend=noop",
+            f"train_worker.total_train_steps={steps}",
+            f"data.batch_size={prompts}",
+            f"data.rollout_repeat_n={samples}",
+            f"rollout_worker.num_workers={workers}",
+            f"rollout_worker.max_concurrency={prompts * samples}",
+            *extra,
+        ],
+    )
     # wall time from the end of step 1 to the end of the last step: warm-up excluded
     elapsed = rows[-1]["time"] - rows[0]["time"]
     n = (len(rows) - 1) * prompts * samples
