@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"[%(asctime)s][{args.identifier} rank {rank}][%(levelname)s] %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per heartbeat otherwise
     log = logging.getLogger("launch.train_worker")
     import httpx
     import torch
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # the server may be restarting: keep trying
                 log.warning("heartbeat: %s", exc)
 
-    threading.Thread(target=heartbeat, daemon=True, name="heartbeat").start()
+    beating = threading.Thread(target=heartbeat, daemon=True, name="heartbeat")
+    beating.start()
     code = 0
     try:
         if rank == 0:
@@ -125,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rank %d: trainer group broke: %s", rank, exc)
         code = 1
     stop.set()
+    beating.join(args.heartbeat_s + 1.0)  # no heartbeat thread writing while the interpreter exits
     if trainer.broken is not None:
         log.error("rank %d: %s", rank, trainer.broken)
+    elif code == 0:
+        dist.destroy_process_group()  # every rank stopped together: a clean gloo/NCCL teardown
     return code
 
 

@@ -77,6 +77,12 @@ def start_workers(url: str, identifier: str, tmp_path: Path, backend: str = "fsd
     )
 
 
+def workers_log_tail(tmp_path: Path, identifier: str, lines: int = 40) -> str:
+    """The end of a worker group's log, for an assertion message (CI keeps no files)."""
+    text = (tmp_path / f"workers_{identifier}.log").read_text(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def connect(url: str, identifier: str, model_dir: str, recv_timeout_ms: int = 120_000) -> TrainGroupClient:
     control = ApiServerControl(url, TOKEN, identifier, heartbeat_timeout_s=2.0)
     info = control.wait_ready(120)
@@ -164,7 +170,10 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
     finally:
         stop_group(student, api_server, "student")
         stop_group(teacher, api_server, "teacher")
-    assert student.returncode == 0 and teacher.returncode == 0
+    for proc, name in ((student, "student"), (teacher, "teacher")):
+        assert proc.returncode == 0, f"{name} group exit {proc.returncode}:\n" + workers_log_tail(
+            tmp_path, name
+        )
 
 
 def test_requests_without_the_token_are_refused(api_server: str) -> None:
@@ -219,7 +228,7 @@ def test_a_run_trains_through_a_standalone_service(api_server: str, tmp_path: Pa
         assert (run_dir / "checkpoints" / "global_step_50" / "optimizer" / "rank_1.pt").exists()
     finally:
         stop_group(group, api_server, "actor")
-    assert group.returncode == 0
+    assert group.returncode == 0, workers_log_tail(tmp_path, "actor")
 
 
 def test_a_run_without_the_token_stops_before_training(tmp_path: Path) -> None:

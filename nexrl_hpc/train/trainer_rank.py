@@ -27,6 +27,7 @@ from nexrl_hpc.train.local_engine import LocalTrainEngine
 from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
 
 logger = logging.getLogger(__name__)
+_STOPPED: dict[str, Any] = {"ok": True, "error": None}
 _MAX_PENDING = 4  # batches held between their ACK and their execute signal
 
 
@@ -114,6 +115,9 @@ class TrainerRank:
         if self.broken is None:
             try:
                 self.comm.broadcast_header({"op": "stop"})
+                # every follower answers before rank 0 exits: an exit racing the followers' reads
+                # could reset the connection under a stop they have not read yet (exit 1 there)
+                self.comm.gather_status(_STOPPED)
             except Exception as exc:  # a follower already gone: nothing to stop there
                 logger.warning("trainer group stop: %s", exc)
 
@@ -256,6 +260,7 @@ class TrainerRank:
         while True:
             header = self.comm.broadcast_header(None)
             if header["op"] == "stop":
+                self.comm.gather_status(_STOPPED)
                 return
             if header["op"] == "tick":
                 continue
