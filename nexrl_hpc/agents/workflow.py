@@ -217,6 +217,9 @@ class MultiTurnWorkflow(Workflow):
     token limit, or the episode's response — completions plus environment tokens after the first
     prompt — longer than ``max_response_length``) or MAX_PROMPT_LENGTH_EXCEEDED (a turn's prompt
     longer than ``max_prompt_length``). ``sampling`` are per-call kwargs for the rollout engine.
+    ``score_truncated``: a turn cut off by a length limit still goes to ``env.step`` (its reward
+    is kept, the episode still ends), so an env with shaped rewards can score a model that has not
+    yet learnt to stop; by default the cut-off turn earns nothing.
     """
 
     def __init__(
@@ -232,6 +235,7 @@ class MultiTurnWorkflow(Workflow):
         max_response_length: int | None = None,
         max_prompt_length: int | None = None,
         sampling: dict[str, Any] | None = None,
+        score_truncated: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(rollout_engine, **kwargs)
@@ -251,6 +255,7 @@ class MultiTurnWorkflow(Workflow):
         self.max_response_length = max_response_length
         self.max_prompt_length = max_prompt_length
         self.sampling = dict(sampling or {})
+        self.score_truncated = score_truncated
 
     async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode | None:
         self.reset(task=task, uid=uid)
@@ -268,6 +273,9 @@ class MultiTurnWorkflow(Workflow):
             if output.finish_reason == "length" or (
                 self.max_response_length is not None and response_length > self.max_response_length
             ):
+                if self.score_truncated:  # the env still scores the cut-off turn (shaped rewards)
+                    observation, reward, _, info = await self.run_in_executor(self.env.step, action.action)
+                    self.agent.update_from_env(observation, reward, True, info)
                 raise TerminationEvent(TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED)
             observation, reward, done, info = await self.run_in_executor(self.env.step, action.action)
             self.agent.update_from_env(observation, reward, done, info)

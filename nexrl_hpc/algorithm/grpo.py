@@ -47,6 +47,7 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "train/num_groups": int(groups.max()) + 1,
             "train/zero_std_group_frac": adv_stats["zero_std_group_frac"],
         }
+        metrics.update(score_means(batch.values.get("scores"), "train/"))
         metadata = dict(batch.metadata)
         metadata.update(
             metrics=metrics,
@@ -59,6 +60,20 @@ class GRPOProcessor(BaseAlgorithmProcessor):
 
     def _fit(self, batch: Batch, update_fn: str) -> None:
         self._put_batch(self.compute(batch), update_fn)
+
+
+def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> dict[str, float]:
+    """Each numeric ``scores`` entry (per-episode numbers a rollout worker attached: accuracy,
+    turns, tool calls, termination reasons) averaged over the trajectories that carry it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for row in scores or []:
+        for key, value in (row or {}).items():
+            if key == "reward" or not isinstance(value, (int, float)):
+                continue  # reward has its own metrics
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
 
 
 def _task_fields(batch: Batch) -> list[dict]:

@@ -74,6 +74,12 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
     _check_callable(cfg, "rollout_worker.reward_fn", 2, problems)
     _check_callable(cfg, "task.reward_fn", 2, problems)
+    if g_safe(cfg, "rollout_worker.type") == "agent" and isinstance(
+        g_safe(cfg, "rollout_worker.agent"), Mapping
+    ):
+        from nexrl_hpc.rollout.agent import agent_config_problems  # agents: only when configured
+
+        problems += agent_config_problems(cfg)
     if g_safe(cfg, "data.type") == "task" or g_safe(cfg, "validate.data.type") == "task":
         if g_safe(cfg, "task.generator") is None:
             problems.append(

@@ -13,6 +13,7 @@ from nexrl_hpc.config.constraints import Ge, Gt, Le
 
 class TokenizerConfig(TypedDict):
     alphabet: str  # characters of the char-level tokenizer (special tokens are added)
+    chat_template: str | None  # Jinja chat template (agent workflows send chat requests); null: none
 
 
 class TinyModelConfig(TypedDict):
@@ -61,8 +62,27 @@ class ValKwargs(TypedDict):
     top_p: Annotated[float, Gt(0.0), Le(1.0)]
 
 
+class AgentRolloutConfig(TypedDict):
+    """rollout_worker.type=agent: one workflow episode per task (seed 004's agent model)."""
+
+    workflow: str  # "module:Class", a nexrl_hpc.agents.workflow.Workflow subclass
+    agent_cls: str  # "module:Class", a BaseAgent subclass (workflow arg agent_cls)
+    env_cls: str  # "module:Class", a BaseEnv subclass (workflow arg env_cls)
+    agent_args: dict  # constructor kwargs of agent_cls
+    env_args: dict  # env_cls.from_dict args; reward_fn defaults to rollout_worker.reward_fn
+    tools: list[str]  # registry tool names given to agent and env (when they take ``tools``)
+    tool_map: dict  # tool name -> "module:Class" given to agent and env (when they take ``tool_map``)
+    max_turns: Annotated[int, Ge(1)]  # model turns per episode (workflow max_steps)
+    max_episode_length: Annotated[int, Ge(1)] | None  # tokens after the first prompt; null: no limit
+    gamma: Annotated[float, Ge(0.0), Le(1.0)]  # discount of the per-step Monte Carlo returns
+    reward_bonus_coeff: float
+    timeout_s: Annotated[float, Gt(0.0)] | None  # wall time of one episode; null: no limit
+    retry_limit: Annotated[int, Ge(1)]  # attempts per episode; only ERROR episodes are retried
+    workflow_args: dict  # more kwargs of the workflow class
+
+
 class RolloutWorkerConfig(TypedDict):
-    type: Literal["simple", "single_turn"]
+    type: Literal["simple", "single_turn", "agent"]
     num_workers: Annotated[int, Ge(1)]
     max_concurrency: Annotated[int, Ge(1)]
     fetch_size: Annotated[int, Ge(1)]  # tasks taken from the loader per call (spreads a batch over workers)
@@ -72,6 +92,7 @@ class RolloutWorkerConfig(TypedDict):
     max_response_length: Annotated[int, Ge(1)]
     reward_fn: str
     val_kwargs: ValKwargs
+    agent: AgentRolloutConfig
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)

@@ -17,7 +17,7 @@ def create_llm_client(config: RLTrainConfig, base_url: str | None, api_key: str 
             from nexrl_hpc.models.tokenizer import build_char_tokenizer
 
             tokenizer = build_char_tokenizer(
-                model["tiny"]["tokenizer"]["alphabet"]
+                model["tiny"]["tokenizer"]["alphabet"], model["tiny"]["tokenizer"].get("chat_template")
             )  # the ids the run's model uses
         else:
             from nexrl_hpc.models.tiny import load_tokenizer

@@ -22,7 +22,7 @@ from nexrl_hpc.models.tokenizer import build_char_tokenizer
 
 def build_tiny_model(cfg: TinyModelConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Random-init Llama with untied input/output embeddings (so inference engines reload lm_head)."""
-    tokenizer = build_char_tokenizer(cfg["tokenizer"]["alphabet"])
+    tokenizer = build_char_tokenizer(cfg["tokenizer"]["alphabet"], cfg["tokenizer"].get("chat_template"))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg["hidden_size"],

@@ -9,8 +9,11 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """One token per character of ``alphabet`` plus pad/bos/eos/unk; BOS is prepended on encode.
+
+    ``chat_template`` (Jinja) lets the inference server answer chat requests, which agent
+    workflows send; without one the server only serves ``/v1/completions``.
 
     Save it with ``save_pretrained`` and load it back with ``PreTrainedTokenizerFast.from_pretrained``
     (``AutoTokenizer`` on some model types picks a slow tokenizer class that drops spaces).
@@ -23,7 +26,7 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
         bos_token=BOS,
@@ -32,3 +35,6 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer

@@ -16,4 +16,8 @@ def rollout_worker_class(config: RLTrainConfig) -> type[BaseRolloutWorker]:
         from nexrl_hpc.rollout.simple import SimpleRolloutWorker
 
         return SimpleRolloutWorker
+    if kind == "agent":
+        from nexrl_hpc.rollout.agent import AgentRolloutWorker
+
+        return AgentRolloutWorker
     raise ValueError(f"rollout_worker.type={kind!r} is not a known worker")
