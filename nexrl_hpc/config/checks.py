@@ -74,6 +74,8 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
     _check_callable(cfg, "rollout_worker.reward_fn", 2, problems)
     _check_callable(cfg, "task.reward_fn", 2, problems)
+    if g_safe(cfg, "model.path") is None:
+        _check_callable(cfg, "model.tiny.warmup", 3, problems)
     if g_safe(cfg, "rollout_worker.type") == "agent" and isinstance(
         g_safe(cfg, "rollout_worker.agent"), Mapping
     ):

@@ -27,6 +27,7 @@ class TinyModelConfig(TypedDict):
     tie_word_embeddings: bool
     init_seed: int
     tokenizer: TokenizerConfig
+    warmup: str | None  # "module:function"(model, tokenizer, seed) run on the fresh model; null: none
 
 
 class ModelConfig(TypedDict):

@@ -53,6 +53,13 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
     ):
         return out_dir
     model, tokenizer = build_tiny_model(cfg["tiny"])
+    warmup = cfg["tiny"].get("warmup")
+    if warmup:  # e.g. a task's syntax warm-up: RL post-training starts from a model that can write the format
+        from nexrl_hpc.core.imports import load_object
+
+        with torch.random.fork_rng(devices=[]):
+            load_object(warmup)(model, tokenizer, cfg["tiny"]["init_seed"])
+        model.eval()
     hf_logging.disable_progress_bar()
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
