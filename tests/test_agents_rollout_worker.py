@@ -173,6 +173,7 @@ def test_validation_goes_to_the_validator_with_greedy_sampling() -> None:
             "rollout_worker.agent.env_args.reward_fn",
         ),
         ("model.tiny.tokenizer.chat_template=null", "model.tiny.tokenizer.chat_template"),
+        ("model.tiny.warmup=nexrl_hpc.tasks.tool_lookup:no_such_fn", "model.tiny.warmup"),
         ("rollout_worker.agent.max_turns=0", "rollout_worker.agent.max_turns"),
     ],
 )
