@@ -22,9 +22,9 @@ from nexrl_hpc.rollout.factory import rollout_worker_class
 from tests.conftest import compose_config
 
 TASK = {
-    "prompt": "2",
-    "key": "2",
-    "table": {"0": "1", "1": "0", "2": "3", "3": "0"},
+    "prompt": "c",
+    "key": "c",
+    "table": {"a": "1", "b": "0", "c": "3", "d": "0"},
     "answer": "3",
     "uid": "u0",
     "group_id": "g0",
@@ -89,25 +89,25 @@ def make_worker(
 
 
 def test_tool_episode_trajectory_fields_exactly() -> None:
-    worker, client, pool, validator, tok = make_worker(["<k>2</k>", "3"])
+    worker, client, pool, validator, tok = make_worker(["<k>c</k>", "3"])
     assert asyncio.run(worker.step(dict(TASK))) == "success"
     assert validator.items == []
     (traj,) = pool.items
     eos = tok.eos_token_id
     ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
-    assert traj["prompt_ids"] == ids("2")
-    assert traj["response_ids"] == ids("<k>2</k>") + [eos] + ids("<r>3</r>") + ids("3") + [eos]
+    assert traj["prompt_ids"] == ids("c")
+    assert traj["response_ids"] == ids("<k>c</k>") + [eos] + ids("=3") + ids("3") + [eos]
     # model tokens (call + EOS, answer + EOS) train; the tool result does not
-    assert traj["loss_mask"] == [1] * 9 + [0] * 8 + [1] * 2
+    assert traj["loss_mask"] == [1] * 9 + [0] * 2 + [1] * 2
     assert traj["behaviour_log_probs"] == pytest.approx(
-        [-0.1 - i / 100 for i in range(9)] + [0.0] * 8 + [-0.2, -0.21]
+        [-0.1 - i / 100 for i in range(9)] + [0.0] * 2 + [-0.2, -0.21]
     )
     assert traj["weight_version"] == 3 and traj["model_tag"] == "default"
-    assert traj["reward"] == pytest.approx(1.0)  # the task config: reward = answer correctness
-    assert traj["step_rewards"] == pytest.approx([0.0, 1.0])
-    assert traj["step_returns"] == pytest.approx([0.0, 1.0])  # gamma 0: each step's own reward
-    assert traj["step_spans"] == [[0, 9], [17, 19]]
-    assert traj["token_rewards"] == [0.0] * 18 + [1.0]
+    assert traj["reward"] == pytest.approx(1.0)  # the task config: 0.5 right call + 0.5 faithful answer
+    assert traj["step_rewards"] == pytest.approx([0.5, 0.5])
+    assert traj["step_returns"] == pytest.approx([0.5, 0.5])  # gamma 0: each step's own reward
+    assert traj["step_spans"] == [[0, 9], [11, 13]]
+    assert traj["token_rewards"] == [0.0] * 8 + [0.5] + [0.0] * 3 + [0.5]
     assert traj["termination_reason"] == "env_done" and traj["finish_reason"] == "stop"
     scores = traj["scores"]
     assert scores["is_correct"] == 1.0 and scores["num_turns"] == 2.0
@@ -116,34 +116,40 @@ def test_tool_episode_trajectory_fields_exactly() -> None:
     assert traj["uid"] == "u0" and traj["group_id"] == "g0" and traj["answer"] == "3"  # task fields kept
     # training sampling (temperature 1, per-turn max_tokens 9) reached the client
     assert [(r["temperature"], r["max_tokens"]) for r in client.requests] == [(1.0, 9), (1.0, 9)]
-    assert client.requests[1]["messages"][-1] == {"role": "user", "content": "<r>3</r>"}
+    assert client.requests[1]["messages"][-1] == {"role": "user", "content": "=3"}
 
 
-def test_shaped_call_reward_and_discounted_returns() -> None:
+def test_call_reward_split_and_discounted_returns() -> None:
     overrides = ("rollout_worker.agent.env_args.call_reward=0.3", "rollout_worker.agent.gamma=0.5")
-    worker, _, pool, _, _ = make_worker(["<k>2</k>", "3"], overrides)
+    worker, _, pool, _, _ = make_worker(["<k>c</k>", "3"], overrides)
     asyncio.run(worker.step(dict(TASK)))
     (traj,) = pool.items
     assert traj["step_rewards"] == pytest.approx([0.3, 0.7]) and traj["reward"] == pytest.approx(1.0)
     assert traj["step_returns"] == pytest.approx([0.3 + 0.5 * 0.7, 0.7])
-    assert traj["token_rewards"][8] == pytest.approx(0.3) and traj["token_rewards"][18] == pytest.approx(0.7)
+    assert traj["token_rewards"][8] == pytest.approx(0.3) and traj["token_rewards"][12] == pytest.approx(0.7)
 
 
-def test_wrong_format_is_one_turn_with_shaped_reward() -> None:
-    overrides = ("rollout_worker.agent.env_args.call_reward=0.3",)
-    worker, _, pool, _, _ = make_worker(
-        ["<k>2>"], overrides
-    )  # a 4-token prefix of the 9 target tokens, then EOS too early
+def test_malformed_call_ends_the_episode_with_no_reward() -> None:
+    worker, _, pool, _, _ = make_worker(["<k>c>"])  # unclosed call, EOS too early
     asyncio.run(worker.step(dict(TASK)))
     (traj,) = pool.items
     assert traj["loss_mask"] == [1] * 6
-    assert traj["reward"] == pytest.approx(0.3 * 4 / 9)
+    assert traj["reward"] == 0.0 and traj["step_rewards"] == [0.0]
     assert traj["scores"]["is_correct"] == 0.0 and traj["scores"]["num_tool_calls"] == 0.0
     assert traj["scores"]["num_tool_errors"] == 1.0  # the unclosed call
 
 
+def test_a_lookup_error_comes_back_in_the_tag_syntax() -> None:
+    worker, client, pool, _, _ = make_worker(["<k>z</k>", "1"])  # no key z in the table
+    asyncio.run(worker.step(dict(TASK)))
+    (traj,) = pool.items
+    observation = client.requests[1]["messages"][-1]["content"]
+    assert observation.startswith("<r>") and "no key 'z'" in observation, observation
+    assert traj["reward"] == 0.0 and traj["scores"]["is_correct"] == 0.0
+
+
 def test_validation_goes_to_the_validator_with_greedy_sampling() -> None:
-    worker, client, pool, validator, _ = make_worker(["<k>0</k>", "1"])  # looked up the wrong key
+    worker, client, pool, validator, _ = make_worker(["<k>a</k>", "1"])  # looked up the wrong key
 
     async def validate() -> str | None:
         _IS_VALIDATE.set(True)
@@ -151,8 +157,8 @@ def test_validation_goes_to_the_validator_with_greedy_sampling() -> None:
 
     assert asyncio.run(validate()) == "success"
     assert pool.items == [] and len(validator.items) == 1
-    # the wrong key's value, copied faithfully: copy_reward (0.2 in the task config), not correct
-    assert validator.items[0]["reward"] == pytest.approx(0.2)
+    # the wrong key's value, answered faithfully: the answer's half of the reward, not correct
+    assert validator.items[0]["reward"] == pytest.approx(0.5)
     assert validator.items[0]["scores"]["is_correct"] == 0.0
     assert [r["temperature"] for r in client.requests] == [0.0, 0.0]
 

@@ -10,6 +10,7 @@ import torch
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import aggregate, group_index, grpo_advantages, kl_penalty, ppo_clip_loss
 from nexrl_hpc.algorithm.grpo import GRPOProcessor
+from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
 
@@ -123,3 +124,42 @@ def test_grpo_processor_builds_the_training_batch() -> None:
     assert out.values["weight_version"].tolist() == [3, 3, 3, 3]
     assert out.metadata["metrics"]["train/reward_mean"] == 0.25
     assert out.metadata["uid"] == ["a", "a", "b", "b"] and out.metadata["model_tag"] == "default"
+
+
+def test_stepwise_advantages_give_each_turn_its_own_group_normalised_return() -> None:
+    """Two 2-turn episodes and a 1-turn one in a group: turn 1 normalised over all three, turn 2
+    over the two that reached it; environment tokens between turns (masked) get nothing."""
+    cfg = compose_config(["task=tool_lookup", "algorithm.advantage_granularity=step"])
+    proc = GRPOProcessor(cfg, pad_token_id=0)
+    # response: turn 1 = tokens [0, 2), env tokens [2, 3), turn 2 = [3, 4)
+    episodes = [([0.5, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+                ([0.0, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+                ([0.5, 0.0], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+                ([0.0], [[0, 2]], [1, 1])]  # fmt: skip
+    trajs = [
+        {"group_id": "g", "uid": "g", "epoch": 0, "reward": sum(ret), "prompt_ids": [1],
+         "response_ids": [5, 6, 7, 8][: len(mask)], "behaviour_log_probs": [-1.0] * len(mask),
+         "loss_mask": mask, "step_returns": ret, "step_rewards": ret, "step_spans": spans}
+        for ret, spans, mask in episodes
+    ]  # fmt: skip
+    adv = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"})).values["advantages"]
+    t1, _ = grpo_advantages(torch.tensor([0.5, 0.0, 0.5, 0.0]), torch.zeros(4, dtype=torch.long), True, 1e-6)
+    t2, _ = grpo_advantages(torch.tensor([0.5, 0.5, 0.0]), torch.zeros(3, dtype=torch.long), True, 1e-6)
+    expected = torch.tensor(
+        [
+            [t1[0], t1[0], 0.0, t2[0]],
+            [t1[1], t1[1], 0.0, t2[1]],
+            [t1[2], t1[2], 0.0, t2[2]],
+            [t1[3], t1[3], 0.0, 0.0],
+        ]
+    )
+    assert torch.allclose(adv, expected, atol=1e-6), adv
+    # episode 1 (wrong call, faithful answer) has the group's mean total reward: episode-level GRPO
+    # gives it 0 everywhere; step-wise, its call is discouraged and its answer encouraged
+    assert adv[1, 0] < 0 < adv[1, 3]
+
+
+def test_stepwise_advantages_need_agent_rollouts() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["algorithm.advantage_granularity=step"])
+    assert [p.path for p in info.value.problems] == ["algorithm.advantage_granularity"]

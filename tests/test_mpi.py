@@ -105,6 +105,30 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert "last validation" in out, out[-1500:]
 
 
+def test_mpi_agent_episodes_run_on_the_rollout_ranks(tmp_path: Path) -> None:
+    """task=tool_lookup under mpirun -n 4: multi-turn episodes from the rollout ranks reach the trainer.
+
+    (Learning in mpi mode is timed by bench/tool_task.py; this checks the wiring in a few steps.)
+    """
+    run_dir = tmp_path / "agent"
+    proc = subprocess.run(
+        mpirun(4, ["task=tool_lookup", f"run_dir={run_dir}", "seed=1", "train_worker.total_train_steps=4",
+                   "validate.validate_before_train=false", "logger.backend=[]"]),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    steps = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:  # two-turn episodes: a lookup call, then an answer
+        assert r["train/num_turns"] >= 1.9 and r["train/num_tool_calls"] >= 0.9, r
+        assert r["train/termination/env_done"] >= 0.9
+    (val,) = [r for r in rows if "val/reward" in r]  # validate_at_end: the held-out tables
+    assert val["val/num_samples"] == 128 and val["val/num_turns"] >= 1.9
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
+
+
 def failure_run_args(run_dir: Path, policy: str, steps: int) -> list[str]:
     """A short run with a fake LLM, 1 s heartbeats and rollout dumps: the failure tests' run."""
     return [

@@ -40,6 +40,39 @@ def grpo_advantages(
     return adv, stats
 
 
+def stepwise_grpo_advantages(
+    step_returns: list[list[float]],
+    step_spans: list[list[list[int]]],
+    groups: torch.Tensor,
+    response_len: int,
+    norm_by_std: bool,
+    epsilon: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token advantages [B, T] for multi-turn trajectories: turn k's tokens
+    (``step_spans[i][k] = [start, end)`` in the response) get turn k's return normalised like
+    ``grpo_advantages`` over the turn-k returns of the group's episodes that reached turn k.
+
+    Why: one outcome advantage for every turn credits a good call with a bad answer's luck and
+    the other way round; per-turn returns (with the workflow's gamma) separate them.
+    """
+    adv = torch.zeros((len(step_returns), response_len), dtype=torch.float32)
+    zero_std: list[float] = []
+    turns = max((len(r) for r in step_returns), default=0)
+    for k in range(turns):
+        rows = [i for i, r in enumerate(step_returns) if len(r) > k]
+        turn_adv, stats = grpo_advantages(
+            torch.tensor([float(step_returns[i][k]) for i in rows]),
+            group_index([int(groups[i]) for i in rows]),
+            norm_by_std,
+            epsilon,
+        )
+        zero_std.append(stats["zero_std_group_frac"])
+        for i, a in zip(rows, turn_adv.tolist()):
+            start, end = step_spans[i][k]
+            adv[i, start:end] = a
+    return adv, {"zero_std_group_frac": sum(zero_std) / len(zero_std) if zero_std else 0.0}
+
+
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
     log_ratio = log_prob - ref_log_prob

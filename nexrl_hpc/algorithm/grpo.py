@@ -6,7 +6,7 @@ import torch
 
 from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
 from nexrl_hpc.algorithm.batching import pack_trajectories
-from nexrl_hpc.algorithm.core_algos import group_index, grpo_advantages
+from nexrl_hpc.algorithm.core_algos import group_index, grpo_advantages, stepwise_grpo_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.types import Batch
@@ -18,6 +18,7 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         algo = config["algorithm"]
         self._norm_by_std = algo["norm_adv_by_std"]
         self._epsilon = algo["adv_epsilon"]
+        self._per_step = algo["advantage_granularity"] == "step"
         self._group_key = (config["trajectory_pool"]["key_list"] or ["group_id"])[0]
         self._pad_token_id = pad_token_id
 
@@ -26,10 +27,22 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         rewards = torch.tensor([float(r) for r in batch.values["reward"]], dtype=torch.float32)
         keys = batch.values.get(self._group_key) or list(range(len(batch)))
         groups = group_index(keys)
-        adv, adv_stats = grpo_advantages(rewards, groups, self._norm_by_std, self._epsilon)
         tensors = pack_trajectories(batch, self._pad_token_id)
         mask = tensors["response_mask"]
-        tensors["advantages"] = adv[:, None] * mask
+        if self._per_step:
+            token_adv, adv_stats = stepwise_grpo_advantages(
+                _column(batch, "step_returns"),
+                _column(batch, "step_spans"),
+                groups,
+                mask.shape[1],
+                self._norm_by_std,
+                self._epsilon,
+            )
+            tensors["advantages"] = token_adv * mask
+            adv = (token_adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # per-row mean, for metrics
+        else:
+            adv, adv_stats = grpo_advantages(rewards, groups, self._norm_by_std, self._epsilon)
+            tensors["advantages"] = adv[:, None] * mask
         tensors["rewards"] = rewards
         versions = [
             v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))
@@ -74,6 +87,17 @@ def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> di
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
     return {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
+
+
+def _column(batch: Batch, name: str) -> list:
+    """A per-trajectory field the step-wise advantage needs; agent rollouts carry it."""
+    values = batch.values.get(name)
+    if values is None or any(v is None for v in values):
+        raise ValueError(
+            f"algorithm.advantage_granularity=step needs {name!r} on every trajectory "
+            "(rollout_worker.type=agent puts it)"
+        )
+    return list(values)
 
 
 def _task_fields(batch: Batch) -> list[dict]:

@@ -23,7 +23,13 @@ def _get(cfg: Mapping, path: str) -> Any:
     return node
 
 
-def _check_callable(cfg: Mapping, path: str, n_args: int | None, problems: list[ConfigProblem]) -> None:
+def _check_callable(
+    cfg: Mapping,
+    path: str,
+    n_args: int | None,
+    problems: list[ConfigProblem],
+    kwargs: Mapping[str, Any] | None = None,
+) -> None:
     try:
         spec = _get(cfg, path)
     except KeyError:
@@ -45,12 +51,14 @@ def _check_callable(cfg: Mapping, path: str, n_args: int | None, problems: list[
     except (TypeError, ValueError):
         return
     try:
-        sig.bind(*([None] * n_args))
+        sig.bind(*([None] * n_args), **dict(kwargs or {}))
     except TypeError:
+        extra = f" and the keywords {sorted(kwargs)}" if kwargs else ""
         problems.append(
             ConfigProblem(
                 path,
-                f"{spec!r} must accept {n_args} positional arguments, its signature is {spec.split(':')[-1]}{sig}",
+                f"{spec!r} must accept {n_args} positional arguments{extra}, its signature is "
+                f"{spec.split(':')[-1]}{sig}",
             )
         )
 
@@ -75,7 +83,9 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
     _check_callable(cfg, "rollout_worker.reward_fn", 2, problems)
     _check_callable(cfg, "task.reward_fn", 2, problems)
     if g_safe(cfg, "model.path") is None:
-        _check_callable(cfg, "model.tiny.warmup", 3, problems)
+        warmup_args = g_safe(cfg, "model.tiny.warmup_args")
+        kwargs = warmup_args if isinstance(warmup_args, Mapping) else None
+        _check_callable(cfg, "model.tiny.warmup", 3, problems, kwargs)
     if g_safe(cfg, "rollout_worker.type") == "agent" and isinstance(
         g_safe(cfg, "rollout_worker.agent"), Mapping
     ):
@@ -192,6 +202,12 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "algorithm.off_policy_correction",
         f"{g_safe(cfg, 'algorithm.off_policy_correction')} needs the proximal policy's logprobs: "
         "set algorithm.recompute_old_log_prob=true",
+    )
+    check(
+        lambda: g("algorithm.advantage_granularity") != "step" or g("rollout_worker.type") == "agent",
+        "algorithm.advantage_granularity",
+        "step needs per-turn returns, which only rollout_worker.type=agent produces "
+        f"(rollout_worker.type={g_safe(cfg, 'rollout_worker.type')})",
     )
     check(
         lambda: g("algorithm.off_policy_correction") != "tis" or g("algorithm.is_cap") is not None,

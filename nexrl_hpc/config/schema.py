@@ -27,7 +27,8 @@ class TinyModelConfig(TypedDict):
     tie_word_embeddings: bool
     init_seed: int
     tokenizer: TokenizerConfig
-    warmup: str | None  # "module:function"(model, tokenizer, seed) run on the fresh model; null: none
+    warmup: str | None  # "module:function"(model, tokenizer, seed, **warmup_args) run on the fresh model
+    warmup_args: dict[str, Any]  # keyword arguments of the warm-up (e.g. the task's characters)
 
 
 class ModelConfig(TypedDict):
@@ -111,6 +112,7 @@ class AlgorithmConfig(TypedDict):
     type: Literal["grpo"]
     norm_adv_by_std: bool
     adv_epsilon: Annotated[float, Ge(0.0)]
+    advantage_granularity: Literal["episode", "step"]  # step: per-turn returns (agent rollouts)
     recompute_old_log_prob: bool
     off_policy_correction: Literal["none", "decoupled", "tis"]
     is_cap: Annotated[float, Gt(1.0)] | None

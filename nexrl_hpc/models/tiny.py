@@ -58,7 +58,9 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
         from nexrl_hpc.core.imports import load_object
 
         with torch.random.fork_rng(devices=[]):
-            load_object(warmup)(model, tokenizer, cfg["tiny"]["init_seed"])
+            load_object(warmup)(
+                model, tokenizer, cfg["tiny"]["init_seed"], **dict(cfg["tiny"].get("warmup_args") or {})
+            )
         model.eval()
     hf_logging.disable_progress_bar()
     tmp = f"{out_dir}.tmp-{os.getpid()}"

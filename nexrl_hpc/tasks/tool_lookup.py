@@ -1,31 +1,30 @@
-"""The multi-turn tool task: "2" -> call ``<k>2</k>`` -> read ``<r>3</r>`` -> answer "3".
+"""The multi-turn tool task: "c" -> call ``<k>c</k>`` -> read ``=3`` -> answer "3".
 
-Each row hides a fresh table (keys 0-7 -> values 0-7 in the task config); the prompt only names
-a key. The answer exists only in the environment, so it cannot be memorised or guessed better
-than 1 in 8: the model has to look it up (turn 1: exactly ``<k>KEY</k>``, copying the key from the
-prompt, then EOS) and copy the tool's result (turn 2). An episode::
+Each row hides a fresh table (keys ``abcdefgh`` -> values ``01234567`` in the task config); the
+prompt only names a key. The answer exists only in the environment, so it cannot be memorised or
+guessed better than 1 in 8: the model has to look it up (turn 1: exactly ``<k>KEY</k>`` then EOS,
+copying the key from the prompt) and answer with the tool's result (turn 2). An episode::
 
-    2<k>2</k></s><r>3</r>3</s>        (prompt, model, tool result, model)
+    c<k>c</k></s>=3 3</s>        (prompt, model, tool result, model; no space in the real text)
 
-``copy_reward`` (task config: 0.2) is partial credit for answering the value the tool returned
-when the wrong key was looked up: copying the result is learnt first, then the key (why: with
-both random the full reward is 1 in 64 and neither skill gets credit alone).
+The call is parsed by ToolAgent's tag syntax (``nexrl_hpc.agents.tool_format``); the result comes
+back as ``=VALUE`` (``LookupAgent``: a char model uses the result by copying the token it is
+reading). Keys and values are different characters, so the prompt's key is the one letter in
+sight when the call is written.
 
-The fresh tiny model is first taught the syntax only (``format_warmup``: random contents, a few
-seconds); RL then has to learn to use the tool: put the prompt's key in the call and copy the
-result. The task config sets ``call_reward: 0``: the reward is answer correctness (1/0), which
-starts near chance (1/8 with values 0-7).
+Reward (sums to 1.0), one credit per skill so each is learnt from its own signal:
 
-Reward (sums to 1.0):
+* turn 1, ``call_reward``: the call ``<k>KEY</k>`` + EOS for the prompt's key. A well-formed call
+  for another key earns nothing but still runs (turn 2 happens); a malformed turn (a tool error
+  observation is not needed: nothing could be looked up) ends the episode with reward 0.
+* turn 2, ``1 - call_reward``: the answer starts with the value the tool returned. Right call and
+  faithful answer = the correct answer; ``is_correct`` (the task's ``reward_fn`` against the
+  row's true answer) is reported next to the reward.
 
-* turn 1 is one well-formed ``<k>...</k>`` call ended by EOS: ``call_reward``, the lookup
-  runs and the model gets turn 2; anything else ends the episode with ``call_reward`` times the
-  fraction of the 9 target tokens (the call for this key + EOS) it got right from the start.
-  Why shaped: a randomly initialised char model never writes a 9-token call by chance; prefix
-  credit lets GRPO learn it token after token.
-* turn 2 starts with the looked-up key's value: ``1 - call_reward``, via the task's ``reward_fn``
-  (prefix match). A model that always looks up one fixed key (8 keys, 8 values) is right
-  1/8 + 7/8 * 1/8 = 23% of the time: reaching 0.7 needs the key copied.
+Why not answer correctness alone: with both skills at chance that reward is 1 in 64 and a credit
+that needs both copies at once taught neither in 60 steps (measured). The fresh tiny model is
+first taught the syntax only (``format_warmup``); the warmed-up model calls a key and answers a
+value at chance (reward ~0.13), and RL learns both copies.
 """
 
 from __future__ import annotations
@@ -63,43 +62,81 @@ def generate_splits(params: dict[str, Any], seed: int) -> dict[str, list[dict[st
     }
 
 
-def format_warmup(model: Any, tokenizer: Any, seed: int, steps: int = 120, batch_size: int = 32) -> None:
-    """Teach the fresh model the episode SYNTAX only: ``<k>X</k>`` EOS, then one value EOS.
+def format_warmup(
+    model: Any,
+    tokenizer: Any,
+    seed: int,
+    keys: str,
+    values: str,
+    steps: int = 120,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    spread: float = 0.3,
+) -> None:
+    """Teach the fresh model the episode SYNTAX only: ``<k>KEY</k>`` EOS, then one value and EOS.
 
     Why: RL post-training starts from a model that can already write the format; a randomly
-    initialised char model never writes a 9-token call by chance. The demonstrations' contents are
-    random and unrelated (the called key ignores the prompt, the answer ignores the tool result),
-    so the warmed-up model is right only by chance (1 in len(values)); copying the key into the
-    call and the result into the answer is what RL has to learn. Loss on the model's turns only.
+    initialised char model never writes a 9-token call by chance. What it must not learn here is
+    *which* key to call or *which* value to answer: those two positions are trained mainly to hold
+    some key / some value (loss ``-log P(any key)``, ``-log P(any value)``), which leaves the choice
+    among them to the context. (Training them on random contents instead teaches the model that
+    the context does not matter there, and GRPO then needed far more steps to learn the copies.)
+    ``spread`` adds that weight times the members' mean log-probability relative to the set: without
+    it the position collapsed onto one key, and a group whose samples all call the same key gives
+    GRPO no signal. So the warmed-up model calls a key and answers a value at about chance; RL has
+    to learn to copy the prompt's key into the call and the tool's result into the answer.
     """
     import torch
 
     vocab = tokenizer.get_vocab()
-    digits = sorted(c for c in vocab if len(c) == 1 and c.isdigit())
+    missing = sorted(set(keys + values) - set(vocab))
+    if missing:
+        raise ValueError(
+            f"the tokenizer has no token for {missing} (task.alphabet must hold keys and values)"
+        )
     eos = tokenizer.eos_token_id
+    sets = {
+        "key": torch.tensor([vocab[c] for c in keys]),
+        "value": torch.tensor([vocab[c] for c in values]),
+    }
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    # (text, how the model's next-token prediction of each of its tokens is trained)
+    template = [("P", None), (f"<{TOOL}>", "token"), ("Q", "key"), (f"</{TOOL}>", "token"), (None, "token"),
+                ("=V", None), ("A", "value"), (None, "token")]  # fmt: skip
 
-    def episode() -> tuple[list[int], list[int]]:
-        p, q, v, a = (rng.choice(digits) for _ in range(4))
-        parts = [(p, 0), (f"<{TOOL}>{q}</{TOOL}>", 1), (None, 1), (f"<r>{v}</r>", 0), (a, 1), (None, 1)]
+    def episode() -> tuple[list[int], list[str | None]]:
+        fill = {
+            "P": rng.choice(keys),
+            "Q": rng.choice(keys),
+            "V": rng.choice(values),
+            "A": rng.choice(values),
+        }
         ids: list[int] = []
-        mask: list[int] = []
-        for text, trained in parts:
-            tokens = [eos] if text is None else [vocab[c] for c in text]
-            ids += tokens
-            mask += [trained] * len(tokens)
-        return ids, mask
+        how: list[str | None] = []
+        for text, kind in template:
+            chars = [eos] if text is None else [vocab[fill.get(c, c)] for c in text]
+            ids += chars
+            how += [kind] * len(chars)
+        return ids, how
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         rows = [episode() for _ in range(batch_size)]
         ids = torch.tensor([r[0] for r in rows])  # every episode has the same length
-        mask = torch.tensor([r[1] for r in rows], dtype=torch.float32)[:, 1:]
-        logits = model(ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (loss * mask).sum() / mask.sum()
+        how = [r[1][1:] for r in rows]  # what predicts token t sits at position t - 1
+        logp = torch.log_softmax(model(ids).logits[:, :-1], dim=-1)
+        terms = []
+        for b, kinds in enumerate(how):
+            for t, kind in enumerate(kinds):
+                if kind == "token":
+                    terms.append(logp[b, t, ids[b, t + 1]])
+                elif kind is not None:  # any member of the set: log of their summed probability
+                    member = logp[b, t, sets[kind]]
+                    in_set = torch.logsumexp(member, dim=0)
+                    terms.append(in_set + spread * (member - in_set).mean())
+        loss = -torch.stack(terms).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -128,7 +165,15 @@ class LookupTool(Tool):
 
 
 class LookupAgent(ToolAgent):
-    """ToolAgent whose action also carries the raw text and finish reason (the env's shaping reads them)."""
+    """ToolAgent whose action also carries the raw text and finish reason (the env's shaping reads
+    them) and that shows a successful lookup as ``=VALUE`` (errors keep the tag syntax)."""
+
+    def format_observation(self, observation: Any, first: bool) -> list[dict[str, Any]]:
+        outputs = observation.get("tool_outputs") if isinstance(observation, dict) else None
+        if not first and outputs and all(not o.get("error") for o in outputs):
+            content = "".join(f"={o['output']}" for o in outputs)
+            return [{"role": self.observation_role, "content": content}]
+        return super().format_observation(observation, first)
 
     def parse_action(self, text: str, output: ModelOutput | None) -> tuple[Any, str]:
         calls, thought = super().parse_action(text, output)
@@ -136,36 +181,18 @@ class LookupAgent(ToolAgent):
         return {"calls": calls, "text": text, "finish_reason": finish_reason}, thought
 
 
-def call_similarity(text: str, stopped: bool, target: str) -> float:
-    """Fraction of ``target`` + EOS that ``text`` gets right from the start (EOS counts after the whole target).
-
-    Why a prefix and not per-position matches: per-position credit rewards repeating one
-    character (``<<<<<<<<<`` hits two of nine), an attractor a tiny model collapses into; a
-    prefix is learnt token after token along the call's own order.
-    """
-    hits = 0
-    for a, b in zip(text, target):
-        if a != b:
-            break
-        hits += 1
-    hits += int(hits == len(target) and stopped and len(text) == len(target))
-    return hits / (len(target) + 1)
-
-
 class LookupEnvironment(ToolEnvironment):
-    """Turn 1: the lookup call (shaped credit otherwise); turn 2: the answer. See the module docstring."""
+    """Turn 1: the lookup call; turn 2: the answer. Rewards: see the module docstring."""
 
-    def __init__(self, call_reward: float = 0.3, copy_reward: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, call_reward: float = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name, value in (("call_reward", call_reward), ("copy_reward", copy_reward)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if not 0.0 <= call_reward <= 1.0:
+            raise ValueError(f"call_reward must be in [0, 1], got {call_reward}")
         if TOOL not in self.tools.tools or not isinstance(self.tools.tools[TOOL], LookupTool):
             raise ValueError(
                 f"LookupEnvironment needs tool_map {{{TOOL}: LookupTool}}; got {self.tools.names}"
             )
         self.call_reward = call_reward
-        self.copy_reward = copy_reward
         self.turn = 0
         self.looked_up: str | None = None
 
@@ -173,7 +200,7 @@ class LookupEnvironment(ToolEnvironment):
     def from_dict(cls, env_args: dict[str, Any]) -> LookupEnvironment:
         """ToolEnvironment's keys plus ``call_reward``; every other key is the task."""
         args = dict(env_args)
-        known = {"tools", "tool_map", "reward_fn", "max_tool_calls", "call_reward", "copy_reward"}
+        known = {"tools", "tool_map", "reward_fn", "max_tool_calls", "call_reward"}
         task = {k: v for k, v in args.items() if k not in known}
         return cls(task=task or None, **{k: v for k, v in args.items() if k in known})
 
@@ -194,6 +221,7 @@ class LookupEnvironment(ToolEnvironment):
         self.turn += 1
         text, stopped = str(action["text"]), action["finish_reason"] == "stop"
         calls: list[ToolCall] = action["calls"]
+        target = f"<{TOOL}>{self.task['key']}</{TOOL}>"  # type: ignore[index]
         if self.turn == 1:
             self.num_tool_errors += sum(c.name == TOOL_CALL_ERROR for c in calls)
             lookups = [c for c in calls if c.name == TOOL]
@@ -204,17 +232,17 @@ class LookupEnvironment(ToolEnvironment):
                 observation, _, _, info = super().step(lookups)
                 result = observation["tool_outputs"][0]
                 self.looked_up = None if result.get("error") else str(result.get("output"))
+                reward = self.call_reward * float(text == target)
                 # not correct (yet): an episode cut off before the answer must not count as solved
-                return observation, self.call_reward, False, {**info, "is_correct": False}
-            target = f"<{TOOL}>{self.task['key']}</{TOOL}>"  # type: ignore[index]
-            reward = self.call_reward * call_similarity(text, stopped, target)
-            return {}, reward, True, {**self._counts(), "is_correct": False}
+                return observation, reward, False, {**info, "is_correct": False}
+            # no partial credit: a malformed call scoring above a well-formed call for the wrong
+            # key drove the model into malformed calls (measured)
+            return {}, 0.0, True, {**self._counts(), "is_correct": False}
         answer = [c for c in calls if c.name == FINISH_TOOL]
-        observation, reward, _, info = super().step(
+        observation, _, _, info = super().step(  # scores the answer against the row: is_correct
             answer or [ToolCall(name=FINISH_TOOL, arguments={"response": text})]
         )
         given = str(info.get("answer", ""))
-        if reward <= 0 and self.looked_up is not None and given.startswith(self.looked_up):
-            reward = self.copy_reward  # faithful to the tool, but the wrong key was looked up
-            info["copied_wrong_lookup"] = True
-        return observation, (1.0 - self.call_reward) * reward, True, info
+        faithful = self.looked_up is not None and given.startswith(self.looked_up)
+        info["faithful_to_tool"] = faithful
+        return observation, (1.0 - self.call_reward) * float(faithful), True, info
