@@ -19,7 +19,7 @@ from tests.conftest import run_train
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 60
+STEPS = 80  # the task's default; validation reward ~0.75-0.85 from step 50-60 on (bench/tool_task.py)
 
 
 def test_tool_lookup_task_learns_to_call_the_tool_then_answer(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_tool_lookup_task_learns_to_call_the_tool_then_answer(tmp_path: Path) ->
     train = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     val = [(r["step"], r["val/reward"], r["val/is_correct"]) for r in rows if "val/reward" in r]
-    assert [v[0] for v in val] == [0, 20, 40, 60], val
+    assert [v[0] for v in val] == [0, 20, 40, 60, 80], val
     assert val[0][1] <= 0.3 and val[0][2] <= 0.3, val  # the warmed-up model: syntax, chance contents
     assert val[-1][1] >= 0.7 and val[-1][2] >= 0.5, val
     end = train[-1]

@@ -130,6 +130,19 @@ def test_single_turn_math_workflow() -> None:
         SingleTurnWorkflow(model, agent_cls=MathAgent, env_cls=SingleTurnEnvironment, max_steps=3)
 
 
+def test_a_length_cut_turn_earns_nothing_unless_score_truncated() -> None:
+    """A single-token answer task served with max_tokens=1 always ends by length: by default the
+    cut-off turn is not scored; ``score_truncated=True`` still lets the env score it."""
+    for score_truncated, reward in ((False, 0.0), (True, 1.0)):
+        wf = SingleTurnWorkflow(
+            ScriptedModel([("7", "length")]), agent_cls=MathAgent, env_cls=SingleTurnEnvironment,
+            env_args={"reward_fn": exact_answer}, score_truncated=score_truncated,
+        )  # fmt: skip
+        episode = run(wf.run_with_termination_handling(TASK, "t0"))
+        assert episode.termination_reason == TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
+        assert episode.trajectories[0].reward == reward and bool(episode.is_correct) == bool(reward)
+
+
 def test_two_turn_tool_episode() -> None:
     model = ScriptedModel(["<calculator>3+4</calculator>", "7"])
     episode = run(tool_workflow(model).run_with_termination_handling(TASK, "t0"))
