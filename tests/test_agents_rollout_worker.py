@@ -180,6 +180,7 @@ def test_validation_goes_to_the_validator_with_greedy_sampling() -> None:
         ),
         ("model.tiny.tokenizer.chat_template=null", "model.tiny.tokenizer.chat_template"),
         ("model.tiny.warmup=nexrl_hpc.tasks.tool_lookup:no_such_fn", "model.tiny.warmup"),
+        ("+model.tiny.warmup_args.bogus=1", "model.tiny.warmup"),  # a keyword it does not take
         ("rollout_worker.agent.max_turns=0", "rollout_worker.agent.max_turns"),
     ],
 )

@@ -68,10 +68,10 @@ def format_warmup(
     seed: int,
     keys: str,
     values: str,
-    steps: int = 120,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    spread: float = 0.3,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    spread: float,
 ) -> None:
     """Teach the fresh model the episode SYNTAX only: ``<k>KEY</k>`` EOS, then one value and EOS.
 
@@ -184,7 +184,7 @@ class LookupAgent(ToolAgent):
 class LookupEnvironment(ToolEnvironment):
     """Turn 1: the lookup call; turn 2: the answer. Rewards: see the module docstring."""
 
-    def __init__(self, call_reward: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, call_reward: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not 0.0 <= call_reward <= 1.0:
             raise ValueError(f"call_reward must be in [0, 1], got {call_reward}")
