@@ -380,7 +380,9 @@ class NexRLController:
         if dead_modules:
             self._check_module_exceptions()  # a crash that was reported names its cause
             silent = self.runtime.ranks_only_hosting(dead_modules)  # nothing on them answers
-            where = ", ".join(f"{name} ({self.runtime.location(name)})" for name in dead_modules)
+            where = ", ".join(
+                f"{name} ({self.runtime.location(name)}{self._served_at(name)})" for name in dead_modules
+            )
             if silent:
                 reason = "; ".join(
                     f"{self.runtime.describe_rank(r)} stopped answering: health checks timed out"
@@ -393,6 +395,16 @@ class NexRLController:
             finally:
                 for rank in silent:
                     self.runtime.retire_rank(rank, reason)
+
+    def _served_at(self, name: str) -> str:
+        """For an inference service: ``, server <url> (pid, log)`` — which server died, for the message."""
+        for service in self._inference_services:
+            try:
+                if execute(service.get_module_name) == name:
+                    return f", server {execute(service.describe)}"
+            except Exception:  # its rank is gone too: the location says enough
+                return ""
+        return ""
 
     def _lose_modules(self, names: list[str], reason: str) -> None:
         """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
