@@ -402,8 +402,8 @@ class NexRLController:
             try:
                 if execute(service.get_module_name) == name:
                     return f", server {execute(service.describe)}"
-            except Exception:  # its rank is gone too: the location says enough
-                return ""
+            except Exception:  # that service's rank is gone: the location says enough
+                continue
         return ""
 
     def _lose_modules(self, names: list[str], reason: str) -> None:
