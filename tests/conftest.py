@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,8 +60,31 @@ def run_train(
     )
 
 
+@pytest.fixture
+def slurm_env(slurm_cluster: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The dev cluster's environment for one test; afterwards no job of the test is left behind.
+
+    Why: a job cancelled while it was requeueing itself stayed in the queue and kept requeueing
+    (49 restarts of a 2-minute job in one suite run), eating the CPU the later tests were timed on.
+    """
+    yield slurm_cluster
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        subprocess.run(["scancel", "--user", getpass.getuser()], env=slurm_cluster, capture_output=True)
+        queue = subprocess.run(
+            ["squeue", "--noheader", "--user", getpass.getuser()],
+            env=slurm_cluster,
+            capture_output=True,
+            text=True,
+        )
+        if queue.returncode == 0 and not queue.stdout.strip():
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"jobs still queued 60 s after the test cancelled them:\n{queue.stdout}")
+
+
 @pytest.fixture(scope="session")
-def slurm_env() -> Iterator[dict[str, str]]:
+def slurm_cluster() -> Iterator[dict[str, str]]:
     """Start the dev cluster (slurm/dev/start.sh) once; the environment that points clients at it."""
     if os.geteuid() != 0:
         pytest.fail("the Slurm dev cluster needs root (it runs its daemons as root)")

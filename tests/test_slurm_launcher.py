@@ -3,13 +3,11 @@ and by a high-priority job with exact resume, a sweep, and bad input refused bef
 
 from __future__ import annotations
 
-import getpass
 import json
 import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,6 @@ from tests.conftest import REPO
 from tests.test_mpi import FAST, assert_trained_as_planned, metrics
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(autouse=True)
-def no_job_left_behind(slurm_env: dict[str, str]) -> Iterator[None]:
-    """A job a failed test leaves running would hold the nodes every later test needs."""
-    yield
-    subprocess.run(["scancel", "--user", getpass.getuser()], env=slurm_env)
 
 
 def launch(env: dict[str, str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
