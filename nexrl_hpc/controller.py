@@ -61,10 +61,10 @@ class NexRLController:
         self._poll_s = self._monitor["poll_interval_s"]
         self._seen_errors = 0
         self._last_health_check = 0.0
-        self._last_rank_check = 0.0
         self._modules_built = False
         self._rollout_workers: list[Any] = []
         self._inference_services: list[Any] = []
+        self._server_descriptions: dict[str, str] = {}
         self._module_roles: dict[str, NexRLRole] = {}
         self.activity_tracker: ActivityTracker | None = None
         self.experiment_logger: ExperimentLogger | None = None
@@ -142,6 +142,8 @@ class NexRLController:
         execute(self.train_worker.initialize_workers)
         for service in self._inference_services:
             execute(service.wait_ready)
+            # kept now: when a server dies its rank may not answer any more
+            self._server_descriptions[execute(service.get_module_name)] = execute(service.describe)
         if resume_state is not None:
             assert self.resumed_from is not None
             self._load_resume_checkpoint(self.resumed_from, resume_state)
@@ -350,28 +352,27 @@ class NexRLController:
         return True
 
     def _check_health(self) -> None:
-        """Dead ranks (heartbeats) often; module health checks every ``check_interval``."""
+        """Dead ranks (heartbeats, a local look-up) on every wake-up, so a silent rank is declared dead
+        soon after ``timeout``; module health checks (calls) every ``check_interval``."""
         health = self._monitor["health_check"]
         if not health["enabled"]:
             return
         now = time.monotonic()
-        if now - self._last_rank_check >= health["check_interval"] / 4:
-            self._last_rank_check = now
-            for dead in self.runtime.dead_ranks(health["timeout"]):
-                reason = (
-                    f"rank {dead['rank']} on {dead['host']} ({', '.join(dead['modules'])}) stopped answering: "
-                    f"no heartbeat for {dead['silence_s']:.1f}s"
-                )
-                assert self.activity_tracker is not None
-                try:
-                    if set(dead["modules"]) & set(self.activity_tracker.registered_modules()):
-                        self._lose_modules(dead["modules"], reason)
-                    elif self.runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
-                        raise RunFailed(f"{reason}: the trainer group cannot train without it")
-                finally:
-                    self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
+        for dead in self.runtime.dead_ranks(health["timeout"]):
+            reason = (
+                f"rank {dead['rank']} on {dead['host']} ({', '.join(dead['modules'])}) stopped answering: "
+                f"no heartbeat for {dead['silence_s']:.1f}s"
+            )
             assert self.activity_tracker is not None
-            self.activity_tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
+            try:
+                if set(dead["modules"]) & set(self.activity_tracker.registered_modules()):
+                    self._lose_modules(dead["modules"], reason)
+                elif self.runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
+                    raise RunFailed(f"{reason}: the trainer group cannot train without it")
+            finally:
+                self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
+        assert self.activity_tracker is not None
+        self.activity_tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
         if now - self._last_health_check < health["check_interval"]:
             return
         self._last_health_check = now
@@ -397,14 +398,10 @@ class NexRLController:
                     self.runtime.retire_rank(rank, reason)
 
     def _served_at(self, name: str) -> str:
-        """For an inference service: ``, server <url> (pid, log)`` — which server died, for the message."""
-        for service in self._inference_services:
-            try:
-                if execute(service.get_module_name) == name:
-                    return f", server {execute(service.describe)}"
-            except Exception:  # that service's rank is gone: the location says enough
-                continue
-        return ""
+        """For an inference service: ``, server <url> (pid, log)`` — which server died, for the message.
+        Recorded at start-up, never asked of the dead module (its rank may be hung)."""
+        description = self._server_descriptions.get(name)
+        return f", server {description}" if description else ""
 
     def _lose_modules(self, names: list[str], reason: str) -> None:
         """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
