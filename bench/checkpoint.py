@@ -4,7 +4,7 @@ One run, on ``--dir`` (default: a temp dir under ``outputs/``, where a run's ``r
 default, so the same filesystem). The model is the project's tiny Llama scaled up to ``--gb`` of fp32
 weights (hidden 2048, intermediate 5632, as many layers as it takes), trained by the real
 ``LocalTrainEngine`` with AdamW state populated (one optimizer step on zero gradients), so a
-checkpoint costs what it costs in a run: ``model/`` (HF safetensors) + ``optimizer/rank_0.pt`` (2x
+checkpoint costs what it costs in a run: ``model/`` (HF safetensors) + ``optimizer/rank_0.safetensors`` (2x
 the weights) + ``state.h5``, through ``TrainWorker.save_checkpoint`` -> ``CheckpointManager.save``.
 
 Measured, interleaved with their baselines in every repeat (the medians are printed; the machine is

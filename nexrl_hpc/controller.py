@@ -442,9 +442,11 @@ class NexRLController:
         if self.experiment_logger is not None:
             self._quietly(self.experiment_logger.close)
         self._quietly(self.runtime.abort_startup)
-        self._quietly(
-            lambda: self.runtime.shutdown(self.exit_reason or "run finished", 1 if self.exit_reason else 0)
-        )
+        # a preempted run's ranks exit with PREEMPTED_EXIT: at once, without the interpreter's
+        # teardown (seconds of garbage collection that Slurm's requeue would wait for)
+        code = 1 if self.exit_reason else PREEMPTED_EXIT if self.preempted else 0
+        reason = self.exit_reason or ("preempted: checkpoint saved" if self.preempted else "run finished")
+        self._quietly(lambda: self.runtime.shutdown(reason, code))
 
     def _stop_all(self, handles: list[Any], deadline: float) -> None:
         """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""

@@ -62,7 +62,7 @@ def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path
     assert (
         (ckpt / "COMPLETE").exists()
         and (ckpt / "state.h5").exists()
-        and (ckpt / "optimizer" / "rank_0.pt").exists()
+        and (ckpt / "optimizer" / "rank_0.safetensors").exists()
     )
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step_50"
     with h5py.File(ckpt / "state.h5") as f:

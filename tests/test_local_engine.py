@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
+from nexrl_hpc.checkpoint.state_file import load_state_file
 from nexrl_hpc.train.local_engine import LocalTrainEngine, lr_factor
 from nexrl_hpc.train.worker import TrainWorker
 from nexrl_hpc.types import Batch
@@ -125,7 +126,7 @@ def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     tok = PreTrainedTokenizerFast.from_pretrained(tmp_path / "model")
     ids = tok("m372=", return_tensors="pt").input_ids
-    saved_state = torch.load(tmp_path / "optimizer" / "rank_0.pt", weights_only=True)
+    saved_state = load_state_file(str(tmp_path / "optimizer" / "rank_0.safetensors"))
     assert saved_state["global_step"] == 2 and ids[0, 0].item() == tok.bos_token_id
     assert not hf.config.tie_word_embeddings and "lm_head.weight" in dict(hf.named_parameters())
 

@@ -89,7 +89,10 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
     from nexrl_hpc.train.worker import TrainWorker
     from tests.conftest import compose_config
 
-    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [
+        "rank_0.safetensors",
+        "rank_1.safetensors",
+    ]
     eng = LocalTrainEngine(model_dir)
     eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
     eng.init_model()

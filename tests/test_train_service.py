@@ -148,7 +148,10 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
 
         ckpt = tmp_path / "ckpt"
         clients["student"].save_checkpoint(str(ckpt), global_step=3)
-        assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+        assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [
+            "rank_0.safetensors",
+            "rank_1.safetensors",
+        ]
         ref.export_weights(str(tmp_path / "ref"))
         got_w, want_w = read_safetensors_dir(str(ckpt / "model")), read_safetensors_dir(str(tmp_path / "ref"))
         assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= 1e-5
@@ -225,7 +228,7 @@ def test_a_run_trains_through_a_standalone_service(api_server: str, tmp_path: Pa
         last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         val = [r["val/accuracy"] for r in last if "val/accuracy" in r]
         assert val[0] <= 0.3 and val[-1] >= 0.8, val
-        assert (run_dir / "checkpoints" / "global_step_50" / "optimizer" / "rank_1.pt").exists()
+        assert (run_dir / "checkpoints" / "global_step_50" / "optimizer" / "rank_1.safetensors").exists()
     finally:
         stop_group(group, api_server, "actor")
     assert group.returncode == 0, workers_log_tail(tmp_path, "actor")

@@ -27,6 +27,7 @@ from typing import Any
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute_async
+from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 from nexrl_hpc.rpc.endpoint import RPC_MODULE, RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
 from nexrl_hpc.runtime.placement import TRAINER_GROUP, Placement, RankSpec, plan_placement
@@ -352,7 +353,7 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
 
     if not _heartbeat_until(beat, stop, monitor["health_check"]):
         verdict.update(reason="rank 0 stopped answering", code=1)
-    if verdict["code"]:
+    if verdict["code"] not in (0, PREEMPTED_EXIT):
         print(
             f"error: rank {world.rank} ({', '.join(names)}) stopping: {verdict['reason']}",
             file=sys.stderr,

@@ -11,19 +11,19 @@ passes (a rank short of rows runs a zero-weighted pass: the collectives must lin
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import copy
 import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
 from nexrl_hpc.checkpoint.hf import fsync_path, read_safetensors_dir, write_hf_model_dir
+from nexrl_hpc.checkpoint.state_file import load_state_file, save_state_file
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.train.parallel import ParallelStrategy, create_parallel_strategy, dp_slices
 from nexrl_hpc.train.service import TrainServiceClient
@@ -359,18 +359,17 @@ class LocalTrainEngine(TrainServiceClient):
         assert self.optimizer is not None and self.scheduler is not None
         opt_dir = os.path.join(local_path, "optimizer")
         os.makedirs(opt_dir, exist_ok=True)
-        path = os.path.join(opt_dir, f"rank_{par.rank}.pt")
-        with _without_crc32():  # torch.load never checks it; it cost 3/4 of the optimizer save time
-            torch.save(
-                {
-                    "optimizer": par.optimizer_state(self.model, self.optimizer),
-                    "scheduler": self.scheduler.state_dict(),
-                    "global_step": global_step,
-                    "world_size": par.world_size,
-                    "engine": self._require_cfg()["engine"],
-                },
-                path,
-            )
+        path = os.path.join(opt_dir, f"rank_{par.rank}.safetensors")
+        save_state_file(
+            {
+                "optimizer": par.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+                "global_step": global_step,
+                "world_size": par.world_size,
+                "engine": self._require_cfg()["engine"],
+            },
+            path,
+        )
         fsync_path(path)
         par.barrier()
         if par.rank == 0:
@@ -380,7 +379,50 @@ class LocalTrainEngine(TrainServiceClient):
         """Weights load at any world size; optimizer state only at the world size and engine that
         wrote it (its shards follow that layout) — otherwise the error says so."""
         par = self._require_parallel()
-        model_dir = os.path.join(local_path, "model")
+        opt_path = self._optimizer_file(local_path, par.rank)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
+            # the optimizer file is read while the weights load: the disk and the copies overlap
+            reading = pool.submit(_read_optimizer_file, opt_path) if load_optimizer and opt_path else None
+            self._load_weights(os.path.join(local_path, "model"), par)
+            if not load_optimizer:
+                return
+            saved: dict[str, Any] = {}
+            error: Exception | None = None
+            if reading is None:
+                error = FileNotFoundError(
+                    f"{os.path.join(local_path, 'optimizer', f'rank_{par.rank}.safetensors')}: optimizer state "
+                    "missing (checkpoint saved with save_weight_only, or by fewer trainer ranks?)"
+                )
+            else:
+                try:
+                    saved = reading.result()
+                except (OSError, ValueError, RuntimeError) as exc:
+                    error = exc
+        engine = self._require_cfg()["engine"]
+        if error is None and (
+            saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine
+        ):
+            error = ValueError(
+                f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
+                f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+                "resume with the same layout, or load the weights only (load_optimizer=False)"
+            )
+        par.agree(error)  # every rank loads, or none does
+        assert self.optimizer is not None and self.scheduler is not None
+        par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+
+    @staticmethod
+    def _optimizer_file(local_path: str, rank: int) -> str | None:
+        """This rank's optimizer file: the state file, or the ``torch.save`` file of an older checkpoint."""
+        for name in (f"rank_{rank}.safetensors", f"rank_{rank}.pt"):
+            path = os.path.join(local_path, "optimizer", name)
+            if os.path.exists(path):
+                return path
+        return None
+
+    def _load_weights(self, model_dir: str, par: ParallelStrategy) -> None:
+        """Rank 0 reads the HF directory and checks its names; every rank gets its part."""
         state: dict[str, torch.Tensor] = {}
         error: Exception | None = None
         if par.rank == 0:
@@ -398,45 +440,15 @@ class LocalTrainEngine(TrainServiceClient):
                 )
         par.agree(error)
         par.load_full_state_dict(self.model, state)
-        if not load_optimizer:
-            return
-        opt_path = os.path.join(local_path, "optimizer", f"rank_{par.rank}.pt")
-        engine = self._require_cfg()["engine"]
-        saved: dict[str, Any] = {}
-        error = None
-        if not os.path.exists(opt_path):
-            error = FileNotFoundError(
-                f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
-                "or by fewer trainer ranks?)"
-            )
-        else:
-            # mmap + one copy reads the file sequentially at disk speed (a plain torch.load parses it
-            # record by record at a third of that); the copy detaches the state from the file
-            saved = _materialize(torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True))
-            if saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine:
-                error = ValueError(
-                    f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
-                    f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
-                    "resume with the same layout, or load the weights only (load_optimizer=False)"
-                )
-        par.agree(error)  # every rank loads, or none does
-        assert self.optimizer is not None and self.scheduler is not None
-        par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
 
 
-@contextlib.contextmanager
-def _without_crc32() -> Iterator[None]:
-    """torch.save without its per-record CRC32 (the checkpoint's COMPLETE marker and fsync are
-    what guard against torn writes)."""
-    from torch.utils.serialization import config
-
-    before = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = before
+def _read_optimizer_file(path: str) -> dict[str, Any]:
+    """A rank's optimizer file: the state file, or a ``torch.save`` file of an older checkpoint
+    (``weights_only``: tensors and plain values only; its tensors copied out of the mapping)."""
+    if path.endswith(".safetensors"):
+        return load_state_file(path)
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return _materialize(saved)
 
 
 def _materialize(obj: Any) -> Any:

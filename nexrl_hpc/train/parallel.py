@@ -190,16 +190,44 @@ class FSDP2(ParallelStrategy):
         )
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards as plain tensors (the file stores a shard; its layout is the model's)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer)
+        return _local_shards(get_optimizer_state_dict(model, optimizer))
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
+        """Shards saved by ``optimizer_state`` become DTensors laid out like their parameters again."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.tensor import DTensor
 
+        params = dict(model.named_parameters())
+        for fqn, entry in state["state"].items():
+            param = params.get(fqn)
+            if not isinstance(param, DTensor):
+                continue
+            local_shape = param.to_local().shape
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local_shape:
+                    entry[key] = DTensor.from_local(
+                        value.to(param.device), param.device_mesh, param.placements,
+                        run_check=False, shape=param.shape, stride=param.stride(),
+                    )  # fmt: skip
         set_optimizer_state_dict(model, optimizer, state)
+
+
+def _local_shards(value: Any) -> Any:
+    """``value`` with every DTensor replaced by its local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach()
+    if isinstance(value, dict):
+        return {k: _local_shards(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local_shards(v) for v in value)
+    return value
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
