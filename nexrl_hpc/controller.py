@@ -357,27 +357,26 @@ class NexRLController:
         health = self._monitor["health_check"]
         if not health["enabled"]:
             return
+        tracker = self.activity_tracker
+        assert tracker is not None
         now = time.monotonic()
         for dead in self.runtime.dead_ranks(health["timeout"]):
             reason = (
                 f"rank {dead['rank']} on {dead['host']} ({', '.join(dead['modules'])}) stopped answering: "
                 f"no heartbeat for {dead['silence_s']:.1f}s"
             )
-            assert self.activity_tracker is not None
             try:
-                if set(dead["modules"]) & set(self.activity_tracker.registered_modules()):
+                if set(dead["modules"]) & set(tracker.registered_modules()):
                     self._lose_modules(dead["modules"], reason)
                 elif self.runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
                     raise RunFailed(f"{reason}: the trainer group cannot train without it")
             finally:
                 self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
-        assert self.activity_tracker is not None
-        self.activity_tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
         if now - self._last_health_check < health["check_interval"]:
             return
         self._last_health_check = now
-        assert self.activity_tracker is not None
-        dead_modules = self.activity_tracker.dead_modules(health["timeout"])
+        tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
+        dead_modules = tracker.dead_modules(health["timeout"])
         if dead_modules:
             self._check_module_exceptions()  # a crash that was reported names its cause
             silent = self.runtime.ranks_only_hosting(dead_modules)  # nothing on them answers

@@ -382,7 +382,8 @@ class LocalTrainEngine(TrainServiceClient):
         opt_path = self._optimizer_file(local_path, par.rank)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
             # the optimizer file is read while the weights load: the disk and the copies overlap
-            reading = pool.submit(_read_optimizer_file, opt_path) if load_optimizer and opt_path else None
+            present = load_optimizer and os.path.exists(opt_path)
+            reading = pool.submit(_read_optimizer_file, opt_path) if present else None
             self._load_weights(os.path.join(local_path, "model"), par)
             if not load_optimizer:
                 return
@@ -390,8 +391,8 @@ class LocalTrainEngine(TrainServiceClient):
             error: Exception | None = None
             if reading is None:
                 error = FileNotFoundError(
-                    f"{os.path.join(local_path, 'optimizer', f'rank_{par.rank}.safetensors')}: optimizer state "
-                    "missing (checkpoint saved with save_weight_only, or by fewer trainer ranks?)"
+                    f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
+                    "or by fewer trainer ranks?)"
                 )
             else:
                 try:
@@ -413,13 +414,12 @@ class LocalTrainEngine(TrainServiceClient):
         self.scheduler.load_state_dict(saved["scheduler"])
 
     @staticmethod
-    def _optimizer_file(local_path: str, rank: int) -> str | None:
-        """This rank's optimizer file: the state file, or the ``torch.save`` file of an older checkpoint."""
-        for name in (f"rank_{rank}.safetensors", f"rank_{rank}.pt"):
-            path = os.path.join(local_path, "optimizer", name)
-            if os.path.exists(path):
-                return path
-        return None
+    def _optimizer_file(local_path: str, rank: int) -> str:
+        """This rank's optimizer file: the state file, or the ``torch.save`` file of an older
+        checkpoint when only that exists."""
+        path = os.path.join(local_path, "optimizer", f"rank_{rank}.safetensors")
+        legacy = path.removesuffix(".safetensors") + ".pt"
+        return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
 
     def _load_weights(self, model_dir: str, par: ParallelStrategy) -> None:
         """Rank 0 reads the HF directory and checks its names; every rank gets its part."""
