@@ -33,7 +33,7 @@ def run(ranks: int, latency_ms: float, concurrency: int, waves: int, steps: int)
     run_dir = tempfile.mkdtemp(prefix=f"nexrl_scale_{ranks}_")
     per_step = ranks * concurrency * waves  # trajectories
     cmd = [
-        "mpirun", "-n", str(ranks + 2), sys.executable, "-m", "launch.train", "launch_mode=mpi", f"run_dir={run_dir}",
+        "mpirun", "-n", str(ranks + 1), sys.executable, "-m", "launch.train", "launch_mode=mpi", f"run_dir={run_dir}",
         "service.inference_service.backend=fake", f"service.inference_service.fake_latency_ms={latency_ms}",
         "service.train_service.backend=noop", f"data.batch_size={per_step // 8}", "data.rollout_repeat_n=8",
         f"rollout_worker.max_concurrency={concurrency}", f"rollout_worker.fetch_size={concurrency}",
@@ -41,7 +41,9 @@ def run(ranks: int, latency_ms: float, concurrency: int, waves: int, steps: int)
         "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]",
         "runtime_monitor.health_check.check_interval=5.0", "runtime_monitor.health_check.timeout=30.0",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    out_path = os.path.join(run_dir, "mpirun.out")  # mpirun's own report of a failed rank goes here
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.PIPE, text=True)
     ranks_file = os.path.join(run_dir, "logs", "ranks.json")
     while not os.path.exists(ranks_file):
         if proc.poll() is not None:
@@ -51,7 +53,12 @@ def run(ranks: int, latency_ms: float, concurrency: int, waves: int, steps: int)
         time.sleep(0.2)
     time.sleep(0.5)
     with open(ranks_file) as f:
-        pid0 = json.load(f)[0]["pid"]
+        placed = json.load(f)
+    pid0 = placed[0]["pid"]
+    rollout_ranks = sum(1 for r in placed if r["group"] == "rollout")
+    if rollout_ranks != ranks:  # the no-op trainer lives on rank 0: every other rank rolls out
+        proc.kill()
+        raise SystemExit(f"placement gave {rollout_ranks} rollout ranks, not {ranks}: {ranks_file}")
     cpu0_start = cpu_seconds(pid0)
     cpu0 = cpu0_start
     t_start = time.monotonic()
@@ -64,7 +71,11 @@ def run(ranks: int, latency_ms: float, concurrency: int, waves: int, steps: int)
     wall = time.monotonic() - t_start
     _, err = proc.communicate(timeout=3600)
     if proc.returncode != 0:
-        raise SystemExit(f"run with {ranks} rollout ranks failed:\n{err[-3000:]}")
+        with open(out_path) as f:
+            mpirun_out = f.read()[-2000:]
+        raise SystemExit(
+            f"run with {ranks} rollout ranks failed (exit {proc.returncode}):\n{err[-3000:]}\n{mpirun_out}"
+        )
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if "train/reward_mean" in line]
     timed = rows[1:]  # the first step includes start-up
@@ -105,7 +116,7 @@ def main() -> None:
     for n, r in results.items():
         eff = r["rate"] / (base * n)
         print(
-            f"| {n} | {n + 2} | {r['rate']:,.0f} | {r['ideal_rate']:,.0f} | {r['step_s']:.2f} s | {eff:.0%} | {r['rank0_busy']:.0%} |"
+            f"| {n} | {n + 1} | {r['rate']:,.0f} | {r['ideal_rate']:,.0f} | {r['step_s']:.2f} s | {eff:.0%} | {r['rank0_busy']:.0%} |"
         )
 
 

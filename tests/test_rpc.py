@@ -18,11 +18,11 @@ import torch
 import zmq
 
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
 from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
-from nexrl_hpc.rpc.wire import seal
+from nexrl_hpc.rpc.wire import seal, seal_message, sign
 from nexrl_hpc.types import Batch
 
 
@@ -73,6 +73,15 @@ class Counter:
 
     def echo(self, x: Any) -> Any:
         return x
+
+    @quick
+    def peek(self) -> int:
+        return self.n
+
+    @quick
+    def stall(self, seconds: float) -> int:  # a misbehaving quick method: holds the IO thread
+        time.sleep(seconds)
+        return -1
 
     def _secret(self) -> str:
         return "never"
@@ -243,5 +252,98 @@ def test_a_replayed_signed_message_is_rejected(pair: Any) -> None:
     dealer.send_multipart(frames)  # the same bytes again
     time.sleep(0.3)
     assert counter.n == 10 and server.stats()["rejected"] == 1
+    dealer.close()
+    ctx.term()
+
+
+def test_blocking_quick_calls_use_the_callers_own_sockets(pair: Any) -> None:
+    """``execute`` of a @quick method goes on a borrowed direct socket (at most 4 per peer, shared
+    by any number of threads) and comes back in order and signed; nothing is rejected."""
+    import threading
+
+    client, server, counter, _ = pair
+    h = handle(client)
+    counter.n = 7
+    results: list[int] = []
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            for _ in range(50):
+                results.append(execute(h.peek))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [7] * 400
+    peer = client._peers[1]
+    assert 1 <= peer.direct_count <= 4 and len(peer.idle_direct) == peer.direct_count
+    assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
+    with pytest.raises(
+        RemoteError, match="not @quick"
+    ):  # the server answers direct calls to quick methods only
+        client.call_direct(1, "counter", "add", (), {})
+    assert counter.n == 7
+
+
+def test_a_late_direct_reply_is_discarded_and_dead_peers_fail_direct_calls(pair: Any) -> None:
+    client, *_ = pair
+    h = handle(client)
+    with pytest.raises(CallTimeout, match="counter.stall on rank 1"):
+        client.call_direct(1, "counter", "stall", (0.6,), {}, timeout=0.2)
+    # the same socket is borrowed again: the stall's late reply arrives first and is skipped by id
+    assert client._peers[1].direct_count == 1
+    assert execute(h.add, 5) == 5 and execute(h.peek) == 5
+    t0 = time.monotonic()
+    waiting = execute_async(h.slow, 5.0)
+    client.fail_peer(1, "heartbeats stopped")
+    with pytest.raises(PeerDeadError, match="rank 1 is dead"):
+        execute(h.peek)
+    with pytest.raises(PeerDeadError):
+        waiting.result(timeout=1)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_forged_direct_reply_is_rejected(pair: Any) -> None:
+    client, *_ = pair
+    envelope = msgpack.packb({"t": "rep", "id": 1, "ok": True, "s": "forger", "q": 1})
+    body, _ = encode(42)
+    forged = [zmq.Frame(f) for f in seal(secrets.token_bytes(32), envelope, [body])]
+    assert client._open_direct_reply(forged, 1) is None
+    assert client.stats()["rejected"] == 1
+
+
+def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any, caplog: Any) -> None:
+    """Small messages travel as one frame; the same key, length and signature checks apply."""
+    client, server, counter, key = pair
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "s": "packer", "q": 1, "m": "counter", "f": "add"}
+    )
+    payload, _ = encode([[3], {}])
+    (good,) = seal_message(key, envelope, payload, [])
+    (wrong_key,) = seal_message(secrets.token_bytes(32), envelope, payload, [])
+    assert good[:32] == sign(key, [envelope, payload])  # the multipart signature, not a weaker one
+    overlong = good[:32] + struct.pack(">I", 1 << 20) + good[36:]  # header length past the end
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.address)
+    for frame in (wrong_key, good[:20], overlong, good[:-1]):
+        dealer.send(frame)
+    dealer.send(good)
+    deadline = time.monotonic() + 3
+    while counter.n != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counter.n == 3 and server.stats()["rejected"] == 4
+    assert (
+        caplog.text.count("bad signature") == 2
+        and "too short" in caplog.text
+        and "past the end" in caplog.text
+    )
     dealer.close()
     ctx.term()

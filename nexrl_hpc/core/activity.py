@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
-from nexrl_hpc.core.execute import execute, execute_async, quick
+from nexrl_hpc.core.execute import aexecute, execute, execute_async, quick
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,13 @@ class ActivityTrackerProxy:
 
     def end(self, token: int) -> None:
         execute(self._central.end, token)
+
+    async def astart(self, module: str, work: str) -> int:
+        """``start`` from an event loop (the loop serves other steps while the call travels)."""
+        return await aexecute(self._central.start, module, work)
+
+    async def aend(self, token: int) -> None:
+        await aexecute(self._central.end, token)
 
     def report_exception(
         self,

@@ -1,12 +1,13 @@
 """Call a module method the same way whether the module lives in this process or on another rank.
 
-A method of a local object runs here. A method of a remote handle (anything with ``call_async``,
-provided by the distributed runtimes) is sent over the wire. ``execute_async`` returns a
+A method of a local object runs here. A method of a remote handle (anything with ``call_async`` and
+``call_sync``, provided by the distributed runtimes) is sent over the wire. ``execute_async`` returns a
 ``concurrent.futures.Future`` in both cases, so calling code never branches on the launch mode.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -23,9 +24,9 @@ def quick(fn: F) -> F:
 
 def execute(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``func(*args, **kwargs)`` and return its result."""
-    call_async = getattr(func, "call_async", None)
-    if call_async is not None:
-        return call_async(*args, **kwargs).result()
+    call_sync = getattr(func, "call_sync", None)
+    if call_sync is not None:
+        return call_sync(*args, **kwargs)
     return func(*args, **kwargs)
 
 
@@ -40,3 +41,12 @@ def execute_async(func: Any, *args: Any, **kwargs: Any) -> Future:
     except BaseException as exc:  # delivered through the future, like a remote error
         future.set_exception(exc)
     return future
+
+
+async def aexecute(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``execute`` for code on an event loop: a remote call is awaited, so the loop keeps serving
+    its other steps while the reply travels; a local call answers at once."""
+    future = execute_async(func, *args, **kwargs)
+    if future.done():
+        return future.result()
+    return await asyncio.wrap_future(future)

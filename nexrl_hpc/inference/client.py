@@ -20,9 +20,10 @@ from typing import Any
 import openai
 
 from nexrl_hpc.config.schema import InferenceServiceConfig
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import aexecute, execute
 from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
 from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
+from nexrl_hpc.inference.version import RolloutVersionLookup
 
 __all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
 
@@ -75,6 +76,7 @@ class LLMServiceClient:
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
         self._weight_sync_controller: Any = None
+        self._version_lookup = RolloutVersionLookup(self._model_tag)
         self._client = openai.OpenAI(
             base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
         )
@@ -83,6 +85,7 @@ class LLMServiceClient:
 
     def set_weight_sync_controller(self, controller: Any) -> None:
         self._weight_sync_controller = controller
+        self._version_lookup.set_controller(controller)
 
     # --- blocking API (seed 000) ----------------------------------------------------------------
     def completion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
@@ -119,7 +122,7 @@ class LLMServiceClient:
 
     async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         await self._await_weight_sync()
-        version = self._rollout_version()
+        version = await self._version_lookup.read()
         path, body = self._adapter.chat_request(self._model, messages, kwargs)
         payload = await self._with_retries_async(lambda: self._post_async(path, body))
         return self._chat_result(messages, self._adapter.chat_choice(payload), version, kwargs)
@@ -135,7 +138,7 @@ class LLMServiceClient:
         kwargs = bucket.kwargs
         try:
             await self._await_weight_sync()
-            version = self._rollout_version()
+            version = await self._version_lookup.read()
             path, body = self._adapter.completion_request(self._model, prompts, kwargs)
             payload = await self._with_retries_async(lambda: self._post_async(path, body))
             n = kwargs.get("n", 1)
@@ -258,7 +261,10 @@ class LLMServiceClient:
             time.sleep(0.005)
 
     async def _await_weight_sync(self) -> None:
-        while self._sync_in_progress():
+        if not self._freeze_for_weight_sync or self._weight_sync_controller is None:
+            return
+        status = self._weight_sync_controller.check_rollout_service_status
+        while await aexecute(status, self._model_tag) == "block":
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:

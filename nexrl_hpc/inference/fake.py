@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from nexrl_hpc.core.execute import execute
+from nexrl_hpc.inference.version import RolloutVersionLookup
 
 
 class FakeLLMServiceClient:
@@ -29,6 +30,7 @@ class FakeLLMServiceClient:
         self._rng = random.Random(seed)
         self._latency_s = latency_s
         self._controller: Any = None
+        self._version_lookup = RolloutVersionLookup(model_tag)
         self.in_flight = 0  # requests being answered now, the most at once, and the threads then
         self.peak_in_flight = 0
         self.threads_at_peak = 0
@@ -36,6 +38,7 @@ class FakeLLMServiceClient:
 
     def set_weight_sync_controller(self, controller: Any) -> None:
         self._controller = controller
+        self._version_lookup.set_controller(controller)
 
     def _version(self) -> int:
         """The version the (imaginary) engine serves: the weight sync controller's rollout version."""
@@ -71,7 +74,7 @@ class FakeLLMServiceClient:
         return self._answer(prompt, kwargs, version)
 
     async def acompletion(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
-        version = self._version()
+        version = await self._version_lookup.read() or 0
         self.in_flight += 1
         if self.in_flight > self.peak_in_flight:
             self.peak_in_flight, self.threads_at_peak = self.in_flight, threading.active_count()

@@ -20,7 +20,7 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.core.execute import aexecute, execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.inference.factory import create_llm_client
@@ -175,7 +175,9 @@ class BaseRolloutWorker(NexRLModule):
         """Tasks fetched together run concurrently under one activity token (one tracker call each way)
         and are acknowledged to their loader together once done (one call)."""
         assert self._activity_tracker is not None
-        token = self._activity_tracker.start(self._module_name, "validate" if is_validate else "rollout")
+        token = await self._activity_tracker.astart(
+            self._module_name, "validate" if is_validate else "rollout"
+        )
         _IS_VALIDATE.set(is_validate)  # the tasks below inherit this context
         try:
             done = await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
@@ -183,9 +185,9 @@ class BaseRolloutWorker(NexRLModule):
             for outcome in ("delivered", "dropped"):
                 finished = [task_key(t) for t, o in zip(tasks, done) if o == outcome]
                 if finished:
-                    execute(loader.complete_items, self._module_name, finished, outcome == "delivered")
+                    await aexecute(loader.complete_items, self._module_name, finished, outcome == "delivered")
         finally:
-            self._activity_tracker.end(token)
+            await self._activity_tracker.aend(token)
 
     async def _run_task(
         self, task: dict[str, Any], is_validate: bool, slot_freed: asyncio.Event | None = None

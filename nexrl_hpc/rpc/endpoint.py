@@ -7,6 +7,11 @@ the ROUTER: it checks every message (size, HMAC, sender sequence) before decodin
 queues requests for a thread pool (a long poll never blocks another call) and completes the
 futures of replies. Failures are dropped, counted and logged with the peer address. A call to a
 rank declared dead fails at once; every call has a deadline, so nothing waits forever.
+
+Blocking calls to ``@quick`` methods take a shorter road (``call_direct``): the caller borrows a
+DEALER of its own towards the peer, the peer's IO thread answers on its ROUTER right away, and the
+caller reads the reply itself — no thread hand-off on either side. Each such socket signs with its
+own sender id, so its sequence numbers stay in order on its own connection.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from nexrl_hpc.rpc.codec import RemoteError, decode, encode, encode_exception
-from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_frames, seal
+from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message, seal_message
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ _WIRE_ERRORS = (
 )
 _SUSPICIOUS_LIFETIME_S = 5.0
 _ZERO_COPY_BYTES = 64 << 10
+_SNDMORE = int(zmq.SNDMORE)
+_DIRECT_WAKE_MS = 100  # a direct caller looks at deadline, dead peers and close this often
 
 
 class PeerDeadError(ConnectionError):
@@ -87,12 +94,24 @@ class RpcFuture(Future):
 
 
 class _Peer:
-    """The sending side towards one rank: a DEALER any thread may use, one at a time."""
+    """The sending side towards one rank: a DEALER any thread may use, one at a time, and the idle
+    sockets for direct calls (each used by one caller at a time, borrowed and given back)."""
 
-    __slots__ = ("socket", "lock", "address")
+    __slots__ = ("socket", "lock", "address", "idle_direct", "direct_count")
 
     def __init__(self, sock: zmq.Socket, address: str):
         self.socket, self.lock, self.address = sock, threading.Lock(), address
+        self.idle_direct: list[_DirectSocket] = []
+        self.direct_count = 0
+
+
+class _DirectSocket:
+    """A caller's own DEALER to one peer: it sends a request and reads the reply on it."""
+
+    __slots__ = ("socket", "sender", "seq")
+
+    def __init__(self, sock: zmq.Socket, sender: str):
+        self.socket, self.sender, self.seq = sock, sender, 0
 
 
 class ConnectionWatch:
@@ -158,6 +177,7 @@ class RpcEndpoint:
         call_timeout_s: float,
         lookup: Callable[[str, str], Callable[..., Any]],
         resolve_handle: Callable[[str], Any] | None = None,
+        direct_sockets_per_peer: int = 4,
     ):
         self.rank = rank
         self._key = key
@@ -179,12 +199,17 @@ class RpcEndpoint:
         self._ids = itertools.count(1)
         self._sender_ids = itertools.count()
         self._dead: dict[int, str] = {}
+        self._max_direct = direct_sockets_per_peer
+        self._direct_lock = threading.Lock()
+        self._direct_ids = itertools.count()
+        self._direct_reply_seq: dict[bytes, int] = {}  # IO thread only: per direct caller socket
         self._guard = SequenceGuard()
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         self._rejected = 0
         self._stats_lock = threading.Lock()
         self._closing = False
         self._stop = threading.Event()
+        self._io_sender = f"{rank}:{os.getpid()}:io"
         self._io = threading.Thread(target=self._io_loop, name=f"rpc-io-{rank}", daemon=True)
         self._io.start()
 
@@ -239,6 +264,127 @@ class RpcEndpoint:
             future.set_exception(MessageTooLarge(f"{module}.{method}: {error}"))
         return future
 
+    def call_direct(
+        self,
+        rank: int,
+        module: str,
+        method: str,
+        args: tuple,
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+    ) -> Any:
+        """Call a ``@quick`` method and wait for its result on a socket of this caller's own (the
+        peer answers on its IO thread). Falls back to ``call_async`` when every direct socket
+        towards the peer is in use."""
+        if threading.current_thread() is self._io:
+            raise RuntimeError(
+                f"{module}.{method} called from a @quick method: quick methods must not call other modules"
+            )
+        if rank in self._dead:
+            raise PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} not sent")
+        peer = self._peers.get(rank)
+        if peer is None:
+            raise PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent")
+        if self._closing:
+            raise PeerDeadError(f"endpoint of rank {self.rank} closed; {module}.{method} not sent")
+        direct = self._borrow_direct(peer)
+        if direct is None:
+            return self.call_async(rank, module, method, args, kwargs, timeout).result()
+        try:
+            return self._call_on(direct, rank, module, method, args, kwargs, timeout)
+        finally:
+            self._return_direct(peer, direct)
+
+    def _borrow_direct(self, peer: _Peer) -> _DirectSocket | None:
+        with self._direct_lock:
+            if self._closing:
+                raise PeerDeadError(f"endpoint of rank {self.rank} closed")
+            if peer.idle_direct:
+                return peer.idle_direct.pop()
+            if peer.direct_count >= self._max_direct:
+                return None
+            peer.direct_count += 1
+            number = next(self._direct_ids)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}d{number}".encode())
+        sock.setsockopt(zmq.RCVTIMEO, _DIRECT_WAKE_MS)
+        sock.connect(peer.address)
+        return _DirectSocket(sock, f"{self.rank}:{os.getpid()}:d{number}")
+
+    def _return_direct(self, peer: _Peer, direct: _DirectSocket) -> None:
+        with self._direct_lock:
+            if not self._closing:
+                peer.idle_direct.append(direct)
+                return
+            peer.direct_count -= 1
+        direct.socket.close(linger=0)
+
+    def _call_on(
+        self,
+        direct: _DirectSocket,
+        rank: int,
+        module: str,
+        method: str,
+        args: tuple,
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Any:
+        call_id = next(self._ids)
+        payload, buffers = encode([list(args), kwargs])
+        direct.seq += 1
+        envelope = {
+            "t": "req", "id": call_id, "src": self.rank, "m": module, "f": method, "d": 1,
+            "s": direct.sender, "q": direct.seq,
+        }  # fmt: skip
+        frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > self._max_bytes:
+            raise MessageTooLarge(
+                f"{module}.{method}: a {size}-byte message exceeds runtime.rpc.max_message_mb "
+                f"({self._max_bytes >> 20} MB)"
+            )
+        sock = direct.socket
+        _send_frames(sock, frames, size < _ZERO_COPY_BYTES)
+        deadline = time.monotonic() + (timeout if timeout is not None else self._call_timeout)
+        while True:
+            if rank in self._dead:
+                raise PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} failed")
+            if self._closing:
+                raise PeerDeadError(f"endpoint of rank {self.rank} closed; {module}.{method} abandoned")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CallTimeout(f"{module}.{method} on rank {rank}: no reply before the deadline")
+            try:  # a blocking receive that wakes every 0.1 s (RCVTIMEO) to look at the peer's state
+                frames = _recv_frames(sock)
+            except zmq.Again:
+                continue
+            reply = self._open_direct_reply(frames, call_id)
+            if reply is None:
+                continue  # rejected, or the late reply of an earlier call that timed out
+            envelope, body, out_buffers = reply
+            value = decode(bytes(body), [bytes(b) for b in out_buffers], self._resolve_handle)
+            if not envelope["ok"]:
+                raise value
+            return value
+
+    def _open_direct_reply(
+        self, frames: list[zmq.Frame], call_id: int
+    ) -> tuple[dict[str, Any], Any, list[Any]] | None:
+        try:
+            envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
+            envelope = msgpack.unpackb(envelope_bytes, raw=False)
+            if not isinstance(envelope, dict) or envelope.get("t") != "rep" or not rest:
+                raise RejectedMessage("not a reply")
+            self._guard.check(str(envelope["s"]), int(envelope["q"]))
+        except _WIRE_ERRORS as exc:
+            self._reject(str(exc), _peer_address(frames[0]) if frames else "")
+            return None
+        if envelope["id"] != call_id:
+            return None
+        return envelope, rest[0], rest[1:]
+
     def fail_peer(self, rank: int, reason: str) -> None:
         """Declare ``rank`` dead: fail its pending calls now, refuse new ones."""
         self._dead[rank] = reason
@@ -265,14 +411,14 @@ class RpcEndpoint:
             local.seq = 0
         local.seq += 1
         envelope["s"], envelope["q"] = local.sender, local.seq
-        frames = seal(self._key, msgpack.packb(envelope), [payload, *buffers])
+        frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
         size = sum(memoryview(f).nbytes for f in frames)
         if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
             return f"a {size}-byte message exceeds runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
         with peer.lock:
             if not self._closing:
                 # zero-copy pays off only for big buffers; small frames are cheaper copied
-                peer.socket.send_multipart(frames, copy=size < _ZERO_COPY_BYTES)
+                _send_frames(peer.socket, frames, size < _ZERO_COPY_BYTES)
         return None
 
     def _reject(self, reason: str, peer: str) -> None:
@@ -294,7 +440,7 @@ class RpcEndpoint:
             if self._router in events:
                 for _ in range(1000):
                     try:
-                        msg = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        msg = _recv_frames(self._router, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._on_message(msg)
@@ -310,7 +456,7 @@ class RpcEndpoint:
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         routing_id, frames = msg[0], msg[1:]
         try:
-            envelope_bytes, rest = open_frames(self._key, [f.buffer for f in frames], self._max_bytes)
+            envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
             if not isinstance(envelope, dict) or envelope.get("t") not in ("req", "rep") or not rest:
                 raise RejectedMessage("neither a request nor a reply")
@@ -323,7 +469,15 @@ class RpcEndpoint:
                 fn = self._lookup(envelope["m"], envelope["f"])
             except Exception as exc:
                 fn = _raiser(exc)
-            if getattr(fn, "__nexrl_quick__", False):
+            if envelope.get("d"):  # a direct call: answered here, on the caller's own socket
+                if not getattr(fn, "__nexrl_quick__", False):
+                    fn = _raiser(
+                        PermissionError(
+                            f"{envelope['m']}.{envelope['f']} is not @quick: it cannot be called directly"
+                        )
+                    )
+                self._serve_direct(fn, envelope, rest[0], rest[1:], routing_id.bytes)
+            elif getattr(fn, "__nexrl_quick__", False):
                 self._serve(fn, envelope, rest[0], rest[1:])  # answered right here: no thread hand-off
             else:
                 self._pool.submit(self._serve, fn, envelope, rest[0], rest[1:])
@@ -333,9 +487,8 @@ class RpcEndpoint:
         if pending is not None and not pending.future.done():
             pending.future.set_result((bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"])))
 
-    def _serve(
-        self, fn: Callable[..., Any], envelope: dict[str, Any], payload: Any, buffers: list[Any]
-    ) -> None:
+    def _run(self, fn: Callable[..., Any], payload: Any, buffers: list[Any]) -> tuple[bool, bytes, list[Any]]:
+        """Decode the arguments, call, encode the result or the exception: (ok, body, buffers)."""
         ok = True
         try:
             args, kwargs = decode(bytes(payload), buffers, self._resolve_handle)
@@ -348,6 +501,46 @@ class RpcEndpoint:
         except TypeError as exc:
             ok = False
             body, out_buffers = encode(encode_exception(exc))
+        return ok, body, out_buffers
+
+    def _serve_direct(
+        self,
+        fn: Callable[..., Any],
+        envelope: dict[str, Any],
+        payload: Any,
+        buffers: list[Any],
+        routing_id: bytes,
+    ) -> None:
+        """Answer a direct call on the ROUTER (IO thread only), signed under a sender id of its own
+        per caller socket: that socket sees the sequence numbers in order."""
+        ok, body, out_buffers = self._run(fn, payload, buffers)
+        seq = self._direct_reply_seq.get(routing_id, 0) + 1
+        self._direct_reply_seq[routing_id] = seq
+        reply = {
+            "t": "rep",
+            "id": envelope["id"],
+            "ok": ok,
+            "s": f"{self._io_sender}>{routing_id.hex()}",
+            "q": seq,
+        }
+        frames = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if size > self._max_bytes:
+            error = MessageTooLarge(
+                f"{envelope['m']}.{envelope['f']} reply: a {size}-byte message exceeds "
+                f"runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
+            )
+            body, out_buffers = encode(encode_exception(error))
+            reply["ok"] = False
+            frames = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
+            size = sum(memoryview(f).nbytes for f in frames)
+        if not self._closing:
+            _send_frames(self._router, frames, size < _ZERO_COPY_BYTES, routing_id)
+
+    def _serve(
+        self, fn: Callable[..., Any], envelope: dict[str, Any], payload: Any, buffers: list[Any]
+    ) -> None:
+        ok, body, out_buffers = self._run(fn, payload, buffers)
         peer = self._peers.get(int(envelope["src"]))
         if peer is None:
             logger.warning("rank %d: no connection back to rank %s for a reply", self.rank, envelope["src"])
@@ -376,6 +569,7 @@ class RpcEndpoint:
         self._stop.set()
         self._io.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        lent = self._close_direct_sockets()
         for peer in self._peers.values():
             with peer.lock:
                 peer.socket.close(linger=0)
@@ -387,10 +581,47 @@ class RpcEndpoint:
                 p.future.set_exception(
                     PeerDeadError(f"endpoint of rank {self.rank} closed; {p.what} abandoned")
                 )
+        if lent:  # a caller still holds a socket (it gives it up within its 0.1 s poll): don't wait
+            return
         try:
             self._ctx.term()
         except zmq.ZMQError:
             pass
+
+    def _close_direct_sockets(self, wait_s: float = 0.5) -> int:
+        """Close the idle direct sockets; wait briefly for lent ones (their callers see ``_closing``
+        within one poll and close them). Returns how many are still lent."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._direct_lock:
+                idle = [d for peer in self._peers.values() for d in peer.idle_direct]
+                for peer in self._peers.values():
+                    peer.direct_count -= len(peer.idle_direct)
+                    peer.idle_direct.clear()
+                lent = sum(peer.direct_count for peer in self._peers.values())
+            for direct in idle:
+                direct.socket.close(linger=0)
+            if lent == 0 or time.monotonic() >= deadline:
+                return lent
+            time.sleep(0.02)
+
+
+def _send_frames(sock: zmq.Socket, frames: list[Any], copy: bool, routing_id: bytes | None = None) -> None:
+    """Send one message; a single frame skips ``send_multipart``'s per-frame flag handling."""
+    if routing_id is not None:
+        sock.send(routing_id, _SNDMORE)
+    if len(frames) == 1:
+        sock.send(frames[0], copy=copy)
+    else:
+        sock.send_multipart(frames, copy=copy)
+
+
+def _recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """Receive one message (all its frames); raises ``zmq.Again`` as ``recv`` does."""
+    frames = [sock.recv(flags, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
 
 
 def _raiser(exc: Exception) -> Callable[..., Any]:

@@ -20,24 +20,33 @@ def public_methods(cls: type) -> list[str]:
 
 
 class RemoteMethod:
-    __slots__ = ("_endpoint", "_rank", "_module", "_name", "_timeout")
+    __slots__ = ("_endpoint", "_rank", "_module", "_name", "_timeout", "_quick")
 
     def __init__(
-        self, endpoint: RpcEndpoint, rank: int, module: str, name: str, timeout: float | None = None
+        self,
+        endpoint: RpcEndpoint,
+        rank: int,
+        module: str,
+        name: str,
+        timeout: float | None = None,
+        quick: bool = False,
     ):
-        self._endpoint, self._rank, self._module, self._name, self._timeout = (
-            endpoint,
-            rank,
-            module,
-            name,
-            timeout,
-        )
+        self._endpoint, self._rank, self._module, self._name = endpoint, rank, module, name
+        self._timeout, self._quick = timeout, quick
 
     def call_async(self, *args: Any, **kwargs: Any) -> Future:
         return self._endpoint.call_async(self._rank, self._module, self._name, args, kwargs, self._timeout)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def call_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """Call and wait; a ``@quick`` method is answered on this thread's own socket (no hand-offs)."""
+        if self._quick:
+            return self._endpoint.call_direct(
+                self._rank, self._module, self._name, args, kwargs, self._timeout
+            )
         return self.call_async(*args, **kwargs).result()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_sync(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<remote {self._module}.{self._name} on rank {self._rank}>"
@@ -51,7 +60,8 @@ class RemoteModuleHandle:
         self._rank = rank
         self._cls = cls
         for method in public_methods(cls):
-            setattr(self, method, RemoteMethod(endpoint, rank, name, method))
+            quick = bool(getattr(getattr(cls, method), "__nexrl_quick__", False))
+            setattr(self, method, RemoteMethod(endpoint, rank, name, method, quick=quick))
         self.get_module_name = lambda: name  # answered locally: the name is the address
 
     @property

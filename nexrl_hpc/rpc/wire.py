@@ -1,8 +1,11 @@
-"""Signed multipart messages: ``[signature, header, buffer...]``.
+"""Signed messages: ``[signature, header, buffer...]``, or one packed frame when small.
 
-The signature is HMAC-SHA256 with the job key over every frame, each preceded by its length (so
-frames cannot be re-cut). A message is checked — frame count, sizes, signature, sender sequence
-number — before a single byte of it is decoded; anything that fails is dropped and counted.
+The signature is HMAC-SHA256 with the job key over every part, each preceded by its length (so
+parts cannot be re-cut). A message of a header and one small payload travels as a single frame
+``signature | len(header) | header | payload`` — same signature, but one ZMQ frame instead of three
+(per-frame sends and receives were a third of a small call's cost). A message is checked — frame
+count, sizes, signature, sender sequence number — before a single byte of it is decoded; anything
+that fails is dropped and counted.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Any
 SIG_BYTES = 32
 _ONE_SHOT_BYTES = 64 << 10
 _LEN = struct.Struct(">Q")
+_HEADER_LEN = struct.Struct(">I")
+_PACKED_PREFIX = SIG_BYTES + _HEADER_LEN.size
+PACK_BELOW_BYTES = 64 << 10  # header + payload under this (and no buffers): one frame
 
 
 class RejectedMessage(Exception):
@@ -53,6 +59,39 @@ def open_frames(key: bytes, frames: list[Any], max_bytes: int) -> tuple[bytes, l
     if not hmac.compare_digest(signature, sign(key, frames[1:])):
         raise RejectedMessage("bad signature")
     return bytes(frames[1]), list(frames[2:])
+
+
+def seal_message(key: bytes, header: bytes, payload: bytes, buffers: list[Any]) -> list[Any]:
+    """The frames to send: one packed frame for a small message without buffers, else ``seal``."""
+    if buffers or len(header) + len(payload) >= PACK_BELOW_BYTES:
+        return seal(key, header, [payload, *buffers])
+    mac = hmac.digest(
+        key, b"".join((_LEN.pack(len(header)), header, _LEN.pack(len(payload)), payload)), "sha256"
+    )
+    return [b"".join((mac, _HEADER_LEN.pack(len(header)), header, payload))]
+
+
+def open_message(key: bytes, frames: list[Any], max_bytes: int) -> tuple[bytes, list[Any]]:
+    """Verify a received message (packed or multipart); return (header, [payload, buffers...])."""
+    if len(frames) != 1:
+        return open_frames(key, frames, max_bytes)
+    frame = memoryview(frames[0])
+    size = frame.nbytes
+    if size > max_bytes:
+        raise RejectedMessage(f"{size} bytes exceeds the {max_bytes}-byte limit")
+    if size < _PACKED_PREFIX:
+        raise RejectedMessage(f"a {size}-byte frame is too short for a signed message")
+    (header_len,) = _HEADER_LEN.unpack_from(frame, SIG_BYTES)
+    if _PACKED_PREFIX + header_len > size:
+        raise RejectedMessage("malformed packed message (header length past the end)")
+    header = frame[_PACKED_PREFIX : _PACKED_PREFIX + header_len].tobytes()
+    payload = frame[_PACKED_PREFIX + header_len :].tobytes()
+    expected = hmac.digest(
+        key, b"".join((_LEN.pack(header_len), header, _LEN.pack(len(payload)), payload)), "sha256"
+    )
+    if not hmac.compare_digest(frame[:SIG_BYTES].tobytes(), expected):
+        raise RejectedMessage("bad signature")
+    return header, [payload]
 
 
 class SequenceGuard:

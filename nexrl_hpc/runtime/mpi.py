@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -343,13 +344,21 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
         )
         trainer_thread.start()
 
-    def beat() -> None:
+    def beat(until: threading.Event) -> None:
         stats = dict(world.endpoint.stats())
         if world.trainer is not None:
             stats["rejected"] += world.trainer.rejected
-        execute_async(tracker.heartbeat, world.rank, world.host, names, stats).result(
-            timeout=monitor["health_check"]["timeout"]
-        )
+        reply = execute_async(tracker.heartbeat, world.rank, world.host, names, stats)
+        # a beat in flight when rank 0 says stop/release must not hold this rank (rank 0 may be
+        # gone without answering it, and rank 0's exit waits for this rank's MPI_Finalize)
+        deadline = time.monotonic() + monitor["health_check"]["timeout"]
+        while not until.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("rank 0 did not answer a heartbeat")
+            if wait_futures([reply], timeout=min(0.1, remaining)).done:
+                reply.result()
+                return
 
     if not _heartbeat_until(beat, stop, monitor["health_check"]):
         verdict.update(reason="rank 0 stopped answering", code=1)
@@ -379,15 +388,18 @@ def _serve_trainer(trainer: Any, stop: threading.Event) -> None:
 
 
 def _heartbeat_until(
-    beat: Callable[[], None], event: threading.Event, health: dict[str, Any], max_s: float | None = None
+    beat: Callable[[threading.Event], None],
+    event: threading.Event,
+    health: dict[str, Any],
+    max_s: float | None = None,
 ) -> bool:
     """Heartbeat to rank 0 every interval until ``event`` is set or ``max_s`` passed (True), or
-    rank 0 stops answering (False)."""
+    rank 0 stops answering (False). A beat stops waiting for its reply once ``event`` is set."""
     interval, timeout = health["check_interval"], health["timeout"]
     last_ok = start = time.monotonic()
     while not event.wait(interval):
         try:
-            beat()
+            beat(event)
             last_ok = time.monotonic()
         except Exception:
             if time.monotonic() - last_ok > timeout:

@@ -1,0 +1,43 @@
+"""The weight version a rollout request is sampled with, read without blocking the event loop.
+
+Hundreds of requests start in the same instant on a rollout rank; asking the weight sync
+controller (on rank 0 in mpi mode) once per request put hundreds of round trips in a row on the
+loop. Requests that start while a lookup is in flight share its answer: the version a request
+records is then the one served when the lookup began, which is also what a request that started
+that moment would have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from nexrl_hpc.core.execute import execute_async
+
+
+class RolloutVersionLookup:
+    """``await lookup.read()`` → the controller's rollout version for ``model_tag`` (None without one)."""
+
+    def __init__(self, model_tag: str):
+        self._model_tag = model_tag
+        self._controller: Any = None
+        self._in_flight: asyncio.Future | None = None
+
+    def set_controller(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def read(self) -> int | None:
+        if self._controller is None:
+            return None
+        shared = self._in_flight
+        if shared is None:
+            future = execute_async(self._controller.get_rollout_model_version, self._model_tag)
+            if future.done():  # a local controller answers at once: nothing to share
+                return int(future.result())
+            shared = self._in_flight = asyncio.wrap_future(future)
+            shared.add_done_callback(self._clear)
+        return int(await asyncio.shield(shared))
+
+    def _clear(self, done: asyncio.Future) -> None:
+        if self._in_flight is done:
+            self._in_flight = None
