@@ -75,7 +75,7 @@ def serve(conn: Any) -> None:
     registry = ModuleRegistry()
     registry.add("echo", Echo())
     registry.add("trajectory_pool", make_pool())
-    endpoint = RpcEndpoint(1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup)
+    endpoint = RpcEndpoint(1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4)
     conn.send(endpoint.address)
     endpoint.connect({0: conn.recv()})
     conn.recv()  # until told to stop
@@ -111,7 +111,9 @@ def bench_nexrl(calls: int) -> dict[str, float]:
     key = secrets.token_bytes(32)
     parent.send(key)
     address = parent.recv()
-    client = RpcEndpoint(0, "127.0.0.1", key, 1 << 30, 8, 60.0, ModuleRegistry().lookup)
+    client = RpcEndpoint(
+        0, "127.0.0.1", key, 1 << 30, 8, 60.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
+    )
     client.connect({1: address})
     parent.send(client.address)
     echo = RemoteModuleHandle(client, 1, "echo", Echo)

@@ -93,8 +93,10 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
     registry = ModuleRegistry()
     counter = Counter()
     registry.add("counter", counter)
-    server = RpcEndpoint(1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup)
-    client = RpcEndpoint(0, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup)
+    server = RpcEndpoint(1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4)
+    client = RpcEndpoint(
+        0, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
+    )
     client.connect({1: server.address})
     server.connect({0: client.address})  # replies travel to the caller's ROUTER
     yield client, server, counter, key
@@ -347,3 +349,18 @@ def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any
     )
     dealer.close()
     ctx.term()
+
+
+def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> None:
+    client, server, counter, key = pair
+    plain = RpcEndpoint(
+        2, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup, direct_sockets_per_peer=0
+    )
+    try:
+        plain.connect({1: server.address})
+        server.connect({2: plain.address})
+        counter.n = 4
+        assert execute(RemoteModuleHandle(plain, 1, "counter", Counter).peek) == 4
+        assert plain._peers[1].direct_count == 0 and plain.stats()["rejected"] == 0
+    finally:
+        plain.close()

@@ -177,7 +177,8 @@ class RpcEndpoint:
         call_timeout_s: float,
         lookup: Callable[[str, str], Callable[..., Any]],
         resolve_handle: Callable[[str], Any] | None = None,
-        direct_sockets_per_peer: int = 4,
+        *,
+        direct_sockets_per_peer: int,
     ):
         self.rank = rank
         self._key = key

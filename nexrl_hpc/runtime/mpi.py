@@ -101,6 +101,7 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
         max_message_bytes=rpc["max_message_mb"] << 20,
         server_threads=rpc["server_threads"],
         call_timeout_s=rpc["call_timeout_s"],
+        direct_sockets_per_peer=rpc["direct_sockets_per_peer"],
         lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
     )
