@@ -364,3 +364,29 @@ def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> N
         assert plain._peers[1].direct_count == 0 and plain.stats()["rejected"] == 0
     finally:
         plain.close()
+
+
+def test_pipelined_quick_replies_share_messages_and_each_call_gets_its_own(pair: Any) -> None:
+    """Quick requests that arrive together are answered in one signed message per caller rank
+    (at most 64 replies each); every future still gets its own value, in any order."""
+    client, server, counter, _ = pair
+    h = handle(client)
+    counter.n = 9
+    received = []
+    on_message = client._on_message
+
+    def counting(msg: Any) -> None:
+        received.append(len(msg))
+        on_message(msg)
+
+    client._on_message = counting  # type: ignore[method-assign]
+    futures = [execute_async(h.peek) for _ in range(600)]
+    assert [f.result(timeout=10) for f in futures] == [9] * 600
+    assert len(received) < 600  # replies were batched
+    assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
+    forged = msgpack.packb([[1, True, "not bytes"]])  # a signed batch must still have the right shape
+    from nexrl_hpc.rpc.endpoint import _reply_batch
+    from nexrl_hpc.rpc.wire import RejectedMessage
+
+    with pytest.raises(RejectedMessage, match="malformed reply batch"):
+        _reply_batch(forged)

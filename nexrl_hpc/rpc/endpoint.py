@@ -11,7 +11,10 @@ rank declared dead fails at once; every call has a deadline, so nothing waits fo
 Blocking calls to ``@quick`` methods take a shorter road (``call_direct``): the caller borrows a
 DEALER of its own towards the peer, the peer's IO thread answers on its ROUTER right away, and the
 caller reads the reply itself — no thread hand-off on either side. Each such socket signs with its
-own sender id, so its sequence numbers stay in order on its own connection.
+own sender id, so its sequence numbers stay in order on its own connection. Asynchronous calls to
+``@quick`` methods that arrive together (pipelined) are answered together: the IO thread holds
+their small replies until the end of the receive burst and sends one signed message per caller
+rank (at most 64 replies, 256 KiB), which halves the messages both sides handle.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ _WIRE_ERRORS = (
 _SUSPICIOUS_LIFETIME_S = 5.0
 _ZERO_COPY_BYTES = 64 << 10
 _SNDMORE = int(zmq.SNDMORE)
+_HOLD_REPLY_BYTES = 16 << 10  # quick replies up to this size may share one message with others
+_HELD_BATCH_BYTES = 256 << 10  # a batch of held replies goes out at this size or count at the latest
+_HELD_BATCH_REPLIES = 64
 _DIRECT_WAKE_MS = 100  # a direct caller looks at deadline, dead peers and close this often
 
 
@@ -204,6 +210,9 @@ class RpcEndpoint:
         self._direct_lock = threading.Lock()
         self._direct_ids = itertools.count()
         self._direct_reply_seq: dict[bytes, int] = {}  # IO thread only: per direct caller socket
+        # IO thread only: small quick replies per caller rank, sent together after each receive burst
+        self._held_replies: dict[int, list[list[Any]]] = {}
+        self._held_bytes: dict[int, int] = {}
         self._guard = SequenceGuard()
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         self._rejected = 0
@@ -444,7 +453,12 @@ class RpcEndpoint:
                         msg = _recv_frames(self._router, zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if (
+                        self._held_replies and len(msg) > 2
+                    ):  # a large message: don't let replies wait on its check
+                        self._send_held_replies()
                     self._on_message(msg)
+                self._send_held_replies()
             if self._watch.socket in events:
                 self._watch.drain(self._closing)
             now = time.monotonic()
@@ -459,11 +473,16 @@ class RpcEndpoint:
         try:
             envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            if not isinstance(envelope, dict) or envelope.get("t") not in ("req", "rep") or not rest:
+            if not isinstance(envelope, dict) or envelope.get("t") not in ("req", "rep", "reps") or not rest:
                 raise RejectedMessage("neither a request nor a reply")
             self._guard.check(str(envelope["s"]), int(envelope["q"]))
+            replies = _reply_batch(rest[0]) if envelope["t"] == "reps" else None
         except _WIRE_ERRORS as exc:
             self._reject(str(exc), _peer_address(routing_id))
+            return
+        if replies is not None:
+            for call_id, ok, body in replies:
+                self._complete(call_id, body, [], ok)
             return
         if envelope["t"] == "req":
             try:
@@ -478,15 +497,18 @@ class RpcEndpoint:
                         )
                     )
                 self._serve_direct(fn, envelope, rest[0], rest[1:], routing_id.bytes)
-            elif getattr(fn, "__nexrl_quick__", False):
-                self._serve(fn, envelope, rest[0], rest[1:])  # answered right here: no thread hand-off
+            elif getattr(fn, "__nexrl_quick__", False):  # answered right here: no thread hand-off
+                self._serve(fn, envelope, rest[0], rest[1:], hold=True)
             else:
                 self._pool.submit(self._serve, fn, envelope, rest[0], rest[1:])
             return
+        self._complete(envelope["id"], bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"]))
+
+    def _complete(self, call_id: int, body: bytes, buffers: list[bytes], ok: bool) -> None:
         with self._pending_lock:
-            pending = self._pending.pop(envelope["id"], None)
+            pending = self._pending.pop(call_id, None)
         if pending is not None and not pending.future.done():
-            pending.future.set_result((bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"])))
+            pending.future.set_result((body, buffers, ok))
 
     def _run(self, fn: Callable[..., Any], payload: Any, buffers: list[Any]) -> tuple[bool, bytes, list[Any]]:
         """Decode the arguments, call, encode the result or the exception: (ok, body, buffers)."""
@@ -539,10 +561,27 @@ class RpcEndpoint:
             _send_frames(self._router, frames, size < _ZERO_COPY_BYTES, routing_id)
 
     def _serve(
-        self, fn: Callable[..., Any], envelope: dict[str, Any], payload: Any, buffers: list[Any]
+        self,
+        fn: Callable[..., Any],
+        envelope: dict[str, Any],
+        payload: Any,
+        buffers: list[Any],
+        hold: bool = False,
     ) -> None:
+        """Run a request and send the reply; with ``hold`` (IO thread) a small reply waits for the
+        end of the current receive burst and leaves with the others to the same rank."""
         ok, body, out_buffers = self._run(fn, payload, buffers)
-        peer = self._peers.get(int(envelope["src"]))
+        src = int(envelope["src"])
+        if hold and not out_buffers and len(body) <= _HOLD_REPLY_BYTES and src in self._peers:
+            self._held_replies.setdefault(src, []).append([envelope["id"], ok, body])
+            self._held_bytes[src] = self._held_bytes.get(src, 0) + len(body)
+            if (
+                self._held_bytes[src] >= _HELD_BATCH_BYTES
+                or len(self._held_replies[src]) >= _HELD_BATCH_REPLIES
+            ):
+                self._send_held_replies(src)
+            return
+        peer = self._peers.get(src)
         if peer is None:
             logger.warning("rank %d: no connection back to rank %s for a reply", self.rank, envelope["src"])
             return
@@ -554,6 +593,20 @@ class RpcEndpoint:
                 encode_exception(MessageTooLarge(f"{envelope['m']}.{envelope['f']} reply: {error}"))
             )
             self._send(peer, reply, body, out_buffers)
+
+    def _send_held_replies(self, only: int | None = None) -> None:
+        """Send the held replies: one signed message per rank (a lone reply in the usual form)."""
+        for src in [only] if only is not None else list(self._held_replies):
+            items = self._held_replies.pop(src, None)
+            self._held_bytes.pop(src, None)
+            if not items:
+                continue
+            peer = self._peers[src]
+            if len(items) == 1:
+                call_id, ok, body = items[0]
+                self._send(peer, {"t": "rep", "id": call_id, "ok": ok}, body, [])
+            else:
+                self._send(peer, {"t": "reps"}, msgpack.packb(items), [])
 
     def _expire(self, now: float) -> None:
         with self._pending_lock:
@@ -605,6 +658,24 @@ class RpcEndpoint:
             if lent == 0 or time.monotonic() >= deadline:
                 return lent
             time.sleep(0.02)
+
+
+def _reply_batch(payload: Any) -> list[tuple[int, bool, bytes]]:
+    """The (call id, ok, body) triples of a "reps" message, checked for shape."""
+    items = msgpack.unpackb(bytes(payload), raw=False)
+    if not isinstance(items, list):
+        raise RejectedMessage("a reply batch that is not a list")
+    out = []
+    for item in items:
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], int)
+            and isinstance(item[2], bytes)
+        ):
+            raise RejectedMessage("malformed reply batch")
+        out.append((item[0], bool(item[1]), item[2]))
+    return out
 
 
 def _send_frames(sock: zmq.Socket, frames: list[Any], copy: bool, routing_id: bytes | None = None) -> None:
