@@ -247,18 +247,9 @@ class RpcEndpoint:
         timeout: float | None = None,
     ) -> Future:
         future = RpcFuture(self._resolve_handle)
-        if threading.current_thread() is self._io:  # would wait for a reply only this thread can read
-            raise RuntimeError(
-                f"{module}.{method} called from a @quick method: quick methods must not call other modules"
-            )
-        if rank in self._dead:
-            future.set_exception(
-                PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} not sent")
-            )
-            return future
-        peer = self._peers.get(rank)
-        if peer is None:
-            future.set_exception(PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent"))
+        peer, refused = self._peer_for_call(rank, module, method)
+        if refused is not None:
+            future.set_exception(refused)
             return future
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
@@ -274,6 +265,21 @@ class RpcEndpoint:
             future.set_exception(MessageTooLarge(f"{module}.{method}: {error}"))
         return future
 
+    def _peer_for_call(self, rank: int, module: str, method: str) -> tuple[Any, Exception | None]:
+        """The peer a call goes to, or why it cannot be sent (a dead or unknown rank)."""
+        if threading.current_thread() is self._io:  # would wait for a reply only this thread can read
+            raise RuntimeError(
+                f"{module}.{method} called from a @quick method: quick methods must not call other modules"
+            )
+        if rank in self._dead:
+            return None, PeerDeadError(
+                f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} not sent"
+            )
+        peer = self._peers.get(rank)
+        if peer is None:
+            return None, PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent")
+        return peer, None
+
     def call_direct(
         self,
         rank: int,
@@ -286,15 +292,9 @@ class RpcEndpoint:
         """Call a ``@quick`` method and wait for its result on a socket of this caller's own (the
         peer answers on its IO thread). Falls back to ``call_async`` when every direct socket
         towards the peer is in use."""
-        if threading.current_thread() is self._io:
-            raise RuntimeError(
-                f"{module}.{method} called from a @quick method: quick methods must not call other modules"
-            )
-        if rank in self._dead:
-            raise PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} not sent")
-        peer = self._peers.get(rank)
-        if peer is None:
-            raise PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent")
+        peer, refused = self._peer_for_call(rank, module, method)
+        if refused is not None:
+            raise refused
         if self._closing:
             raise PeerDeadError(f"endpoint of rank {self.rank} closed; {module}.{method} not sent")
         direct = self._borrow_direct(peer)
