@@ -65,6 +65,15 @@ def test_value_outside_range() -> None:
     assert probs["train_worker.total_train_steps"] == "must be >= 1, got 0"
 
 
+def test_mapping_values_are_checked_against_their_type() -> None:
+    probs = problems_of(["+runtime.mpi_env.FI_PROVIDER=[tcp]", "placement.resources.rollout.cpus_per_rank=0"])
+    assert probs["runtime.mpi_env.FI_PROVIDER"] == "expected string or int or float or bool, got list"
+    assert probs["placement.resources.rollout.cpus_per_rank"] == "must be >= 1, got 0"
+    assert compose_config(["+runtime.mpi_env.MPIR_CVAR_NOLOCAL=1"])["runtime"]["mpi_env"] == {
+        "MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": 1,
+    }  # fmt: skip
+
+
 def test_missing_required_key() -> None:
     probs = problems_of(["~train_worker.save_freq"])
     assert probs == {"train_worker.save_freq": "missing required key (expected int)"}

@@ -258,6 +258,20 @@ def test_hung_rollout_rank_with_stop_on_error_stops_the_others_with_the_reason(t
     assert err.count("error: rank ") >= 2  # ranks 1 and 2 print why they stop
 
 
+def test_a_rank_stuck_in_mpi_init_exits_after_the_bootstrap_timeout(tmp_path: Path) -> None:
+    """MPI_Init holds the GIL, so only faulthandler's C thread can end a rank whose peer never starts
+    (here: the second 'rank' is a plain sleep); the rank says where it stood and exits 1."""
+    cmd = mpirun(1, [f"run_dir={tmp_path / 'run'}", "runtime.bootstrap_timeout_s=2"])
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*cmd, ":", "-n", "1", "sleep", "120"], cwd=REPO, capture_output=True, text=True, timeout=100
+    )
+    took = time.monotonic() - started
+    assert proc.returncode != 0
+    assert 12 <= took < 60, (took, proc.stderr[-2000:])  # bootstrap_timeout_s + the 10 s grace
+    assert "Timeout (0:00:12)!" in proc.stderr and "in start_mpi" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) -> None:
     proc = subprocess.run(
         mpirun(2, [f"run_dir={tmp_path / 'x'}"]), cwd=REPO, capture_output=True, text=True, timeout=300

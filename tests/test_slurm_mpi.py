@@ -44,3 +44,22 @@ def test_srun_pmi2_killed_rollout_rank_with_continue_loses_and_doubles_nothing(
     assert "rollout_worker_1" in line
     assert "last validation" in out or "run dir:" in out  # rank 0 finished the run
     assert_trained_as_planned(run_dir, steps)
+
+
+def test_mpi_start_up_across_nodes_never_hangs(slurm_env: dict[str, str]) -> None:
+    """runtime.mpi_env's netmod: MPI_Init over srun --mpi=pmi2 on two nodes, 8 starts in a row.
+
+    With MPICH's UCX netmod about one such start in three hung (slurmstepd: "value not properly
+    terminated in client request"), so 8 clean starts would pass by chance about once in twenty."""
+    srun = ["srun", "--mpi=pmi2", "-N2", "-n2", "--time=2", "--kill-on-bad-exit=1"]  # a node root each
+    for attempt in range(8):
+        try:
+            proc = subprocess.run(
+                [*srun, sys.executable, "-m", "tests.helpers.mpi_start"],
+                cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"start {attempt}: MPI_Init hung for 90 s; stderr:\n{exc.stderr}")
+        assert proc.returncode == 0, f"start {attempt}: {proc.stderr[-2000:]}"
+        assert proc.stdout.strip() == "started [0, 1]", proc.stdout
+        assert "not properly terminated" not in proc.stderr, proc.stderr[-2000:]

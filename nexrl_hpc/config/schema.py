@@ -317,6 +317,7 @@ class RpcConfig(TypedDict):
 class RuntimeConfig(TypedDict):
     rpc: RpcConfig
     bootstrap_timeout_s: Annotated[float, Gt(0.0)]
+    mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)
     gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
     gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)
 

@@ -136,7 +136,15 @@ def _check(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> boo
         if not isinstance(value, Mapping):
             problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
             return False
-        return True
+        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+        ok = True
+        for key, item in value.items():
+            if not _matches_type(key, key_tp):
+                problems.append(ConfigProblem(f"{path}.{key}", f"key: expected {_type_name(key_tp)}"))
+                ok = False
+            elif value_tp is not Any:
+                ok = _check(item, value_tp, f"{path}.{key}", problems) and ok
+        return ok
     if not _matches_type(value, tp):
         problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
         return False
@@ -149,6 +157,8 @@ def _matches_type(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         return _matches_type(value, typing.get_args(tp)[0])
+    if tp is Any:
+        return True
     if tp is type(None):
         return value is None
     if tp is bool:

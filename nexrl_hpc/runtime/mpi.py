@@ -9,6 +9,7 @@ collective: other ranks see its heartbeats stop (or rank 0's replies stop) and a
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import ipaddress
 import json
@@ -37,6 +38,7 @@ from nexrl_hpc.types import NexRLRole
 
 logger = logging.getLogger(__name__)
 TRACKER = "activity_tracker"
+_HARD_BOOTSTRAP_GRACE_S = 10.0  # after runtime.bootstrap_timeout_s, for a rank stuck in C code
 
 
 def interface_address(spec: str) -> str:
@@ -457,13 +459,14 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     Returns the process exit code: 2 when the placement does not fit (rank 0 says why).
     """
     _remove_stale_mpich_segments()
-    watchdog = threading.Timer(config["runtime"]["bootstrap_timeout_s"], _bootstrap_timed_out, (config,))
+    timeout_s = config["runtime"]["bootstrap_timeout_s"]
+    watchdog = threading.Timer(timeout_s, _bootstrap_timed_out, (config,))
     watchdog.daemon = True
     watchdog.start()
-    import mpi4py
-
-    mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
-    from mpi4py import MPI
+    # MPI_Init holds the GIL, so the timer above cannot fire while it hangs; faulthandler's C thread
+    # can: it prints where this rank stood and exits 1 shortly after
+    faulthandler.dump_traceback_later(timeout_s + _HARD_BOOTSTRAP_GRACE_S, exit=True, file=sys.stderr)
+    MPI = start_mpi(config["runtime"]["mpi_env"])
 
     from nexrl_hpc.runtime.placement import PlacementError
 
@@ -477,11 +480,11 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
     try:
         world = bootstrap(config, comm)
     except PlacementError as err:
-        watchdog.cancel()
+        _cancel_bootstrap_watchdogs(watchdog)
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    watchdog.cancel()
+    _cancel_bootstrap_watchdogs(watchdog)
     if rank != 0:
         from nexrl_hpc.launcher.preemption import ignore_preemption_signal
 
@@ -500,6 +503,30 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         world.endpoint.close()
         if finalize:
             _finalize_mpi(config["runtime_monitor"]["stop_timeout_s"], code)
+
+
+def start_mpi(mpi_env: dict[str, str | int | float | bool]) -> Any:
+    """MPI_Init with ``runtime.mpi_env`` in the environment (MPICH reads its CVARs at init).
+
+    Why the default MPIR_CVAR_CH4_NETMOD=ofi: with the UCX netmod, MPICH's PMI-1 exchange of
+    business cards between nodes sometimes sends Slurm's pmi2 plugin a request it cannot parse
+    (slurmstepd: "value not properly terminated in client request") and every rank then waits in
+    MPI_Init forever; seen in 5 of 16 two-node starts and 1 of 6 heterogeneous-job runs. MPI only
+    bootstraps here (small messages), so the netmod does not matter for speed.
+    """
+    for name, value in mpi_env.items():
+        os.environ[name] = str(int(value)) if isinstance(value, bool) else str(value)
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _cancel_bootstrap_watchdogs(watchdog: threading.Timer) -> None:
+    watchdog.cancel()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _remove_stale_mpich_segments(min_age_s: float = 5.0) -> None:
