@@ -20,9 +20,9 @@ import zmq
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
-from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint
+from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint, _reply_batch
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
-from nexrl_hpc.rpc.wire import seal, seal_message, sign
+from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
 
 
@@ -385,8 +385,5 @@ def test_pipelined_quick_replies_share_messages_and_each_call_gets_its_own(pair:
     assert len(received) < 600  # replies were batched
     assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
     forged = msgpack.packb([[1, True, "not bytes"]])  # a signed batch must still have the right shape
-    from nexrl_hpc.rpc.endpoint import _reply_batch
-    from nexrl_hpc.rpc.wire import RejectedMessage
-
     with pytest.raises(RejectedMessage, match="malformed reply batch"):
         _reply_batch(forged)

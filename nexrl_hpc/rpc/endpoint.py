@@ -120,6 +120,22 @@ class _DirectSocket:
         self.socket, self.sender, self.seq = sock, sender, 0
 
 
+class _HeldReplies:
+    """Small quick replies to one caller rank, waiting for the end of the receive burst."""
+
+    __slots__ = ("items", "size")
+
+    def __init__(self) -> None:
+        self.items: list[list[Any]] = []  # [call id, ok, body]
+        self.size = 0
+
+    def add(self, call_id: int, ok: bool, body: bytes) -> bool:
+        """Hold a reply; True when the batch is full and should leave now."""
+        self.items.append([call_id, ok, body])
+        self.size += len(body)
+        return self.size >= _HELD_BATCH_BYTES or len(self.items) >= _HELD_BATCH_REPLIES
+
+
 class ConnectionWatch:
     """Counts what never becomes a valid message on a listening socket: connections that fail the
     ZMTP handshake (random bytes) and connections libzmq drops right after it (a frame over
@@ -211,8 +227,7 @@ class RpcEndpoint:
         self._direct_ids = itertools.count()
         self._direct_reply_seq: dict[bytes, int] = {}  # IO thread only: per direct caller socket
         # IO thread only: small quick replies per caller rank, sent together after each receive burst
-        self._held_replies: dict[int, list[list[Any]]] = {}
-        self._held_bytes: dict[int, int] = {}
+        self._held_replies: dict[int, _HeldReplies] = {}
         self._guard = SequenceGuard()
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         self._rejected = 0
@@ -453,9 +468,8 @@ class RpcEndpoint:
                         msg = _recv_frames(self._router, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if (
-                        self._held_replies and len(msg) > 2
-                    ):  # a large message: don't let replies wait on its check
+                    # a large (multipart) message: held replies do not wait for its check
+                    if self._held_replies and len(msg) > 2:
                         self._send_held_replies()
                     self._on_message(msg)
                 self._send_held_replies()
@@ -573,12 +587,7 @@ class RpcEndpoint:
         ok, body, out_buffers = self._run(fn, payload, buffers)
         src = int(envelope["src"])
         if hold and not out_buffers and len(body) <= _HOLD_REPLY_BYTES and src in self._peers:
-            self._held_replies.setdefault(src, []).append([envelope["id"], ok, body])
-            self._held_bytes[src] = self._held_bytes.get(src, 0) + len(body)
-            if (
-                self._held_bytes[src] >= _HELD_BATCH_BYTES
-                or len(self._held_replies[src]) >= _HELD_BATCH_REPLIES
-            ):
+            if self._held_replies.setdefault(src, _HeldReplies()).add(envelope["id"], ok, body):
                 self._send_held_replies(src)
             return
         peer = self._peers.get(src)
@@ -597,11 +606,10 @@ class RpcEndpoint:
     def _send_held_replies(self, only: int | None = None) -> None:
         """Send the held replies: one signed message per rank (a lone reply in the usual form)."""
         for src in [only] if only is not None else list(self._held_replies):
-            items = self._held_replies.pop(src, None)
-            self._held_bytes.pop(src, None)
-            if not items:
+            held = self._held_replies.pop(src, None)
+            if held is None:
                 continue
-            peer = self._peers[src]
+            items, peer = held.items, self._peers[src]
             if len(items) == 1:
                 call_id, ok, body = items[0]
                 self._send(peer, {"t": "rep", "id": call_id, "ok": ok}, body, [])
