@@ -53,13 +53,10 @@ def hydra_main(cfg: DictConfig) -> None:
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
 
     if config["launch_mode"] == "mpi":
-        from nexrl_hpc.runtime.mpi import run_mpi
+        from nexrl_hpc.runtime.mpi import exit_process, run_mpi
 
         code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no MPI_Finalize, no waiting on threads of dead peers: exit never hangs
+        exit_process(code, config["runtime_monitor"]["stop_timeout_s"])  # never hangs on dead peers' threads
     _exit_unless_ok(run_controller(config))
 
 

@@ -272,6 +272,19 @@ def test_a_rank_stuck_in_mpi_init_exits_after_the_bootstrap_timeout(tmp_path: Pa
     assert "Timeout (0:00:12)!" in proc.stderr and "in start_mpi" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_finalized_ranks_leaving_one_by_one_keep_the_exit_code(code: int) -> None:
+    """This MPICH tells Hydra a rank finished (PMI ``cmd=finalize``) from a C exit handler, not in
+    MPI_Finalize: a finalized rank that left with ``os._exit`` looked crashed, and Hydra SIGKILLed
+    the ranks still running (mpirun exit 9 after a finished run; this helper with ``--os-exit``:
+    8 of 8 jobs). ``exit_process`` leaves through ``exit``: every job ends with the ranks' code."""
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "tests.helpers.mpi_exit", str(code)]
+    for _ in range(4):
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "BAD TERMINATION" not in proc.stdout
+
+
 def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) -> None:
     proc = subprocess.run(
         mpirun(2, [f"run_dir={tmp_path / 'x'}"]), cwd=REPO, capture_output=True, text=True, timeout=300

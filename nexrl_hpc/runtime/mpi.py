@@ -9,6 +9,7 @@ collective: other ranks see its heartbeats stop (or rank 0's replies stop) and a
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import fcntl
 import ipaddress
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
@@ -285,9 +286,10 @@ class MPIRuntime:
         """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
         for the answers: closing the endpoint at once could drop the queued messages.
 
-        When every rank is alive, all of them (rank 0 too) call MPI_Finalize before exiting: under
-        mpirun a rank exiting without it makes Hydra SIGKILL the others, which could cut rank 0
-        short and turn a finished run's exit code into 9. Returns whether rank 0 should finalize."""
+        When every rank is alive, all of them (rank 0 too) call MPI_Finalize and then leave through
+        ``exit_process``: under mpirun a rank leaving any other way makes Hydra SIGKILL the others,
+        which could cut rank 0 short and turn a finished run's exit code into 9. Returns whether
+        rank 0 should finalize."""
         w = self._world
         everyone = all(not w.endpoint.is_dead(r) for r in range(1, len(w.peers)))
         self._call_live_ranks("release", (everyone,), 1.0)
@@ -573,6 +575,26 @@ def _finalize_mpi(timeout_s: float, exit_code: int) -> None:
     watchdog.start()
     MPI.Finalize()
     watchdog.cancel()
+
+
+def exit_process(code: int, grace_s: float) -> NoReturn:
+    """End this rank's process with ``code`` without Python's shutdown, which would join threads
+    that may be waiting on a dead peer.
+
+    A rank that called MPI_Finalize leaves through the C library's ``exit`` (its exit handlers run):
+    leaving a finalized rank with ``_exit`` makes MPICH's Hydra SIGKILL the ranks still running
+    (mpirun exits 9 after a finished run; measured with 4 ranks doing ``Finalize(); os._exit(0)``:
+    4-13 of 16 jobs, against 0 of 16 through ``exit``, also with live zmq, torch and pool threads).
+    Should an exit handler hang, faulthandler's own thread ends the process after ``grace_s``.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and mpi.Is_finalized():
+        faulthandler.dump_traceback_later(grace_s, exit=True)
+        ctypes.PyDLL(None).exit(code)  # PyDLL keeps the GIL: no Python thread runs during the teardown
+    os._exit(code)
 
 
 def _bootstrap_timed_out(config: RLTrainConfig) -> None:
