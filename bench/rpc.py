@@ -76,8 +76,9 @@ def serve(conn: Any) -> None:
     registry.add("echo", Echo())
     registry.add("trajectory_pool", make_pool())
     endpoint = RpcEndpoint(1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4)
-    conn.send(endpoint.address)
-    endpoint.connect({0: conn.recv()})
+    conn.send((endpoint.address, endpoint.lane_address))
+    address, lane = conn.recv()
+    endpoint.connect({0: address}, {0: lane})
     conn.recv()  # until told to stop
     endpoint.close()
 
@@ -110,12 +111,12 @@ def bench_nexrl(calls: int) -> dict[str, float]:
     proc.start()
     key = secrets.token_bytes(32)
     parent.send(key)
-    address = parent.recv()
+    address, lane = parent.recv()
     client = RpcEndpoint(
         0, "127.0.0.1", key, 1 << 30, 8, 60.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
     )
-    client.connect({1: address})
-    parent.send(client.address)
+    client.connect({1: address}, {1: lane})
+    parent.send((client.address, client.lane_address))
     echo = RemoteModuleHandle(client, 1, "echo", Echo)
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 

@@ -25,7 +25,7 @@ from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import JsonlDataLoader
 from tests.conftest import CONFIG_DIR, REPO, compose_config
-from tests.test_rpc import attack
+from tests.test_rpc import attack, attack_lane
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +82,10 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert len(ports) == len(ranks) + 1  # every rank's RPC port and trainer rank 0's batch port
     for address in ports:
         attack(address, secrets.token_bytes(32), marker)
+    lanes = [r["lane_address"] for r in ranks]  # every rank's direct lane (blocking @quick calls)
+    for address in lanes:
+        attack_lane(address, secrets.token_bytes(32), marker)
+    ports += lanes
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert not marker.exists()

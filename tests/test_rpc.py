@@ -1,4 +1,4 @@
-"""Signed ZMQ calls: codec round trips, calls and errors, and hostile input that must be dropped and counted."""
+"""Signed calls (ZMQ and the direct lane): codec round trips, calls and errors, and hostile input that must be dropped and counted."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
 from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint, _reply_batch
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
+from nexrl_hpc.rpc.lane import lane_parts
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
 
@@ -79,6 +80,10 @@ class Counter:
         return self.n
 
     @quick
+    def mirror(self, x: Any) -> Any:  # tensors both ways on the direct lane
+        return x
+
+    @quick
     def stall(self, seconds: float) -> int:  # a misbehaving quick method: holds the IO thread
         time.sleep(seconds)
         return -1
@@ -97,8 +102,8 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
     client = RpcEndpoint(
         0, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
     )
-    client.connect({1: server.address})
-    server.connect({0: client.address})  # replies travel to the caller's ROUTER
+    client.connect({1: server.address}, {1: server.lane_address})
+    server.connect({0: client.address}, {0: client.lane_address})  # replies travel to the caller's ROUTER
     yield client, server, counter, key
     client.close()
     server.close()
@@ -259,7 +264,7 @@ def test_a_replayed_signed_message_is_rejected(pair: Any) -> None:
 
 
 def test_blocking_quick_calls_use_the_callers_own_sockets(pair: Any) -> None:
-    """``execute`` of a @quick method goes on a borrowed direct socket (at most 4 per peer, shared
+    """``execute`` of a @quick method goes on a borrowed lane connection (at most 4 per peer, shared
     by any number of threads) and comes back in order and signed; nothing is rejected."""
     import threading
 
@@ -293,13 +298,15 @@ def test_blocking_quick_calls_use_the_callers_own_sockets(pair: Any) -> None:
 
 
 def test_a_late_direct_reply_is_discarded_and_dead_peers_fail_direct_calls(pair: Any) -> None:
-    client, *_ = pair
+    client, server, *_ = pair
     h = handle(client)
     with pytest.raises(CallTimeout, match="counter.stall on rank 1"):
         client.call_direct(1, "counter", "stall", (0.6,), {}, timeout=0.2)
-    # the same socket is borrowed again: the stall's late reply arrives first and is skipped by id
-    assert client._peers[1].direct_count == 1
+    # the connection that timed out is closed (its late reply can never be read as another's)
+    assert client._peers[1].direct_count == 0 and not client._peers[1].idle_direct
     assert execute(h.add, 5) == 5 and execute(h.peek) == 5
+    time.sleep(0.6)  # the stalled reply went to a closed connection: nothing to reject anywhere
+    assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
     t0 = time.monotonic()
     waiting = execute_async(h.slow, 5.0)
     client.fail_peer(1, "heartbeats stopped")
@@ -311,12 +318,77 @@ def test_a_late_direct_reply_is_discarded_and_dead_peers_fail_direct_calls(pair:
 
 
 def test_a_forged_direct_reply_is_rejected(pair: Any) -> None:
+    """A "peer" answering on the lane with another key: the reply is counted and the call fails
+    (it never decodes); the connection is not reused."""
+    client, server, *_ = pair
+    fake = socket.create_server(("127.0.0.1", 0))
+    client.connect({5: server.address}, {5: f"tcp://127.0.0.1:{fake.getsockname()[1]}"})
+
+    def answer_forged() -> None:
+        conn, _ = fake.accept()
+        conn.recv(65536)
+        envelope = msgpack.packb({"t": "rep", "id": 1, "ok": True, "s": "forger", "q": 1})
+        body, _ = encode(42)
+        conn.sendall(b"".join(lane_parts(seal_message(secrets.token_bytes(32), envelope, body, []))))
+        time.sleep(0.5)
+        conn.close()
+
+    import threading
+
+    t = threading.Thread(target=answer_forged)
+    t.start()
+    with pytest.raises(ConnectionError, match="rejected reply on the direct lane"):
+        client.call_direct(5, "counter", "peek", (), {}, timeout=5)
+    t.join()
+    fake.close()
+    assert client.stats()["rejected"] == 1 and client._peers[5].direct_count == 0
+
+
+def attack_lane(address: str, key_guess: bytes, marker: Path) -> None:
+    """The hostile inputs of the MPI issue, framed for a direct lane (and unframed bytes)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "s": "attacker", "q": 1, "m": "counter", "f": "peek"}
+    )
+    payload, _ = encode([[], {}])
+    Evil.path = str(marker)
+    for data in (
+        os.urandom(512),  # 1. random bytes
+        b"".join(lane_parts(seal_message(key_guess, envelope, payload, []))),  # 2. a wrong key
+        b"".join(lane_parts([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())])),  # 3. pickle
+        b"NXL1" + struct.pack(">IQ", 1, 2**31),  # 4. a header announcing 2 GiB
+    ):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(data)
+            s.settimeout(2.0)
+            assert s.recv(1024) == b""  # dropped: the endpoint closes the connection, no reply
+
+
+def test_hostile_input_on_the_direct_lane_is_dropped_counted_and_nothing_runs(
+    pair: Any, tmp_path: Path, caplog: Any
+) -> None:
+    client, server, counter, _ = pair
+    marker = tmp_path / "pwned"
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    attack_lane(server.lane_address, secrets.token_bytes(32), marker)
+    assert server.stats()["rejected"] == 4
+    assert "bad magic" in caplog.text and caplog.text.count("bad signature") == 2
+    assert "announcing 2147483648 bytes exceeds" in caplog.text
+    assert "direct lane" in caplog.text and "from 127.0.0.1:" in caplog.text  # with the peer address
+    assert not marker.exists() and counter.n == 0
+    counter.n = 6
+    assert execute(handle(client).peek) == 6  # still serving, on the lane
+    assert client._peers[1].direct_count == 1
+
+
+def test_direct_calls_carry_tensors_both_ways(pair: Any) -> None:
     client, *_ = pair
-    envelope = msgpack.packb({"t": "rep", "id": 1, "ok": True, "s": "forger", "q": 1})
-    body, _ = encode(42)
-    forged = [zmq.Frame(f) for f in seal(secrets.token_bytes(32), envelope, [body])]
-    assert client._open_direct_reply(forged, 1) is None
-    assert client.stats()["rejected"] == 1
+    h = handle(client)
+    tensor = torch.randn(128, 512)  # 256 KiB: over the packed single-frame size, several frames
+    assert torch.equal(execute(h.mirror, {"t": tensor, "b": tensor.to(torch.bfloat16)})["t"], tensor)
+    with pytest.raises(MessageTooLarge, match="exceeds runtime.rpc.max_message_mb"):
+        execute(h.mirror, torch.randn(512, 1024))  # refused before sending
+    assert client._peers[1].direct_count == 1  # the connection was neither broken nor lost
 
 
 def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any, caplog: Any) -> None:

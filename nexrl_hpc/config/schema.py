@@ -310,7 +310,9 @@ class RpcConfig(TypedDict):
     interface: str  # address the ranks' RPC sockets bind to: an IP, "hostname", or an interface (eth0, ib0)
     max_message_mb: Annotated[int, Ge(1)]
     server_threads: Annotated[int, Ge(1)]
-    direct_sockets_per_peer: Annotated[int, Ge(0)]  # caller-owned sockets for blocking @quick calls
+    direct_sockets_per_peer: Annotated[
+        int, Ge(0)
+    ]  # caller-owned direct-lane connections for blocking @quick calls
     call_timeout_s: Annotated[float, Gt(0.0)]
 
 

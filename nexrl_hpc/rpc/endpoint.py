@@ -9,12 +9,13 @@ futures of replies. Failures are dropped, counted and logged with the peer addre
 rank declared dead fails at once; every call has a deadline, so nothing waits forever.
 
 Blocking calls to ``@quick`` methods take a shorter road (``call_direct``): the caller borrows a
-DEALER of its own towards the peer, the peer's IO thread answers on its ROUTER right away, and the
-caller reads the reply itself — no thread hand-off on either side. Each such socket signs with its
-own sender id, so its sequence numbers stay in order on its own connection. Asynchronous calls to
-``@quick`` methods that arrive together (pipelined) are answered together: the IO thread holds
-their small replies until the end of the receive burst and sends one signed message per caller
-rank (at most 64 replies, 256 KiB), which halves the messages both sides handle.
+TCP connection of its own to the peer's *direct lane* (``nexrl_hpc/rpc/lane.py``), the peer's IO
+thread answers on it right away, and the caller reads the reply itself — no thread hand-off on
+either side and no libzmq IO threads in between. Each lane connection signs with its own sender
+id, so its sequence numbers stay in order. Asynchronous calls to ``@quick`` methods that arrive
+together (pipelined) are answered together: the IO thread holds their small replies until the end
+of the receive burst and sends one signed message per caller rank (at most 64 replies, 256 KiB),
+which halves the messages both sides handle.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -35,6 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from nexrl_hpc.rpc.codec import RemoteError, decode, encode, encode_exception
+from nexrl_hpc.rpc.lane import RECV_BYTES, LaneReader, connect_lane, lane_parts, listen_lane, send_parts
 from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message, seal_message
 
 logger = logging.getLogger(__name__)
@@ -53,10 +56,12 @@ _WIRE_ERRORS = (
 _SUSPICIOUS_LIFETIME_S = 5.0
 _ZERO_COPY_BYTES = 64 << 10
 _SNDMORE = int(zmq.SNDMORE)
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _HOLD_REPLY_BYTES = 16 << 10  # quick replies up to this size may share one message with others
 _HELD_BATCH_BYTES = 256 << 10  # a batch of held replies goes out at this size or count at the latest
 _HELD_BATCH_REPLIES = 64
-_DIRECT_WAKE_MS = 100  # a direct caller looks at deadline, dead peers and close this often
+_DIRECT_WAKE_S = 0.1  # a direct caller looks at deadline, dead peers and close this often
+_MAX_LANE_CONNECTIONS = 4096  # accepted lane connections per endpoint (beyond: refused, counted)
 
 
 class PeerDeadError(ConnectionError):
@@ -101,23 +106,36 @@ class RpcFuture(Future):
 
 class _Peer:
     """The sending side towards one rank: a DEALER any thread may use, one at a time, and the idle
-    sockets for direct calls (each used by one caller at a time, borrowed and given back)."""
+    connections to its direct lane (each used by one caller at a time, borrowed and given back)."""
 
-    __slots__ = ("socket", "lock", "address", "idle_direct", "direct_count")
+    __slots__ = ("socket", "lock", "address", "lane", "idle_direct", "direct_count")
 
-    def __init__(self, sock: zmq.Socket, address: str):
-        self.socket, self.lock, self.address = sock, threading.Lock(), address
-        self.idle_direct: list[_DirectSocket] = []
+    def __init__(self, sock: zmq.Socket, address: str, lane: str | None):
+        self.socket, self.lock, self.address, self.lane = sock, threading.Lock(), address, lane
+        self.idle_direct: list[_DirectConnection] = []
         self.direct_count = 0
 
 
-class _DirectSocket:
-    """A caller's own DEALER to one peer: it sends a request and reads the reply on it."""
+class _DirectConnection:
+    """A caller's own connection to one peer's lane: it sends a request and reads the reply on it."""
 
-    __slots__ = ("socket", "sender", "seq")
+    __slots__ = ("socket", "sender", "seq", "reader")
 
-    def __init__(self, sock: zmq.Socket, sender: str):
+    def __init__(self, sock: socket.socket, sender: str, max_bytes: int):
         self.socket, self.sender, self.seq = sock, sender, 0
+        self.reader = LaneReader(max_bytes)
+
+
+class _LaneClient:
+    """The server side of one accepted lane connection (IO thread only)."""
+
+    __slots__ = ("socket", "peer", "reader", "outbox", "waiting", "sender", "seq")
+
+    def __init__(self, sock: socket.socket, peer: str, sender: str, max_bytes: int):
+        self.socket, self.peer, self.sender, self.seq = sock, peer, sender, 0
+        self.reader = LaneReader(max_bytes)
+        self.outbox: list[memoryview] = []  # reply bytes the kernel has not taken yet
+        self.waiting = False  # polled for POLLOUT (the outbox is not empty)
 
 
 class _HeldReplies:
@@ -214,6 +232,14 @@ class RpcEndpoint:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._lane_listener, self.lane_address = listen_lane(host)
+        self._lane_listener_fd = self._lane_listener.fileno()
+        # the lane's sockets wait in a selector of their own (epoll on Linux); the IO thread's zmq
+        # poller watches only its descriptor, so a rank with hundreds of lane connections still
+        # polls four items per wake-up
+        self._lane_selector = selectors.DefaultSelector()
+        self._lane_selector.register(self._lane_listener_fd, _READ)
+        self._lane_clients: dict[int, _LaneClient] = {}  # IO thread only: by file descriptor
         self._watch = ConnectionWatch(self._router, self._reject, f"rank {rank}")
         self._peers: dict[int, _Peer] = {}
         self._local = threading.local()
@@ -225,7 +251,6 @@ class RpcEndpoint:
         self._max_direct = direct_sockets_per_peer
         self._direct_lock = threading.Lock()
         self._direct_ids = itertools.count()
-        self._direct_reply_seq: dict[bytes, int] = {}  # IO thread only: per direct caller socket
         # IO thread only: small quick replies per caller rank, sent together after each receive burst
         self._held_replies: dict[int, _HeldReplies] = {}
         self._guard = SequenceGuard()
@@ -239,8 +264,9 @@ class RpcEndpoint:
         self._io.start()
 
     # --- set-up -----------------------------------------------------------------------------------
-    def connect(self, peers: dict[int, str]) -> None:
-        """Open a DEALER to every peer's ROUTER (the own rank is skipped)."""
+    def connect(self, peers: dict[int, str], lanes: dict[int, str] | None = None) -> None:
+        """Open a DEALER to every peer's ROUTER (the own rank is skipped). ``lanes``: the peers'
+        direct lanes (``lane_address``); blocking quick calls to a peer without one go over ZMQ."""
         for rank, address in peers.items():
             if rank == self.rank or rank in self._peers:
                 continue
@@ -249,7 +275,7 @@ class RpcEndpoint:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}".encode())
             sock.connect(address)
-            self._peers[rank] = _Peer(sock, address)
+            self._peers[rank] = _Peer(sock, address, (lanes or {}).get(rank))
 
     # --- calls ----------------------------------------------------------------------------------
     def call_async(
@@ -304,23 +330,33 @@ class RpcEndpoint:
         kwargs: dict[str, Any],
         timeout: float | None = None,
     ) -> Any:
-        """Call a ``@quick`` method and wait for its result on a socket of this caller's own (the
-        peer answers on its IO thread). Falls back to ``call_async`` when every direct socket
-        towards the peer is in use."""
+        """Call a ``@quick`` method and wait for its result on a lane connection of this caller's
+        own (the peer answers on its IO thread). Falls back to ``call_async`` when the peer has no
+        lane or every connection to it is in use."""
         peer, refused = self._peer_for_call(rank, module, method)
         if refused is not None:
             raise refused
         if self._closing:
             raise PeerDeadError(f"endpoint of rank {self.rank} closed; {module}.{method} not sent")
-        direct = self._borrow_direct(peer)
+        direct = self._borrow_direct(peer, rank, module, method)
         if direct is None:
             return self.call_async(rank, module, method, args, kwargs, timeout).result()
+        healthy = False
         try:
-            return self._call_on(direct, rank, module, method, args, kwargs, timeout)
-        finally:
-            self._return_direct(peer, direct)
+            value, ok = self._call_on(direct, rank, module, method, args, kwargs, timeout)
+            healthy = direct.reader.idle
+        except MessageTooLarge:
+            healthy = True  # refused before sending: the connection is untouched
+            raise
+        finally:  # a connection left mid-call may still get a late reply: it is never reused
+            self._return_direct(peer, direct, healthy)
+        if not ok:
+            raise value
+        return value
 
-    def _borrow_direct(self, peer: _Peer) -> _DirectSocket | None:
+    def _borrow_direct(self, peer: _Peer, rank: int, module: str, method: str) -> _DirectConnection | None:
+        if peer.lane is None:
+            return None
         with self._direct_lock:
             if self._closing:
                 raise PeerDeadError(f"endpoint of rank {self.rank} closed")
@@ -330,37 +366,40 @@ class RpcEndpoint:
                 return None
             peer.direct_count += 1
             number = next(self._direct_ids)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
-        sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}d{number}".encode())
-        sock.setsockopt(zmq.RCVTIMEO, _DIRECT_WAKE_MS)
-        sock.connect(peer.address)
-        return _DirectSocket(sock, f"{self.rank}:{os.getpid()}:d{number}")
+        try:
+            sock = connect_lane(peer.lane, _DIRECT_WAKE_S)
+        except OSError as exc:
+            with self._direct_lock:
+                peer.direct_count -= 1
+            raise PeerDeadError(
+                f"rank {rank}'s direct lane {peer.lane} refused the connection ({exc}); {module}.{method} not sent"
+            ) from exc
+        return _DirectConnection(sock, f"{self.rank}:{os.getpid()}:d{number}", self._max_bytes)
 
-    def _return_direct(self, peer: _Peer, direct: _DirectSocket) -> None:
+    def _return_direct(self, peer: _Peer, direct: _DirectConnection, healthy: bool) -> None:
         with self._direct_lock:
-            if not self._closing:
+            if healthy and not self._closing:
                 peer.idle_direct.append(direct)
                 return
             peer.direct_count -= 1
-        direct.socket.close(linger=0)
+        direct.socket.close()
 
     def _call_on(
         self,
-        direct: _DirectSocket,
+        direct: _DirectConnection,
         rank: int,
         module: str,
         method: str,
         args: tuple,
         kwargs: dict[str, Any],
         timeout: float | None,
-    ) -> Any:
+    ) -> tuple[Any, bool]:
+        """Send the request on ``direct`` and read its reply: (value or remote exception, ok)."""
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
         direct.seq += 1
         envelope = {
-            "t": "req", "id": call_id, "src": self.rank, "m": module, "f": method, "d": 1,
+            "t": "req", "id": call_id, "src": self.rank, "m": module, "f": method,
             "s": direct.sender, "q": direct.seq,
         }  # fmt: skip
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
@@ -371,43 +410,61 @@ class RpcEndpoint:
                 f"({self._max_bytes >> 20} MB)"
             )
         sock = direct.socket
-        _send_frames(sock, frames, size < _ZERO_COPY_BYTES)
+        try:
+            send_parts(sock, lane_parts(frames))
+        except OSError as exc:
+            raise PeerDeadError(
+                f"rank {rank}: direct lane failed ({exc}); {module}.{method} not sent"
+            ) from exc
         deadline = time.monotonic() + (timeout if timeout is not None else self._call_timeout)
         while True:
             if rank in self._dead:
                 raise PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} failed")
             if self._closing:
                 raise PeerDeadError(f"endpoint of rank {self.rank} closed; {module}.{method} abandoned")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise CallTimeout(f"{module}.{method} on rank {rank}: no reply before the deadline")
-            try:  # a blocking receive that wakes every 0.1 s (RCVTIMEO) to look at the peer's state
-                frames = _recv_frames(sock)
-            except zmq.Again:
+            try:  # a blocking receive that wakes every 0.1 s to look at the peer's state
+                data = sock.recv(RECV_BYTES)
+            except TimeoutError:
                 continue
-            reply = self._open_direct_reply(frames, call_id)
-            if reply is None:
-                continue  # rejected, or the late reply of an earlier call that timed out
-            envelope, body, out_buffers = reply
-            value = decode(bytes(body), [bytes(b) for b in out_buffers], self._resolve_handle)
-            if not envelope["ok"]:
-                raise value
-            return value
+            except OSError as exc:
+                raise PeerDeadError(
+                    f"rank {rank}: direct lane failed ({exc}); {module}.{method} failed"
+                ) from exc
+            if not data:
+                raise PeerDeadError(f"rank {rank} closed its direct lane; {module}.{method} failed")
+            try:
+                messages = direct.reader.feed(data)
+            except RejectedMessage as exc:
+                self._reject(f"direct lane: {exc}", _sock_peer(sock))
+                raise ConnectionError(
+                    f"rank {rank}: unreadable reply on the direct lane; {module}.{method} failed"
+                ) from exc
+            if not messages:
+                continue
+            if len(messages) > 1:  # one request, one reply: anything more is not from our peer
+                self._reject("direct lane: unrequested message", _sock_peer(sock))
+                raise ConnectionError(
+                    f"rank {rank}: unrequested message on the direct lane; {module}.{method} failed"
+                )
+            envelope, body, out_buffers = self._open_direct_reply(messages[0], call_id, sock, rank)
+            return decode(body, out_buffers, self._resolve_handle), bool(envelope["ok"])
 
     def _open_direct_reply(
-        self, frames: list[zmq.Frame], call_id: int
-    ) -> tuple[dict[str, Any], Any, list[Any]] | None:
+        self, frames: list[bytes], call_id: int, sock: socket.socket, rank: int
+    ) -> tuple[dict[str, Any], Any, list[Any]]:
         try:
-            envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
+            envelope_bytes, rest = open_message(self._key, frames, self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
             if not isinstance(envelope, dict) or envelope.get("t") != "rep" or not rest:
                 raise RejectedMessage("not a reply")
             self._guard.check(str(envelope["s"]), int(envelope["q"]))
+            if envelope["id"] != call_id:
+                raise RejectedMessage(f"a reply to call {envelope['id']}, expected {call_id}")
         except _WIRE_ERRORS as exc:
-            self._reject(str(exc), _peer_address(frames[0]) if frames else "")
-            return None
-        if envelope["id"] != call_id:
-            return None
+            self._reject(f"direct lane: {exc}", _sock_peer(sock))
+            raise ConnectionError(f"rank {rank}: rejected reply on the direct lane ({exc})") from exc
         return envelope, rest[0], rest[1:]
 
     def fail_peer(self, rank: int, reason: str) -> None:
@@ -456,12 +513,16 @@ class RpcEndpoint:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._watch.socket, zmq.POLLIN)
+        poller.register(self._lane_selector.fileno(), zmq.POLLIN)
         next_deadline_check = time.monotonic() + 0.1
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(100))
             except zmq.ZMQError:
                 break
+            if events.get(self._lane_selector.fileno()):
+                for key, what in self._lane_selector.select(0):
+                    self._on_lane_event(key.fd, what)
             if self._router in events:
                 for _ in range(1000):
                     try:
@@ -481,6 +542,10 @@ class RpcEndpoint:
                 next_deadline_check = now + 0.1
         self._router.close(linger=0)
         self._watch.close()
+        for fd in list(self._lane_clients):
+            self._drop_lane_client(fd)
+        self._lane_selector.close()
+        self._lane_listener.close()
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         routing_id, frames = msg[0], msg[1:]
@@ -503,15 +568,7 @@ class RpcEndpoint:
                 fn = self._lookup(envelope["m"], envelope["f"])
             except Exception as exc:
                 fn = _raiser(exc)
-            if envelope.get("d"):  # a direct call: answered here, on the caller's own socket
-                if not getattr(fn, "__nexrl_quick__", False):
-                    fn = _raiser(
-                        PermissionError(
-                            f"{envelope['m']}.{envelope['f']} is not @quick: it cannot be called directly"
-                        )
-                    )
-                self._serve_direct(fn, envelope, rest[0], rest[1:], routing_id.bytes)
-            elif getattr(fn, "__nexrl_quick__", False):  # answered right here: no thread hand-off
+            if getattr(fn, "__nexrl_quick__", False):  # answered right here: no thread hand-off
                 self._serve(fn, envelope, rest[0], rest[1:], hold=True)
             else:
                 self._pool.submit(self._serve, fn, envelope, rest[0], rest[1:])
@@ -540,28 +597,82 @@ class RpcEndpoint:
             body, out_buffers = encode(encode_exception(exc))
         return ok, body, out_buffers
 
-    def _serve_direct(
-        self,
-        fn: Callable[..., Any],
-        envelope: dict[str, Any],
-        payload: Any,
-        buffers: list[Any],
-        routing_id: bytes,
-    ) -> None:
-        """Answer a direct call on the ROUTER (IO thread only), signed under a sender id of its own
-        per caller socket: that socket sees the sequence numbers in order."""
-        ok, body, out_buffers = self._run(fn, payload, buffers)
-        seq = self._direct_reply_seq.get(routing_id, 0) + 1
-        self._direct_reply_seq[routing_id] = seq
-        reply = {
-            "t": "rep",
-            "id": envelope["id"],
-            "ok": ok,
-            "s": f"{self._io_sender}>{routing_id.hex()}",
-            "q": seq,
-        }
-        frames = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
-        size = sum(memoryview(f).nbytes for f in frames)
+    # --- the direct lane (IO thread) ------------------------------------------------------------
+    def _on_lane_event(self, fd: int, what: int) -> None:
+        if fd == self._lane_listener_fd:
+            self._accept_lane_clients()
+            return
+        client = self._lane_clients.get(fd)
+        if client is None:
+            return
+        if what & _WRITE:
+            self._flush_lane_client(fd, client)
+        if what & _READ and fd in self._lane_clients:
+            self._read_lane_client(fd, client)
+
+    def _accept_lane_clients(self) -> None:
+        while True:
+            try:
+                sock, address = self._lane_listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, ...: the listener stays, the peer retries
+                logger.warning("rank %d: direct lane accept failed: %s", self.rank, exc)
+                return
+            peer = f"{address[0]}:{address[1]}"
+            if len(self._lane_clients) >= _MAX_LANE_CONNECTIONS:
+                sock.close()
+                self._reject(f"direct lane: over {_MAX_LANE_CONNECTIONS} connections", peer)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            fd = sock.fileno()
+            sender = f"{self._io_sender}>lane{next(self._direct_ids)}"
+            self._lane_clients[fd] = _LaneClient(sock, peer, sender, self._max_bytes)
+            self._lane_selector.register(fd, _READ)
+
+    def _read_lane_client(self, fd: int, client: _LaneClient) -> None:
+        try:
+            data = client.socket.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_lane_client(fd)
+            return
+        try:
+            messages = client.reader.feed(data)
+            for frames in messages:
+                self._serve_lane_request(client, frames)
+        except _WIRE_ERRORS as exc:
+            self._reject(f"direct lane: {exc}", client.peer)
+            self._drop_lane_client(fd)
+            return
+        self._flush_lane_client(fd, client)
+
+    def _serve_lane_request(self, client: _LaneClient, frames: list[bytes]) -> None:
+        """Check, run and answer one request (raises what a bad message raises, before decoding)."""
+        envelope_bytes, rest = open_message(self._key, frames, self._max_bytes)
+        envelope = msgpack.unpackb(envelope_bytes, raw=False)
+        if not isinstance(envelope, dict) or envelope.get("t") != "req" or not rest:
+            raise RejectedMessage("not a request")
+        self._guard.check(str(envelope["s"]), int(envelope["q"]))
+        try:
+            fn = self._lookup(envelope["m"], envelope["f"])
+        except Exception as exc:
+            fn = _raiser(exc)
+        if not getattr(fn, "__nexrl_quick__", False):
+            fn = _raiser(
+                PermissionError(
+                    f"{envelope['m']}.{envelope['f']} is not @quick: it cannot be called directly"
+                )
+            )
+        ok, body, out_buffers = self._run(fn, rest[0], rest[1:])
+        client.seq += 1
+        reply = {"t": "rep", "id": envelope["id"], "ok": ok, "s": client.sender, "q": client.seq}
+        frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
+        size = sum(memoryview(f).nbytes for f in frames_out)
         if size > self._max_bytes:
             error = MessageTooLarge(
                 f"{envelope['m']}.{envelope['f']} reply: a {size}-byte message exceeds "
@@ -569,10 +680,39 @@ class RpcEndpoint:
             )
             body, out_buffers = encode(encode_exception(error))
             reply["ok"] = False
-            frames = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
-            size = sum(memoryview(f).nbytes for f in frames)
-        if not self._closing:
-            _send_frames(self._router, frames, size < _ZERO_COPY_BYTES, routing_id)
+            frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
+        client.outbox.extend(memoryview(p).cast("B") for p in lane_parts(frames_out))
+
+    def _flush_lane_client(self, fd: int, client: _LaneClient) -> None:
+        """Write what the kernel takes now; wait for POLLOUT for the rest (a slow reader never
+        blocks the IO thread)."""
+        out = client.outbox
+        while out:
+            try:
+                sent = client.socket.sendmsg(out[:64])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._drop_lane_client(fd)
+                return
+            while out and sent >= out[0].nbytes:
+                sent -= out[0].nbytes
+                out.pop(0)
+            if out and sent:
+                out[0] = out[0][sent:]
+        if bool(out) != client.waiting:
+            client.waiting = bool(out)
+            self._lane_selector.modify(fd, _READ | (_WRITE if out else 0))
+
+    def _drop_lane_client(self, fd: int) -> None:
+        client = self._lane_clients.pop(fd, None)
+        if client is None:
+            return
+        try:
+            self._lane_selector.unregister(fd)
+        except KeyError:
+            pass
+        client.socket.close()
 
     def _serve(
         self,
@@ -631,7 +771,7 @@ class RpcEndpoint:
         self._stop.set()
         self._io.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        lent = self._close_direct_sockets()
+        lent = self._close_direct_connections()
         for peer in self._peers.values():
             with peer.lock:
                 peer.socket.close(linger=0)
@@ -643,15 +783,15 @@ class RpcEndpoint:
                 p.future.set_exception(
                     PeerDeadError(f"endpoint of rank {self.rank} closed; {p.what} abandoned")
                 )
-        if lent:  # a caller still holds a socket (it gives it up within its 0.1 s poll): don't wait
+        if lent:  # a caller still holds a connection (it gives it up within its 0.1 s poll): don't wait
             return
         try:
             self._ctx.term()
         except zmq.ZMQError:
             pass
 
-    def _close_direct_sockets(self, wait_s: float = 0.5) -> int:
-        """Close the idle direct sockets; wait briefly for lent ones (their callers see ``_closing``
+    def _close_direct_connections(self, wait_s: float = 0.5) -> int:
+        """Close the idle lane connections; wait briefly for lent ones (their callers see ``_closing``
         within one poll and close them). Returns how many are still lent."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -662,7 +802,7 @@ class RpcEndpoint:
                     peer.idle_direct.clear()
                 lent = sum(peer.direct_count for peer in self._peers.values())
             for direct in idle:
-                direct.socket.close(linger=0)
+                direct.socket.close()
             if lent == 0 or time.monotonic() >= deadline:
                 return lent
             time.sleep(0.02)
@@ -723,6 +863,14 @@ def _peer_address(frame: zmq.Frame) -> str:
     try:
         return frame.get("Peer-Address") or ""
     except zmq.ZMQError:
+        return ""
+
+
+def _sock_peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
         return ""
 
 

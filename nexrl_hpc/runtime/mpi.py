@@ -119,6 +119,7 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
     peers = comm.allgather(
         {
             "address": endpoint.address,
+            "lane_address": endpoint.lane_address,  # blocking @quick calls (nexrl_hpc/rpc/lane.py)
             "host": host,
             "node": os.environ.get("SLURMD_NODENAME", host),  # Slurm's node name (virtual nodes share a host)
             "pid": os.getpid(),
@@ -126,7 +127,9 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
             "trainer_address": trainer.address if trainer is not None else None,
         }
     )
-    endpoint.connect({r: p["address"] for r, p in enumerate(peers)})
+    endpoint.connect(
+        {r: p["address"] for r, p in enumerate(peers)}, {r: p["lane_address"] for r, p in enumerate(peers)}
+    )
     registry.add_builtin("ping", lambda: True)
     return MPIWorld(
         comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers, key, trainer
