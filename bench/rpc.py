@@ -14,6 +14,7 @@ actor. Goals: <= 0.15x Ray's latency, >= 10x Ray's pipelined throughput, >= 5k t
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import secrets
@@ -40,16 +41,31 @@ class Echo:
         return x + 1
 
 
-def make_pool() -> Any:
+def default_config(overrides: list[str] | None = None) -> Any:
     from hydra import compose, initialize_config_dir
 
     from nexrl_hpc.config import register_resolvers, validate_config
-    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
     register_resolvers()
     config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="bench"):
-        cfg = validate_config(compose("rl_train", overrides=["trajectory_pool.key_list=[]"]))
+        return validate_config(compose("rl_train", overrides=overrides or []))
+
+
+def configure_gc_like_a_run() -> None:
+    """The GC settings a run's controller rank applies after start-up (``runtime.gc_thresholds``,
+    ``runtime.gc_freeze_after_setup``); applied to this bench's processes alike, Ray's driver too."""
+    runtime = default_config()["runtime"]
+    gc.set_threshold(*runtime["gc_thresholds"])
+    if runtime["gc_freeze_after_setup"]:
+        gc.collect()
+        gc.freeze()
+
+
+def make_pool() -> Any:
+    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+
+    cfg = default_config(["trajectory_pool.key_list=[]"])
 
     class NoSync:
         def trajectory_pool_notify_batch_ready(self, tag: str) -> None:
@@ -75,10 +91,12 @@ def serve(conn: Any) -> None:
     registry = ModuleRegistry()
     registry.add("echo", Echo())
     registry.add("trajectory_pool", make_pool())
+    configure_gc_like_a_run()
     endpoint = RpcEndpoint(1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4)
     conn.send((endpoint.address, endpoint.lane_address))
     address, lane = conn.recv()
     endpoint.connect({0: address}, {0: lane})
+    conn.send("connected")  # replies to rank 0 need this connection: no call before it exists
     conn.recv()  # until told to stop
     endpoint.close()
 
@@ -117,6 +135,7 @@ def bench_nexrl(calls: int) -> dict[str, float]:
     )
     client.connect({1: address}, {1: lane})
     parent.send((client.address, client.lane_address))
+    assert parent.recv() == "connected"
     echo = RemoteModuleHandle(client, 1, "echo", Echo)
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
@@ -271,6 +290,7 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
+    configure_gc_like_a_run()
     results = {
         "in-process call": bench_inprocess(args.calls),
         "bare pyzmq frame, unsigned (2 processes; the floor)": bench_bare_zmq(args.calls),

@@ -403,7 +403,7 @@ class RpcEndpoint:
             "s": direct.sender, "q": direct.seq,
         }  # fmt: skip
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
-        size = sum(memoryview(f).nbytes for f in frames)
+        size = _message_size(frames)
         if size > self._max_bytes:
             raise MessageTooLarge(
                 f"{module}.{method}: a {size}-byte message exceeds runtime.rpc.max_message_mb "
@@ -494,7 +494,7 @@ class RpcEndpoint:
         local.seq += 1
         envelope["s"], envelope["q"] = local.sender, local.seq
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
-        size = sum(memoryview(f).nbytes for f in frames)
+        size = _message_size(frames)
         if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
             return f"a {size}-byte message exceeds runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
         with peer.lock:
@@ -672,7 +672,7 @@ class RpcEndpoint:
         client.seq += 1
         reply = {"t": "rep", "id": envelope["id"], "ok": ok, "s": client.sender, "q": client.seq}
         frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
-        size = sum(memoryview(f).nbytes for f in frames_out)
+        size = _message_size(frames_out)
         if size > self._max_bytes:
             error = MessageTooLarge(
                 f"{envelope['m']}.{envelope['f']} reply: a {size}-byte message exceeds "
@@ -824,6 +824,13 @@ def _reply_batch(payload: Any) -> list[tuple[int, bool, bytes]]:
             raise RejectedMessage("malformed reply batch")
         out.append((item[0], bool(item[1]), item[2]))
     return out
+
+
+def _message_size(frames: list[Any]) -> int:
+    """Bytes on the wire; a packed single frame (the usual small call) is a plain ``bytes``."""
+    if len(frames) == 1 and isinstance(frames[0], bytes):
+        return len(frames[0])
+    return sum(memoryview(f).nbytes for f in frames)
 
 
 def _send_frames(sock: zmq.Socket, frames: list[Any], copy: bool, routing_id: bytes | None = None) -> None:
