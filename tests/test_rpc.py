@@ -20,7 +20,14 @@ import zmq
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
-from nexrl_hpc.rpc.endpoint import CallTimeout, MessageTooLarge, PeerDeadError, RpcEndpoint, _reply_batch
+from nexrl_hpc.rpc.endpoint import (
+    CallTimeout,
+    MessageTooLarge,
+    PeerDeadError,
+    RpcEndpoint,
+    _reply_batch,
+    _request_batch,
+)
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
 from nexrl_hpc.rpc.lane import lane_parts
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
@@ -459,3 +466,41 @@ def test_pipelined_quick_replies_share_messages_and_each_call_gets_its_own(pair:
     forged = msgpack.packb([[1, True, "not bytes"]])  # a signed batch must still have the right shape
     with pytest.raises(RejectedMessage, match="malformed reply batch"):
         _reply_batch(forged)
+
+
+def test_pipelined_quick_requests_leave_together_and_each_gets_its_answer(pair: Any) -> None:
+    """Async quick calls queued while one to the same peer is unanswered leave as one signed
+    message when its answer arrives (Nagle's rule); every call still gets its own result."""
+    client, server, counter, _ = pair
+    h = handle(client)
+    counter.n = 11
+    received = []
+    on_message = server._on_message
+
+    def counting(msg: Any) -> None:
+        received.append(len(msg))
+        on_message(msg)
+
+    server._on_message = counting  # type: ignore[method-assign]
+    futures = [execute_async(h.peek) for _ in range(600)]
+    assert [f.result(timeout=10) for f in futures] == [11] * 600
+    assert len(received) < 300  # requests were batched
+    assert client._peers[1].quick_in_flight == 0 and not client._peers[1].outbox
+    assert execute_async(h.add, 4).result(timeout=5) == 15  # a non-quick call is not held back
+    assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
+    with pytest.raises(RejectedMessage, match="malformed request batch"):  # signed, but the wrong shape
+        _request_batch(msgpack.packb([[1, "counter", "peek", "not bytes"]]))
+
+
+def test_queued_quick_requests_to_a_dead_peer_fail_at_once(pair: Any) -> None:
+    client, *_ = pair
+    h = handle(client)
+    stalled = execute_async(h.stall, 2.0)  # holds the peer's IO thread: no answer for 2 s
+    queued = [execute_async(h.peek) for _ in range(10)]
+    assert len(client._peers[1].outbox) == 10
+    t0 = time.monotonic()
+    client.fail_peer(1, "heartbeats stopped")
+    for f in [stalled, *queued]:
+        with pytest.raises(PeerDeadError, match="rank 1 is dead"):
+            f.result(timeout=1)
+    assert time.monotonic() - t0 < 1.0 and not client._peers[1].outbox

@@ -60,6 +60,7 @@ _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _HOLD_REPLY_BYTES = 16 << 10  # quick replies up to this size may share one message with others
 _HELD_BATCH_BYTES = 256 << 10  # a batch of held replies goes out at this size or count at the latest
 _HELD_BATCH_REPLIES = 64
+_BATCH_REQUESTS = 64  # queued quick requests to one peer leave together at this count at the latest
 _DIRECT_WAKE_S = 0.1  # a direct caller looks at deadline, dead peers and close this often
 _MAX_LANE_CONNECTIONS = 4096  # accepted lane connections per endpoint (beyond: refused, counted)
 
@@ -77,10 +78,13 @@ class MessageTooLarge(ValueError):
 
 
 class _Pending:
-    __slots__ = ("future", "rank", "what", "deadline")
+    __slots__ = ("future", "rank", "what", "deadline", "quick_peer")
 
-    def __init__(self, future: Future, rank: int, what: str, deadline: float):
+    def __init__(
+        self, future: Future, rank: int, what: str, deadline: float, quick_peer: _Peer | None = None
+    ):
         self.future, self.rank, self.what, self.deadline = future, rank, what, deadline
+        self.quick_peer = quick_peer  # an async quick call counted in that peer's quick_in_flight
 
 
 class RpcFuture(Future):
@@ -91,8 +95,11 @@ class RpcFuture(Future):
         self._resolve_handle = resolve_handle
         self._decoded = False
         self._value: Any = None
+        self.send_queued: Callable[[], None] | None = None  # set while the request waits in an outbox
 
     def result(self, timeout: float | None = None) -> Any:
+        if self.send_queued is not None and not self.done():
+            self.send_queued()  # whoever waits for a queued request sends it now
         raw = super().result(timeout)
         if not self._decoded:
             payload, buffers, ok = raw
@@ -108,12 +115,20 @@ class _Peer:
     """The sending side towards one rank: a DEALER any thread may use, one at a time, and the idle
     connections to its direct lane (each used by one caller at a time, borrowed and given back)."""
 
-    __slots__ = ("socket", "lock", "address", "lane", "idle_direct", "direct_count")
+    __slots__ = (
+        "socket", "lock", "address", "lane", "idle_direct", "direct_count", "quick_in_flight", "outbox",
+        "outbox_bytes",
+    )  # fmt: skip
 
     def __init__(self, sock: zmq.Socket, address: str, lane: str | None):
         self.socket, self.lock, self.address, self.lane = sock, threading.Lock(), address, lane
         self.idle_direct: list[_DirectConnection] = []
         self.direct_count = 0
+        # asynchronous quick calls (under ``lock``): how many are unanswered, and the requests that
+        # wait for an answer before leaving together (Nagle's rule, per peer)
+        self.quick_in_flight = 0
+        self.outbox: list[list[Any]] = []  # [call id, module, method, payload]
+        self.outbox_bytes = 0
 
 
 class _DirectConnection:
@@ -286,7 +301,12 @@ class RpcEndpoint:
         args: tuple,
         kwargs: dict[str, Any],
         timeout: float | None = None,
+        quick: bool = False,
     ) -> Future:
+        """Send a request; the future resolves with the reply. A small request to a ``@quick``
+        method while another to the same peer is unanswered waits in the peer's outbox and leaves
+        with the others that queue meanwhile, as one signed message, when an answer comes in (or
+        at 64 requests / 256 KiB, or when someone waits on one of them)."""
         future = RpcFuture(self._resolve_handle)
         peer, refused = self._peer_for_call(rank, module, method)
         if refused is not None:
@@ -295,11 +315,32 @@ class RpcEndpoint:
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
         deadline = time.monotonic() + (timeout if timeout is not None else self._call_timeout)
+        batchable = quick and not buffers and len(payload) <= _HOLD_REPLY_BYTES
         with self._pending_lock:
-            self._pending[call_id] = _Pending(future, rank, f"{module}.{method}", deadline)
-        error = self._send(
-            peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, buffers
-        )
+            self._pending[call_id] = _Pending(
+                future, rank, f"{module}.{method}", deadline, peer if batchable else None
+            )
+        if batchable:
+            with peer.lock:
+                peer.quick_in_flight += 1
+                if peer.quick_in_flight > 1:  # an earlier one is unanswered: its answer sends this
+                    peer.outbox.append([call_id, module, method, payload])
+                    peer.outbox_bytes += len(payload)
+                    if len(peer.outbox) >= _BATCH_REQUESTS or peer.outbox_bytes >= _HELD_BATCH_BYTES:
+                        self._flush_outbox_locked(peer)
+                    else:
+                        future.send_queued = lambda: self._flush_outbox(peer)
+                    return future
+                error = self._send_locked(
+                    peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, []
+                )
+        else:
+            error = self._send(
+                peer,
+                {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method},
+                payload,
+                buffers,
+            )
         if error is not None:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
@@ -470,6 +511,10 @@ class RpcEndpoint:
     def fail_peer(self, rank: int, reason: str) -> None:
         """Declare ``rank`` dead: fail its pending calls now, refuse new ones."""
         self._dead[rank] = reason
+        peer = self._peers.get(rank)
+        if peer is not None:  # its queued requests will never leave (their futures fail below)
+            with peer.lock:
+                peer.outbox, peer.outbox_bytes, peer.quick_in_flight = [], 0, 0
         with self._pending_lock:
             doomed = [cid for cid, p in self._pending.items() if p.rank == rank]
             pendings = [self._pending.pop(cid) for cid in doomed]
@@ -486,7 +531,40 @@ class RpcEndpoint:
 
     # --- sending (any thread) -------------------------------------------------------------------
     def _send(self, peer: _Peer, envelope: dict[str, Any], payload: bytes, buffers: list[Any]) -> str | None:
-        """Sign and send; returns why not when the message is over the size limit."""
+        """Sign and send; returns why not when the message is over the size limit. A request leaves
+        after the queued ones (one connection, one order)."""
+        with peer.lock:
+            if peer.outbox and envelope["t"] == "req":
+                self._flush_outbox_locked(peer)
+            return self._send_locked(peer, envelope, payload, buffers)
+
+    def _flush_outbox(self, peer: _Peer) -> None:
+        with peer.lock:
+            if peer.outbox:
+                self._flush_outbox_locked(peer)
+
+    def _flush_outbox_locked(self, peer: _Peer) -> None:
+        """Send the queued quick requests (``peer.lock`` held): one signed message for them all."""
+        items, peer.outbox, peer.outbox_bytes = peer.outbox, [], 0
+        if len(items) == 1:
+            call_id, module, method, payload = items[0]
+            self._send_locked(
+                peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, []
+            )
+        else:
+            self._send_locked(peer, {"t": "reqs", "src": self.rank}, msgpack.packb(items), [])
+
+    def _quick_answered(self, pendings: list[_Pending]) -> None:
+        """Answered, failed or expired async quick calls: the queue behind them may leave."""
+        for p in pendings:
+            peer = p.quick_peer
+            if peer is not None:
+                with peer.lock:
+                    peer.quick_in_flight = max(0, peer.quick_in_flight - 1)
+
+    def _send_locked(
+        self, peer: _Peer, envelope: dict[str, Any], payload: bytes, buffers: list[Any]
+    ) -> str | None:
         local = self._local
         if not hasattr(local, "sender"):  # unique per thread for the endpoint's life (idents get reused)
             local.sender = f"{self.rank}:{os.getpid()}:{next(self._sender_ids)}"
@@ -497,10 +575,8 @@ class RpcEndpoint:
         size = _message_size(frames)
         if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
             return f"a {size}-byte message exceeds runtime.rpc.max_message_mb ({self._max_bytes >> 20} MB)"
-        with peer.lock:
-            if not self._closing:
-                # zero-copy pays off only for big buffers; small frames are cheaper copied
-                _send_frames(peer.socket, frames, size < _ZERO_COPY_BYTES)
+        if not self._closing:  # zero-copy pays off only for big buffers; small frames are cheaper copied
+            _send_frames(peer.socket, frames, size < _ZERO_COPY_BYTES)
         return None
 
     def _reject(self, reason: str, peer: str) -> None:
@@ -534,11 +610,13 @@ class RpcEndpoint:
                         self._send_held_replies()
                     self._on_message(msg)
                 self._send_held_replies()
+                self._flush_outboxes()  # answers came in: the requests queued behind them leave
             if self._watch.socket in events:
                 self._watch.drain(self._closing)
             now = time.monotonic()
             if now >= next_deadline_check:
                 self._expire(now)
+                self._flush_outboxes()
                 next_deadline_check = now + 0.1
         self._router.close(linger=0)
         self._watch.close()
@@ -552,10 +630,12 @@ class RpcEndpoint:
         try:
             envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            if not isinstance(envelope, dict) or envelope.get("t") not in ("req", "rep", "reps") or not rest:
+            kind = envelope.get("t") if isinstance(envelope, dict) else None
+            if kind not in ("req", "reqs", "rep", "reps") or not rest:
                 raise RejectedMessage("neither a request nor a reply")
             self._guard.check(str(envelope["s"]), int(envelope["q"]))
-            replies = _reply_batch(rest[0]) if envelope["t"] == "reps" else None
+            replies = _reply_batch(rest[0]) if kind == "reps" else None
+            requests = _request_batch(rest[0]) if kind == "reqs" else None
         except _WIRE_ERRORS as exc:
             self._reject(str(exc), _peer_address(routing_id))
             return
@@ -563,22 +643,36 @@ class RpcEndpoint:
             for call_id, ok, body in replies:
                 self._complete(call_id, body, [], ok)
             return
-        if envelope["t"] == "req":
-            try:
-                fn = self._lookup(envelope["m"], envelope["f"])
-            except Exception as exc:
-                fn = _raiser(exc)
-            if getattr(fn, "__nexrl_quick__", False):  # answered right here: no thread hand-off
-                self._serve(fn, envelope, rest[0], rest[1:], hold=True)
-            else:
-                self._pool.submit(self._serve, fn, envelope, rest[0], rest[1:])
+        if requests is not None:
+            src = envelope["src"]
+            for call_id, module, method, payload in requests:
+                self._dispatch({"id": call_id, "src": src, "m": module, "f": method}, payload, [])
+            return
+        if kind == "req":
+            self._dispatch(envelope, rest[0], rest[1:])
             return
         self._complete(envelope["id"], bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"]))
+
+    def _dispatch(self, envelope: dict[str, Any], payload: Any, buffers: list[Any]) -> None:
+        """A checked request: a quick method is answered right here (no thread hand-off), any
+        other in the thread pool."""
+        try:
+            fn = self._lookup(envelope["m"], envelope["f"])
+        except Exception as exc:
+            fn = _raiser(exc)
+        if getattr(fn, "__nexrl_quick__", False):
+            self._serve(fn, envelope, payload, buffers, hold=True)
+        else:
+            self._pool.submit(self._serve, fn, envelope, payload, buffers)
 
     def _complete(self, call_id: int, body: bytes, buffers: list[bytes], ok: bool) -> None:
         with self._pending_lock:
             pending = self._pending.pop(call_id, None)
-        if pending is not None and not pending.future.done():
+        if pending is None:
+            return
+        if pending.quick_peer is not None:
+            self._quick_answered([pending])
+        if not pending.future.done():
             pending.future.set_result((body, buffers, ok))
 
     def _run(self, fn: Callable[..., Any], payload: Any, buffers: list[Any]) -> tuple[bool, bytes, list[Any]]:
@@ -756,10 +850,16 @@ class RpcEndpoint:
             else:
                 self._send(peer, {"t": "reps"}, msgpack.packb(items), [])
 
+    def _flush_outboxes(self) -> None:
+        for peer in self._peers.values():
+            if peer.outbox:
+                self._flush_outbox(peer)
+
     def _expire(self, now: float) -> None:
         with self._pending_lock:
             late = [cid for cid, p in self._pending.items() if p.deadline <= now]
             pendings = [self._pending.pop(cid) for cid in late]
+        self._quick_answered(pendings)
         for p in pendings:
             if not p.future.done():
                 p.future.set_exception(
@@ -806,6 +906,26 @@ class RpcEndpoint:
             if lent == 0 or time.monotonic() >= deadline:
                 return lent
             time.sleep(0.02)
+
+
+def _request_batch(payload: Any) -> list[tuple[int, str, str, bytes]]:
+    """The (call id, module, method, payload) of a "reqs" message, checked for shape."""
+    items = msgpack.unpackb(bytes(payload), raw=False)
+    if not isinstance(items, list):
+        raise RejectedMessage("a request batch that is not a list")
+    out = []
+    for item in items:
+        if not (
+            isinstance(item, list)
+            and len(item) == 4
+            and isinstance(item[0], int)
+            and isinstance(item[1], str)
+            and isinstance(item[2], str)
+            and isinstance(item[3], bytes)
+        ):
+            raise RejectedMessage("malformed request batch")
+        out.append((item[0], item[1], item[2], item[3]))
+    return out
 
 
 def _reply_batch(payload: Any) -> list[tuple[int, bool, bytes]]:

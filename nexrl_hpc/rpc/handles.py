@@ -35,7 +35,9 @@ class RemoteMethod:
         self._timeout, self._quick = timeout, quick
 
     def call_async(self, *args: Any, **kwargs: Any) -> Future:
-        return self._endpoint.call_async(self._rank, self._module, self._name, args, kwargs, self._timeout)
+        return self._endpoint.call_async(
+            self._rank, self._module, self._name, args, kwargs, self._timeout, quick=self._quick
+        )
 
     def call_sync(self, *args: Any, **kwargs: Any) -> Any:
         """Call and wait; a ``@quick`` method is answered on this thread's own socket (no hand-offs)."""
