@@ -504,3 +504,37 @@ def test_queued_quick_requests_to_a_dead_peer_fail_at_once(pair: Any) -> None:
         with pytest.raises(PeerDeadError, match="rank 1 is dead"):
             f.result(timeout=1)
     assert time.monotonic() - t0 < 1.0 and not client._peers[1].outbox
+
+
+def test_a_lane_out_of_descriptors_pauses_accepts_instead_of_spinning(pair: Any, caplog: Any) -> None:
+    """Accept failing (EMFILE) leaves the listener readable: the IO thread stops accepting for a
+    second instead of spinning, and takes the waiting connections once descriptors are free."""
+    import resource
+
+    client, server, counter, _ = pair
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    host, port = server.lane_address.removeprefix("tcp://").rsplit(":", 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = [socket.create_connection((host, int(port))) for _ in range(3)]  # fds taken before the cap
+    used = len(os.listdir("/proc/self/fd"))
+    extra: list[socket.socket] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used + 4, hard))
+        for s in spare:
+            s.close()  # 3 free descriptors: the next connections exhaust them on the server's side
+        for _ in range(6):
+            try:
+                extra.append(socket.create_connection((host, int(port)), timeout=1))
+            except OSError:
+                break
+        cpu0, t0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        spent = time.process_time() - cpu0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "pausing accepts" in caplog.text
+    assert spent < 0.5 * (time.monotonic() - t0), spent  # no busy loop
+    for s in extra:
+        s.close()
+    counter.n = 2
+    assert execute(handle(client).peek) == 2  # accepting again

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -31,11 +32,30 @@ CONFIG_KEY = "service.inference_service.vllm"
 
 
 def free_port(host: str) -> int:
-    """A port that is free on ``host`` now (vLLM cannot report the port it bound for port 0)."""
+    """A port that is free on ``host`` now (vLLM cannot report the port it bound for port 0).
+
+    Chosen below the kernel's ephemeral range when there is room: vLLM binds it seconds later, and
+    a port from that range can meanwhile become the local end of any outgoing connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    low = _ephemeral_range()[0]
+    candidates = random.sample(range(10000, low), k=min(64, max(0, low - 10000)))
+    for port in [*candidates, 0]:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 class VLLMServer:

@@ -255,6 +255,7 @@ class RpcEndpoint:
         self._lane_selector = selectors.DefaultSelector()
         self._lane_selector.register(self._lane_listener_fd, _READ)
         self._lane_clients: dict[int, _LaneClient] = {}  # IO thread only: by file descriptor
+        self._lane_accepts_paused_until: float | None = None  # IO thread only
         self._watch = ConnectionWatch(self._router, self._reject, f"rank {rank}")
         self._peers: dict[int, _Peer] = {}
         self._local = threading.local()
@@ -618,6 +619,10 @@ class RpcEndpoint:
                 self._expire(now)
                 self._flush_outboxes()
                 next_deadline_check = now + 0.1
+                paused = self._lane_accepts_paused_until
+                if paused is not None and now >= paused:
+                    self._lane_accepts_paused_until = None
+                    self._lane_selector.register(self._lane_listener_fd, _READ)
         self._router.close(linger=0)
         self._watch.close()
         for fd in list(self._lane_clients):
@@ -710,8 +715,13 @@ class RpcEndpoint:
                 sock, address = self._lane_listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors, ...: the listener stays, the peer retries
-                logger.warning("rank %d: direct lane accept failed: %s", self.rank, exc)
+            except OSError as exc:  # out of descriptors, ...: stop accepting for a second (the listener
+                # would stay readable and spin this thread); waiting peers are accepted afterwards
+                logger.warning(
+                    "rank %d: direct lane accept failed (%s): pausing accepts for 1 s", self.rank, exc
+                )
+                self._lane_selector.unregister(self._lane_listener_fd)
+                self._lane_accepts_paused_until = time.monotonic() + 1.0
                 return
             peer = f"{address[0]}:{address[1]}"
             if len(self._lane_clients) >= _MAX_LANE_CONNECTIONS:

@@ -150,20 +150,26 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Any, host: str, key: b
     ts = config["service"]["train_service"]
     grank, size = group_comm.Get_rank(), group_comm.Get_size()
     local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
-    if grank == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    rendezvous = group_comm.bcast(f"tcp://{host}:{port}" if grank == 0 else None, root=0)
+    timeout = timedelta(seconds=ts["collective_timeout_s"])
+    # group rank 0's store binds a port of the kernel's choosing and keeps it: picking a "free" port
+    # first and binding it later lost it to another connection's ephemeral port (EADDRINUSE, seen)
+    store = (
+        dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        if grank == 0
+        else None
+    )
+    port = group_comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
     if ts["device"] == "cuda":
         torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
     dist.init_process_group(
         "nccl" if ts["device"] == "cuda" else "gloo",
-        init_method=rendezvous,
+        store=store,
         rank=grank,
         world_size=size,
-        timeout=timedelta(seconds=ts["collective_timeout_s"]),
+        timeout=timeout,
     )
     return TrainerRank(
         LocalTrainEngine(),
