@@ -538,3 +538,38 @@ def test_a_lane_out_of_descriptors_pauses_accepts_instead_of_spinning(pair: Any,
         s.close()
     counter.n = 2
     assert execute(handle(client).peek) == 2  # accepting again
+
+
+def test_lane_framing_round_trips_and_refuses_malformed_headers() -> None:
+    """Messages cut anywhere arrive whole (3,000 frames: more than one sendmsg takes); a header
+    is refused before its body is buffered."""
+    import threading
+
+    from nexrl_hpc.rpc.lane import LaneReader, send_parts
+
+    a, b = socket.socketpair()
+    frames = [bytes([i % 256]) * (i % 7) for i in range(3000)]
+    got: list[list[bytes]] = []
+
+    def read() -> None:
+        reader = LaneReader(1 << 20)
+        while len(got) < 2:
+            got.extend(reader.feed(b.recv(997)))  # odd cuts through headers and frames
+
+    t = threading.Thread(target=read)
+    t.start()
+    send_parts(a, lane_parts(frames))
+    send_parts(a, lane_parts([b"second"]))
+    t.join(timeout=10)
+    a.close()
+    b.close()
+    assert got == [frames, [b"second"]]
+    good = b"".join(lane_parts([b"abc", b"de"]))
+    for bad, reason in (
+        (b"XXXX" + good[4:], "bad magic"),
+        (good[:4] + struct.pack(">IQ", 0, 0), "announcing 0 frames"),
+        (good[:4] + struct.pack(">IQ", 1, 2**40), "exceeds the 1048576-byte limit"),
+        (good[:4] + struct.pack(">IQ", 2, 5) + struct.pack(">QQ", 3, 3), "do not add up"),
+    ):
+        with pytest.raises(RejectedMessage, match=reason):
+            LaneReader(1 << 20).feed(bad)
