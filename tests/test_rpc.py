@@ -445,50 +445,36 @@ def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> N
         plain.close()
 
 
-def test_pipelined_quick_replies_share_messages_and_each_call_gets_its_own(pair: Any) -> None:
-    """Quick requests that arrive together are answered in one signed message per caller rank
-    (at most 64 replies each); every future still gets its own value, in any order."""
-    client, server, counter, _ = pair
-    h = handle(client)
-    counter.n = 9
-    received = []
-    on_message = client._on_message
+def count_messages(endpoint: RpcEndpoint) -> list[int]:
+    """Every message ``endpoint`` takes in from now on (its frame count), in a list."""
+    received: list[int] = []
+    on_message = endpoint._on_message
 
     def counting(msg: Any) -> None:
         received.append(len(msg))
         on_message(msg)
 
-    client._on_message = counting  # type: ignore[method-assign]
-    futures = [execute_async(h.peek) for _ in range(600)]
-    assert [f.result(timeout=10) for f in futures] == [9] * 600
-    assert len(received) < 600  # replies were batched
-    assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
-    forged = msgpack.packb([[1, True, "not bytes"]])  # a signed batch must still have the right shape
-    with pytest.raises(RejectedMessage, match="malformed reply batch"):
-        _reply_batch(forged)
+    endpoint._on_message = counting  # type: ignore[method-assign]
+    return received
 
 
-def test_pipelined_quick_requests_leave_together_and_each_gets_its_answer(pair: Any) -> None:
+def test_pipelined_quick_calls_share_messages_both_ways_and_each_gets_its_own(pair: Any) -> None:
     """Async quick calls queued while one to the same peer is unanswered leave as one signed
-    message when its answer arrives (Nagle's rule); every call still gets its own result."""
+    message when its answer arrives (Nagle's rule); their replies, arriving together, leave as one
+    message per caller rank (at most 64 each); every future still gets its own value."""
     client, server, counter, _ = pair
     h = handle(client)
     counter.n = 11
-    received = []
-    on_message = server._on_message
-
-    def counting(msg: Any) -> None:
-        received.append(len(msg))
-        on_message(msg)
-
-    server._on_message = counting  # type: ignore[method-assign]
+    requests, replies = count_messages(server), count_messages(client)
     futures = [execute_async(h.peek) for _ in range(600)]
     assert [f.result(timeout=10) for f in futures] == [11] * 600
-    assert len(received) < 300  # requests were batched
+    assert len(requests) < 300 and len(replies) < 300  # batched both ways
     assert client._peers[1].quick_in_flight == 0 and not client._peers[1].outbox
     assert execute_async(h.add, 4).result(timeout=5) == 15  # a non-quick call is not held back
     assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
-    with pytest.raises(RejectedMessage, match="malformed request batch"):  # signed, but the wrong shape
+    with pytest.raises(RejectedMessage, match="malformed reply batch"):  # signed, but the wrong shape
+        _reply_batch(msgpack.packb([[1, True, "not bytes"]]))
+    with pytest.raises(RejectedMessage, match="malformed request batch"):
         _request_batch(msgpack.packb([[1, "counter", "peek", "not bytes"]]))
 
 

@@ -920,40 +920,22 @@ class RpcEndpoint:
 
 def _request_batch(payload: Any) -> list[tuple[int, str, str, bytes]]:
     """The (call id, module, method, payload) of a "reqs" message, checked for shape."""
-    items = msgpack.unpackb(bytes(payload), raw=False)
-    if not isinstance(items, list):
-        raise RejectedMessage("a request batch that is not a list")
-    out = []
-    for item in items:
-        if not (
-            isinstance(item, list)
-            and len(item) == 4
-            and isinstance(item[0], int)
-            and isinstance(item[1], str)
-            and isinstance(item[2], str)
-            and isinstance(item[3], bytes)
-        ):
-            raise RejectedMessage("malformed request batch")
-        out.append((item[0], item[1], item[2], item[3]))
-    return out
+    return _checked_batch(payload, "request", (int, str, str, bytes))  # type: ignore[return-value]
 
 
 def _reply_batch(payload: Any) -> list[tuple[int, bool, bytes]]:
     """The (call id, ok, body) triples of a "reps" message, checked for shape."""
+    return [(i, bool(ok), body) for i, ok, body in _checked_batch(payload, "reply", (int, object, bytes))]
+
+
+def _checked_batch(payload: Any, what: str, shape: tuple[type, ...]) -> list[tuple[Any, ...]]:
     items = msgpack.unpackb(bytes(payload), raw=False)
     if not isinstance(items, list):
-        raise RejectedMessage("a reply batch that is not a list")
-    out = []
+        raise RejectedMessage(f"a {what} batch that is not a list")
     for item in items:
-        if not (
-            isinstance(item, list)
-            and len(item) == 3
-            and isinstance(item[0], int)
-            and isinstance(item[2], bytes)
-        ):
-            raise RejectedMessage("malformed reply batch")
-        out.append((item[0], bool(item[1]), item[2]))
-    return out
+        if not (isinstance(item, list) and len(item) == len(shape) and all(map(isinstance, item, shape))):
+            raise RejectedMessage(f"malformed {what} batch")
+    return [tuple(item) for item in items]
 
 
 def _message_size(frames: list[Any]) -> int:
