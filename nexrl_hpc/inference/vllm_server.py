@@ -37,7 +37,7 @@ def free_port(host: str) -> int:
     Chosen below the kernel's ephemeral range when there is room: vLLM binds it seconds later, and
     a port from that range can meanwhile become the local end of any outgoing connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = _ephemeral_range()[0]
+    low = _ephemeral_low()
     candidates = random.sample(range(10000, low), k=min(64, max(0, low - 10000)))
     for port in [*candidates, 0]:
         with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -49,13 +49,13 @@ def free_port(host: str) -> int:
     raise OSError(f"no free port on {host}")
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class VLLMServer:

@@ -37,7 +37,16 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from nexrl_hpc.rpc.codec import RemoteError, decode, encode, encode_exception
-from nexrl_hpc.rpc.lane import RECV_BYTES, LaneReader, connect_lane, lane_parts, listen_lane, send_parts
+from nexrl_hpc.rpc.lane import (
+    RECV_BYTES,
+    SENDMSG_MAX_BUFFERS,
+    LaneReader,
+    connect_lane,
+    drop_sent,
+    lane_parts,
+    listen_lane,
+    send_parts,
+)
 from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message, seal_message
 
 logger = logging.getLogger(__name__)
@@ -144,13 +153,13 @@ class _DirectConnection:
 class _LaneClient:
     """The server side of one accepted lane connection (IO thread only)."""
 
-    __slots__ = ("socket", "peer", "reader", "outbox", "waiting", "sender", "seq")
+    __slots__ = ("socket", "peer", "reader", "unsent", "waiting", "sender", "seq")
 
     def __init__(self, sock: socket.socket, peer: str, sender: str, max_bytes: int):
         self.socket, self.peer, self.sender, self.seq = sock, peer, sender, 0
         self.reader = LaneReader(max_bytes)
-        self.outbox: list[memoryview] = []  # reply bytes the kernel has not taken yet
-        self.waiting = False  # polled for POLLOUT (the outbox is not empty)
+        self.unsent: list[memoryview] = []  # reply bytes the kernel has not taken yet
+        self.waiting = False  # registered for writability (``unsent`` is not empty)
 
 
 class _HeldReplies:
@@ -332,16 +341,9 @@ class RpcEndpoint:
                     else:
                         future.send_queued = lambda: self._flush_outbox(peer)
                     return future
-                error = self._send_locked(
-                    peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, []
-                )
+                error = self._send_locked(peer, self._request(call_id, module, method), payload, [])
         else:
-            error = self._send(
-                peer,
-                {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method},
-                payload,
-                buffers,
-            )
+            error = self._send(peer, self._request(call_id, module, method), payload, buffers)
         if error is not None:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
@@ -440,10 +442,7 @@ class RpcEndpoint:
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
         direct.seq += 1
-        envelope = {
-            "t": "req", "id": call_id, "src": self.rank, "m": module, "f": method,
-            "s": direct.sender, "q": direct.seq,
-        }  # fmt: skip
+        envelope = {**self._request(call_id, module, method), "s": direct.sender, "q": direct.seq}
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
         size = _message_size(frames)
         if size > self._max_bytes:
@@ -539,6 +538,9 @@ class RpcEndpoint:
                 self._flush_outbox_locked(peer)
             return self._send_locked(peer, envelope, payload, buffers)
 
+    def _request(self, call_id: int, module: str, method: str) -> dict[str, Any]:
+        return {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}
+
     def _flush_outbox(self, peer: _Peer) -> None:
         with peer.lock:
             if peer.outbox:
@@ -549,9 +551,7 @@ class RpcEndpoint:
         items, peer.outbox, peer.outbox_bytes = peer.outbox, [], 0
         if len(items) == 1:
             call_id, module, method, payload = items[0]
-            self._send_locked(
-                peer, {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}, payload, []
-            )
+            self._send_locked(peer, self._request(call_id, module, method), payload, [])
         else:
             self._send_locked(peer, {"t": "reqs", "src": self.rank}, msgpack.packb(items), [])
 
@@ -785,25 +785,20 @@ class RpcEndpoint:
             body, out_buffers = encode(encode_exception(error))
             reply["ok"] = False
             frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
-        client.outbox.extend(memoryview(p).cast("B") for p in lane_parts(frames_out))
+        client.unsent.extend(memoryview(p).cast("B") for p in lane_parts(frames_out))
 
     def _flush_lane_client(self, fd: int, client: _LaneClient) -> None:
         """Write what the kernel takes now; wait for POLLOUT for the rest (a slow reader never
         blocks the IO thread)."""
-        out = client.outbox
+        out = client.unsent
         while out:
             try:
-                sent = client.socket.sendmsg(out[:64])
+                drop_sent(out, client.socket.sendmsg(out[:SENDMSG_MAX_BUFFERS]))
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self._drop_lane_client(fd)
                 return
-            while out and sent >= out[0].nbytes:
-                sent -= out[0].nbytes
-                out.pop(0)
-            if out and sent:
-                out[0] = out[0][sent:]
         if bool(out) != client.waiting:
             client.waiting = bool(out)
             self._lane_selector.modify(fd, _READ | (_WRITE if out else 0))

@@ -29,7 +29,7 @@ MAGIC = b"NXL1"
 _HEAD = struct.Struct(">4sIQ")
 _LENGTH = struct.Struct(">Q")
 MAX_FRAMES = 4096  # a message has a signature, a header, a payload and one frame per tensor
-_IOV_MAX = 512  # buffers per sendmsg (the kernel refuses more than IOV_MAX, 1024 on Linux)
+SENDMSG_MAX_BUFFERS = 512  # per sendmsg call (the kernel refuses more than IOV_MAX, 1024 on Linux)
 RECV_BYTES = 64 << 10  # per recv: under malloc's mmap threshold (a bigger buffer costs an mmap per call)
 
 
@@ -44,12 +44,16 @@ def send_parts(sock: socket.socket, parts: list[Any]) -> None:
     """Write every byte of ``parts`` on a blocking socket (one syscall when the kernel takes it all)."""
     views = [memoryview(p).cast("B") for p in parts]
     while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        drop_sent(views, sock.sendmsg(views[:SENDMSG_MAX_BUFFERS]))
+
+
+def drop_sent(views: list[memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes from ``views`` (what a ``sendmsg`` took), in place."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
 
 
 class LaneReader:
