@@ -92,7 +92,9 @@ def serve(conn: Any) -> None:
     registry.add("echo", Echo())
     registry.add("trajectory_pool", make_pool())
     configure_gc_like_a_run()
-    endpoint = RpcEndpoint(1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4)
+    endpoint = RpcEndpoint(
+        1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=2
+    )
     conn.send((endpoint.address, endpoint.lane_address))
     address, lane = conn.recv()
     endpoint.connect({0: address}, {0: lane})
@@ -131,7 +133,15 @@ def bench_nexrl(calls: int) -> dict[str, float]:
     parent.send(key)
     address, lane = parent.recv()
     client = RpcEndpoint(
-        0, "127.0.0.1", key, 1 << 30, 8, 60.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
+        0,
+        "127.0.0.1",
+        key,
+        1 << 30,
+        8,
+        60.0,
+        ModuleRegistry().lookup,
+        direct_sockets_per_peer=4,
+        long_poll_threads=2,
     )
     client.connect({1: address}, {1: lane})
     parent.send((client.address, client.lane_address))

@@ -7,6 +7,7 @@ import pickle
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 import zmq
 
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute, execute_async, quick
+from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
 from nexrl_hpc.rpc.endpoint import (
     CallTimeout,
@@ -67,10 +68,19 @@ def test_codec_round_trip_without_pickle() -> None:
 class Counter:
     def __init__(self) -> None:
         self.n = 0
+        self._changed = threading.Condition()
 
     def add(self, k: int = 1) -> int:
-        self.n += k
+        with self._changed:
+            self.n += k
+            self._changed.notify_all()
         return self.n
+
+    @long_poll
+    def wait_until(self, n: int, timeout: float) -> int:  # as a loader's fetch waits for tasks
+        with self._changed:
+            self._changed.wait_for(lambda: self.n >= n, timeout)
+            return self.n
 
     def fail(self) -> None:
         raise KeyError("no such thing")
@@ -105,9 +115,19 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
     registry = ModuleRegistry()
     counter = Counter()
     registry.add("counter", counter)
-    server = RpcEndpoint(1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4)
+    server = RpcEndpoint(
+        1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=8
+    )
     client = RpcEndpoint(
-        0, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup, direct_sockets_per_peer=4
+        0,
+        "127.0.0.1",
+        key,
+        1 << 20,
+        4,
+        5.0,
+        ModuleRegistry().lookup,
+        direct_sockets_per_peer=4,
+        long_poll_threads=8,
     )
     client.connect({1: server.address}, {1: server.lane_address})
     server.connect({0: client.address}, {0: client.lane_address})  # replies travel to the caller's ROUTER
@@ -151,6 +171,21 @@ def test_a_long_call_does_not_block_others(pair: Any) -> None:
     assert execute(h.add) == 1
     assert time.monotonic() - t0 < 0.4
     assert slow.result() == "done"
+
+
+def test_waiting_long_polls_never_hold_the_threads_other_calls_need(pair: Any) -> None:
+    """More callers wait in a long poll than the server has threads (4 here); the call that ends
+    their wait must still run at once. (With long polls in the same pool, as 32 rollout ranks'
+    fetches were, it queued until the polls timed out.)"""
+    client, *_ = pair
+    h = handle(client)
+    waiting = [execute_async(h.wait_until, 10, 5.0) for _ in range(6)]
+    time.sleep(0.2)  # every poll is waiting on the server
+    assert not any(w.done() for w in waiting)
+    t0 = time.monotonic()
+    assert execute(h.add, 10) == 10
+    assert [w.result(timeout=2.0) for w in waiting] == [10] * 6
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_deadline_and_dead_peer_never_hang(pair: Any) -> None:
@@ -433,7 +468,15 @@ def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any
 def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> None:
     client, server, counter, key = pair
     plain = RpcEndpoint(
-        2, "127.0.0.1", key, 1 << 20, 4, 5.0, ModuleRegistry().lookup, direct_sockets_per_peer=0
+        2,
+        "127.0.0.1",
+        key,
+        1 << 20,
+        4,
+        5.0,
+        ModuleRegistry().lookup,
+        direct_sockets_per_peer=0,
+        long_poll_threads=8,
     )
     try:
         plain.connect({1: server.address})

@@ -309,7 +309,8 @@ class RuntimeMonitorConfig(TypedDict):
 class RpcConfig(TypedDict):
     interface: str  # address the ranks' RPC sockets bind to: an IP, "hostname", or an interface (eth0, ib0)
     max_message_mb: Annotated[int, Ge(1)]
-    server_threads: Annotated[int, Ge(1)]
+    server_threads: Annotated[int, Ge(1)]  # calls served at once per rank (long polls excepted)
+    long_poll_threads_per_peer: Annotated[int, Ge(1)]  # threads for @long_poll calls, per other rank
     direct_sockets_per_peer: Annotated[
         int, Ge(0)
     ]  # caller-owned direct-lane connections for blocking @quick calls

@@ -22,6 +22,15 @@ def quick(fn: F) -> F:
     return fn
 
 
+def long_poll(fn: F) -> F:
+    """Mark a method that may wait for work or an event before it answers (a long poll). A remote
+    rank serves it on threads of its own: callers waiting in it never hold the threads that every
+    other call needs (with more waiting callers than threads, a put that would end their wait
+    could otherwise queue behind them until they time out)."""
+    fn.__nexrl_long_poll__ = True  # type: ignore[attr-defined]
+    return fn
+
+
 def execute(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``func(*args, **kwargs)`` and return its result."""
     call_sync = getattr(func, "call_sync", None)

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Any
 
 from nexrl_hpc.config.schema import DataConfig
-from nexrl_hpc.core.execute import quick
+from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ class JsonlDataLoader(BaseDataLoader):
                     self._budget -= 1
             return item
 
+    @long_poll
     def get_next_items(
         self, max_items: int, wait_s: float = 0.0, consumer: str | None = None
     ) -> list[dict[str, Any]]:

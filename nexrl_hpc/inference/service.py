@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import quick
+from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.weight_sync.transport import create_weight_transport
 
@@ -69,6 +69,7 @@ class InferenceService(NexRLModule):
         )
         self._server.launch()
 
+    @long_poll
     def wait_ready(self) -> str | None:
         """Block until the server answers; returns its base URL (None for the fake backend)."""
         if self._server is not None and self._base_url is None:

@@ -7,6 +7,7 @@ import time
 from collections import deque
 
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.execute import long_poll
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, ModelTag
 
@@ -30,6 +31,7 @@ class TrainBatchPool(NexRLModule):
             self._lock.notify_all()
             return True
 
+    @long_poll
     def get_batch(self, model: ModelTag | None = DEFAULT_MODEL_TAG, wait_s: float = 0.0) -> Batch | None:
         """The oldest batch of ``model`` (any model if None); waits up to ``wait_s`` for one (long poll)."""
         deadline = time.monotonic() + wait_s

@@ -10,7 +10,7 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig, TrajectoryPoolConfig
 from nexrl_hpc.core.activity import ActivityTrackerProxy
-from nexrl_hpc.core.execute import execute
+from nexrl_hpc.core.execute import execute, long_poll
 from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.pool.stores import TrajectoryStore, create_store
@@ -202,6 +202,7 @@ class TrajectoryPool(NexRLModule):
         instance = self._instances.get(model_tag)
         return instance.get_batch(batch_size) if instance is not None else None
 
+    @long_poll
     def get_batch_any(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch | None:
         """A ready batch of any model; with ``wait_s`` > 0 wait up to that long for one (long poll)."""
         deadline = time.monotonic() + wait_s

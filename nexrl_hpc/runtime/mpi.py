@@ -105,6 +105,7 @@ def bootstrap(config: RLTrainConfig, comm: Any) -> MPIWorld:
         server_threads=rpc["server_threads"],
         call_timeout_s=rpc["call_timeout_s"],
         direct_sockets_per_peer=rpc["direct_sockets_per_peer"],
+        long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1),
         lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
     )

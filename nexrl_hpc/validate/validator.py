@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute, quick
+from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import Trajectory
 
@@ -50,6 +50,7 @@ class Validator(NexRLModule):
             self._validate_dataloader.outstanding
         )
 
+    @long_poll
     def wait_complete(self, timeout: float) -> bool:
         """Long poll for the controller: ``is_complete()``, waiting up to ``timeout`` for it."""
         deadline = time.monotonic() + timeout

@@ -27,7 +27,7 @@ import threading
 from typing import Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute, execute_async, quick
+from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
 from nexrl_hpc.weight_sync.transport import WeightSyncError
@@ -136,6 +136,7 @@ class WeightSyncController(NexRLModule):
         self._events += 1
         self._progress.notify_all()
 
+    @long_poll
     def wait_for_progress(self, seen: int, timeout: float) -> int:
         """Long poll for the controller loop: the event count, as soon as it differs from ``seen``
         (a new version, a validation request) or after ``timeout``."""
