@@ -20,6 +20,10 @@ import zmq
 
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
+from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.inference.service import InferenceService
+from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
+from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
 from nexrl_hpc.rpc.endpoint import (
     CallTimeout,
@@ -33,6 +37,8 @@ from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
 from nexrl_hpc.rpc.lane import lane_parts
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
+from nexrl_hpc.validate.validator import Validator
+from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 
 def test_codec_round_trip_without_pickle() -> None:
@@ -186,6 +192,26 @@ def test_waiting_long_polls_never_hold_the_threads_other_calls_need(pair: Any) -
     assert execute(h.add, 10) == 10
     assert [w.result(timeout=2.0) for w in waiting] == [10] * 6
     assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize(
+    "cls, method",
+    [
+        (JsonlDataLoader, "get_next_items"),  # a rollout rank's fetch of tasks
+        (TrajectoryPool, "get_batch_any"),
+        (TrainBatchPool, "get_batch"),
+        (Validator, "wait_complete"),
+        (WeightSyncController, "wait_for_progress"),
+        (InferenceService, "wait_ready"),
+    ],
+)
+def test_module_methods_that_wait_for_work_are_served_as_long_polls(cls: type, method: str) -> None:
+    """Each of these can wait up to its timeout; served from the ordinary pool, enough callers in
+    them would hold every thread (the stall the test above shows)."""
+    registry = ModuleRegistry()
+    registry.add("module", object.__new__(cls))  # the lookup the endpoint dispatches on
+    assert getattr(registry.lookup("module", method), "__nexrl_long_poll__", False)
+    assert not getattr(registry.lookup("module", method), "__nexrl_quick__", False)
 
 
 def test_deadline_and_dead_peer_never_hang(pair: Any) -> None:

@@ -6,8 +6,9 @@ sender's messages in order) — no hand-off to another thread on the way out. On
 the ROUTER: it checks every message (size, HMAC, sender sequence) before decoding anything,
 queues requests for a thread pool and completes the futures of replies. Calls to ``@long_poll``
 methods (they wait for work) run in a pool of their own, so callers waiting in them never hold
-the threads every other call needs. Failures are dropped, counted and logged with the peer address. A call to a
-rank declared dead fails at once; every call has a deadline, so nothing waits forever.
+the threads every other call needs. Failures are dropped, counted and logged with the peer
+address. A call to a rank declared dead fails at once; every call has a deadline, so nothing
+waits forever.
 
 Blocking calls to ``@quick`` methods take a shorter road (``call_direct``): the caller borrows a
 TCP connection of its own to the peer's *direct lane* (``nexrl_hpc/rpc/lane.py``), the peer's IO
