@@ -210,8 +210,9 @@ def test_module_methods_that_wait_for_work_are_served_as_long_polls(cls: type, m
     them would hold every thread (the stall the test above shows)."""
     registry = ModuleRegistry()
     registry.add("module", object.__new__(cls))  # the lookup the endpoint dispatches on
-    assert getattr(registry.lookup("module", method), "__nexrl_long_poll__", False)
-    assert not getattr(registry.lookup("module", method), "__nexrl_quick__", False)
+    served = registry.lookup("module", method)
+    assert getattr(served, "__nexrl_long_poll__", False)
+    assert not getattr(served, "__nexrl_quick__", False)
 
 
 def test_deadline_and_dead_peer_never_hang(pair: Any) -> None:
