@@ -18,8 +18,11 @@ shared, so the pairs matter more than the absolute numbers):
 - the same checkpoint with ``torch.save``'s CRC32 off (a proposal for the engine, not its code);
 - a whole checkpoint: ``TrainWorker.save_checkpoint()`` (gather, safetensors, optimizer, state.h5,
   fsyncs, rename, COMPLETE, latest, pruning of the previous one);
-- cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (with every
-  page read: it maps the files lazily) and against ``LocalTrainEngine.load_checkpoint`` (weights + optimizer into the live model). Before each read
+- cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (into new
+  tensors), ``LocalTrainEngine.load_checkpoint`` into the trained engine (weights and optimizer
+  state read in place into its live tensors), and ``load_checkpoint`` into a second engine whose
+  optimizer has no state yet (what a resumed process has after ``init_model``: 2 GB of new memory
+  to fault in). Before each read
   the page cache of every file read is dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after
   an fsync), plus ``/proc/sys/vm/drop_caches`` (page cache only, ``1``) when it is writable, unless
   ``--no-drop-caches``: the table's footer says which was used.
@@ -135,12 +138,6 @@ def timed_result(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def touch_pages(state: dict[str, torch.Tensor]) -> float:
-    """Read one value per 4 KiB of every tensor: ``read_safetensors_dir`` maps the files lazily
-    (safetensors mmap), so the disk is read when the tensors are first used."""
-    return sum(float(t.reshape(-1).view(torch.uint8)[::4096].sum()) for t in state.values() if t.numel())
-
-
 class Baseline:
     """``dd`` writes/reads of ``nbytes`` on the benchmark's filesystem, from ``/dev/zero`` (the issue's
     baseline) and from a file of random bytes kept in RAM (the VM disks measured here store zeros
@@ -203,6 +200,9 @@ Sample = tuple[int, float, float, float]  # bytes, seconds, dd-zeros seconds, dd
 def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
     t0 = time.perf_counter()
     worker, eng, base_dir = build(work, gb)
+    fresh = LocalTrainEngine(base_dir)  # a second trainer, as a resumed process has it: model, no state
+    fresh.initialize_worker(worker.train_service_config())
+    fresh.init_model()
     state = eng.model.state_dict()
     weights_bytes = sum(t.numel() * t.element_size() for t in state.values())
     ckpt_bytes = 3 * weights_bytes  # weights + AdamW's two moments: what a checkpoint writes
@@ -240,13 +240,22 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool) -> None:
             # cold reads of the step 2i+2 checkpoint, between cold dd reads of both dd files
             before = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
             drop_cache(export, drop_caches)
-            s_weights = timed(lambda: touch_pages(read_safetensors_dir(export)))
+            s_weights = timed(lambda: read_safetensors_dir(export))
             drop_cache(path, drop_caches)
             s_ckpt = timed(lambda p=path: eng.load_checkpoint(p))
+            assert fresh.optimizer is not None
+            fresh.optimizer.state.clear()  # as after init_model in a new process: no state yet
+            drop_cache(path, drop_caches)
+            s_fresh = timed(lambda p=path: fresh.load_checkpoint(p))
             after = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
             for name, s, p in (
-                ("weights: read_safetensors_dir + every page read (cold cache)", s_weights, export),
+                ("weights: read_safetensors_dir into new tensors (cold cache)", s_weights, export),
                 ("checkpoint: LocalTrainEngine.load_checkpoint (cold cache)", s_ckpt, path),
+                (
+                    "checkpoint: load_checkpoint, no optimizer state yet (new memory; cold cache)",
+                    s_fresh,
+                    path,
+                ),
             ):
                 b = tree_bytes(p)
                 z, r = ((x + y) / 2 * b for x, y in zip(before, after))

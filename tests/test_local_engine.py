@@ -163,3 +163,106 @@ def test_deepspeed_refuses_optimizer_state_of_another_zero_stage() -> None:
         ValueError, match=r"ZeRO stage 3; this run has service.train_service.deepspeed.zero_stage=1"
     ):
         strategy.load_optimizer_state(torch.nn.Linear(1, 1), None, {"zero_stage": 3})  # type: ignore[arg-type]
+
+
+def optimizer_tensors(eng: LocalTrainEngine) -> dict[str, torch.Tensor]:
+    assert eng.optimizer is not None
+    return {
+        f"{i}.{k}": v for i, s in enumerate(eng.optimizer.state.values()) for k, v in s.items() if v.dim() > 0
+    }
+
+
+def test_a_trained_engine_loads_a_checkpoint_into_its_own_memory(tiny_model_dir: str, tmp_path: Any) -> None:
+    """The bytes go straight into the live parameters and optimizer moments (same storage after the
+    load), and the result is the saved engine exactly: the next step matches."""
+    saved = engine(tiny_model_dir)
+    for seed in (1, 2):
+        saved.update_actor({"batch": make_batch(8, seed)})
+    saved.save_checkpoint(str(tmp_path), global_step=2)
+    live = engine(tiny_model_dir)
+    live.update_actor({"batch": make_batch(8, 7)})  # other values, same shapes
+    where = {k: v.data_ptr() for k, v in {**live.model.state_dict(), **optimizer_tensors(live)}.items()}
+    live.load_checkpoint(str(tmp_path))
+    after = {**live.model.state_dict(), **optimizer_tensors(live)}
+    assert {k: v.data_ptr() for k, v in after.items()} == where
+    for k, v in {**saved.model.state_dict(), **optimizer_tensors(saved)}.items():
+        assert torch.equal(v, after[k]), k
+    m1 = saved.update_actor({"batch": make_batch(8, 9)})["meta_info"]["metrics"]
+    m2 = live.update_actor({"batch": make_batch(8, 9)})["meta_info"]["metrics"]
+    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] and m1["actor/grad_norm"] == m2["actor/grad_norm"]
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model_dir: str, tmp_path: Any) -> None:
+    """Shapes and optimizer layout are checked from the headers before a byte is read: the live
+    weights and optimizer state stay as they were (before, the weights were replaced and then the
+    optimizer refused)."""
+    from safetensors.torch import load_file, save_file
+
+    from nexrl_hpc.checkpoint.state_file import save_state_file
+
+    src = engine(tiny_model_dir)
+    src.update_actor({"batch": make_batch(8, 1)})
+    live = engine(tiny_model_dir)
+    live.update_actor({"batch": make_batch(8, 2)})
+    before = {k: v.clone() for k, v in {**live.model.state_dict(), **optimizer_tensors(live)}.items()}
+
+    def unchanged() -> None:
+        for k, v in {**live.model.state_dict(), **optimizer_tensors(live)}.items():
+            assert torch.equal(v, before[k]), k
+
+    layout = tmp_path / "layout"
+    src.save_checkpoint(str(layout), global_step=1)
+    opt_file = str(layout / "optimizer" / "rank_0.safetensors")
+    save_state_file({**load_state_file(opt_file), "world_size": 2, "engine": "fsdp"}, opt_file)
+    with pytest.raises(ValueError, match="engine=fsdp on 2 rank"):
+        live.load_checkpoint(str(layout))
+    unchanged()
+
+    shapes = tmp_path / "shapes"
+    src.save_checkpoint(str(shapes), global_step=1)
+    weights = load_file(str(shapes / "model" / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("mlp.up_proj.weight"))
+    weights[name] = weights[name][:-1].contiguous()
+    save_file(weights, str(shapes / "model" / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"shapes differ from the model's: \['{name} \["):
+        live.load_checkpoint(str(shapes))
+    unchanged()
+    live.update_actor({"batch": make_batch(8, 3)})  # still trains
+
+
+def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
+    tiny_model_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error after the live state was partly overwritten: the error says so, training and
+    saving refuse, and a load that succeeds clears it."""
+    import errno
+
+    from nexrl_hpc.checkpoint import tensor_reads
+
+    src = engine(tiny_model_dir)
+    src.update_actor({"batch": make_batch(8, 1)})
+    src.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+    live = engine(tiny_model_dir)
+    live.update_actor({"batch": make_batch(8, 2)})
+    real_preadv, calls = os.preadv, []
+
+    def failing_preadv(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(tensor_reads.os, "preadv", failing_preadv)
+    with pytest.raises(OSError, match="Input/output error; the tensors loaded in place are incomplete"):
+        live.load_checkpoint(str(tmp_path / "ckpt"))
+    monkeypatch.undo()
+    with pytest.raises(
+        RuntimeError, match="the last load_checkpoint failed halfway: rank 0: PartialLoadError"
+    ):
+        live.update_actor({"batch": make_batch(8, 3)})
+    with pytest.raises(RuntimeError, match="load a checkpoint again"):
+        live.save_checkpoint(str(tmp_path / "other"), global_step=1)
+    live.load_checkpoint(str(tmp_path / "ckpt"))
+    for k, v in src.model.state_dict().items():
+        assert torch.equal(v, live.model.state_dict()[k]), k
+    live.update_actor({"batch": make_batch(8, 3)})

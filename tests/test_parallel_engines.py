@@ -51,7 +51,7 @@ def single_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def assert_matches_single(ref: Path, got: Path, base_model_dir: str) -> None:
+def assert_matches_single(ref: Path, got: Path, base_model_dir: str, reload_in_place: bool = True) -> None:
     w_ref, w_got = read_safetensors_dir(str(ref / "weights")), read_safetensors_dir(str(got / "weights"))
     assert set(w_ref) == set(w_got)
     base = read_safetensors_dir(base_model_dir)
@@ -70,13 +70,14 @@ def assert_matches_single(ref: Path, got: Path, base_model_dir: str) -> None:
         assert b["actor/optimizer_steps"] == a["actor/optimizer_steps"] == 2
         assert b["actor/lr"] == a["actor/lr"]
     assert [m["actor/lr"] for m in m_got] == [5e-4, 1e-3, 1e-3]
-    for run in (ref, got):
+    for run, in_place in ((ref, True), (got, reload_in_place)):
         resumed = json.loads((run / "resumed.json").read_text())
         assert resumed == {
             "same_logp": True,
             "next_update_diff": 0.0,
             "nan_skipped": 2,
             "nan_weights_equal": True,
+            "reload_in_place": in_place,
         }, (run, resumed)
 
 
@@ -131,7 +132,7 @@ def test_zero3_on_two_ranks_matches_the_single_process_engine(
     _need_deepspeed()
     out = tmp_path / "zero3"
     run_engine(tiny_model_dir, out, "deepspeed", 2, ("service.train_service.deepspeed.zero_stage=3",))
-    assert_matches_single(single_run, out, tiny_model_dir)
+    assert_matches_single(single_run, out, tiny_model_dir, reload_in_place=False)
     assert_other_layout_loads_weights_and_refuses_optimizer(tiny_model_dir, out / "ckpt", "deepspeed")
 
 
@@ -142,7 +143,7 @@ def test_zero_stages_0_to_2_on_two_ranks_match_the_single_process_engine(
     _need_deepspeed()
     out = tmp_path / f"zero{stage}"
     run_engine(tiny_model_dir, out, "deepspeed", 2, (f"service.train_service.deepspeed.zero_stage={stage}",))
-    assert_matches_single(single_run, out, tiny_model_dir)
+    assert_matches_single(single_run, out, tiny_model_dir, reload_in_place=False)
 
 
 def test_deepspeed_in_one_process_matches_the_single_process_engine(
@@ -151,4 +152,4 @@ def test_deepspeed_in_one_process_matches_the_single_process_engine(
     """engine=deepspeed with one trainer rank and no launcher: a 1-rank group of its own."""
     _need_deepspeed()
     run_engine(tiny_model_dir, tmp_path / "zero3", "deepspeed", 1)
-    assert_matches_single(single_run, tmp_path / "zero3", tiny_model_dir)
+    assert_matches_single(single_run, tmp_path / "zero3", tiny_model_dir, reload_in_place=False)

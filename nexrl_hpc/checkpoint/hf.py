@@ -14,7 +14,9 @@ import shutil
 import threading
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from nexrl_hpc.checkpoint.tensor_reads import TensorEntry, exclusive, read_header, read_tensors
 
 HF_SIDE_FILES = (
     "config.json",
@@ -158,8 +160,8 @@ def write_hf_model_dir(
         fsync_path(parent)
 
 
-def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF-layout directory (single file or index + shards)."""
+def _safetensors_files(model_path: str) -> list[str]:
+    """The weight files of an HF-layout directory (single file, or the shards its index names)."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -168,7 +170,35 @@ def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    return [os.path.join(model_path, f) for f in files]
+
+
+def peek_safetensors_dir(model_path: str) -> dict[str, TensorEntry]:
+    """Every tensor's name, dtype and shape from the headers alone (no tensor bytes read)."""
+    found: dict[str, TensorEntry] = {}
+    for path in _safetensors_files(model_path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found.update((e.name, e) for e in read_header(fd, path)[0])
+        finally:
+            os.close(fd)
+    return found
+
+
+def read_safetensors_dir(
+    model_path: str, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of an HF-layout directory, read eagerly.
+
+    ``into``: tensors by name (say, the live model's state dict) that receive the bytes in place when
+    they match in dtype and shape (``tensor_reads.read_tensors``); the rest are new tensors."""
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(model_path, name)))
+    into = exclusive(into or {})  # tied weights may sit in different files
+    for path in _safetensors_files(model_path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            entries, _ = read_header(fd, path)
+            state.update(read_tensors(fd, path, entries, into))
+        finally:
+            os.close(fd)
     return state

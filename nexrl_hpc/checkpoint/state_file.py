@@ -3,7 +3,7 @@ tensors as one byte stream after it.
 
 Why not ``torch.save``: its zip container is parsed record by record on load (~0.3 GB/s cold here,
 a third of the disk), and it is a pickle. This file is read with large sequential ``pread``s straight
-into one buffer the tensors then view — disk speed — and decoding it executes nothing. It is a
+into the tensors (``tensor_reads``) — disk speed — and decoding it executes nothing. It is a
 valid safetensors file (``safetensors.torch.load_file`` reads its tensors; the structure is JSON in
 ``__metadata__["nexrl_structure"]``).
 
@@ -17,23 +17,24 @@ import json
 import math
 import os
 import struct
-import threading
 from typing import Any
 
 import torch
 
+from nexrl_hpc.checkpoint.tensor_reads import (
+    CHUNK,
+    DTYPES,
+    PAGE,
+    TensorEntry,
+    TensorFileError,
+    read_header,
+    read_tensors,
+)
+
 STRUCTURE_KEY = "nexrl_structure"
-_PAGE = 4096
-_CHUNK = 16 << 20  # pread/write size: large sequential I/O, measured fastest here (bench/README.md)
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-class StateFileError(ValueError):
+class StateFileError(TensorFileError):
     """A state file that cannot be read back (names the file and what is wrong)."""
 
 
@@ -42,7 +43,7 @@ def _encode(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             raise TypeError(f"{where}: {type(value).__name__} (a local tensor is needed)")
-        if value.dtype not in _DTYPES:
+        if value.dtype not in DTYPES:
             raise TypeError(f"{where}: tensor dtype {value.dtype} has no safetensors code")
         tensors.append(value.detach())
         return {"t": len(tensors) - 1}
@@ -90,7 +91,7 @@ def save_state_file(state: Any, path: str) -> None:
         t = tensors[i]
         nbytes = t.numel() * t.element_size()
         header[f"t{i}"] = {
-            "dtype": _DTYPES[t.dtype],
+            "dtype": DTYPES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -98,81 +99,76 @@ def save_state_file(state: Any, path: str) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     # the data starts on a page boundary (spaces are valid JSON padding): cold reads from an
     # unaligned offset ran at a third of the speed here (bench/README.md)
-    raw += b" " * (-(8 + len(raw)) % _PAGE)
+    raw += b" " * (-(8 + len(raw)) % PAGE)
     with open(path, "wb", buffering=0) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for i in order:
             data = tensors[i].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             view = memoryview(data)
-            for lo in range(0, len(view), _CHUNK):
-                f.write(view[lo : lo + _CHUNK])
+            for lo in range(0, len(view), CHUNK):
+                f.write(view[lo : lo + CHUNK])
 
 
-def _read_range(fd: int, start: int, length: int, path: str) -> torch.Tensor:
-    """``length`` bytes from ``start`` into a new buffer, by sequential ``pread``s of ``_CHUNK``.
+def _live_targets(node: Any, live: Any, found: dict[str, torch.Tensor]) -> None:
+    """The tensors of ``live`` that sit where the file's structure has tensor ``t<i>``."""
+    if not isinstance(node, dict) or live is None:
+        return
+    if "t" in node:
+        if isinstance(live, torch.Tensor):
+            found[f"t{node['t']}"] = live
+    elif "d" in node and isinstance(live, dict):
+        for k, v in node["d"]:
+            _live_targets(v, live.get(k), found)
+    elif ("l" in node or "u" in node) and isinstance(live, (list, tuple)):
+        for v, w in zip(node.get("l", node.get("u")), live, strict=False):
+            _live_targets(v, w, found)
 
-    A second thread faults the buffer's pages in one chunk ahead of the reads: a fresh page costs a
-    fault (~1.3 µs here, 0.6 s per 2 GB) that would otherwise stall the copy out of the page cache
-    between disk reads."""
-    buffer = torch.empty(length, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
-    chunks = [(lo, min(lo + _CHUNK, length)) for lo in range(0, length, _CHUNK)]
-    faulted = [threading.Event() for _ in chunks]
 
-    def fault_pages() -> None:  # torch releases the GIL in fill_
-        for (lo, hi), done in zip(chunks, faulted, strict=True):
-            buffer[lo:hi:_PAGE].fill_(0)
-            done.set()
-
-    toucher = threading.Thread(target=fault_pages, name="state-file-prefault", daemon=True)
-    toucher.start()
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, start, length, os.POSIX_FADV_SEQUENTIAL)
+def _open_structure(fd: int, path: str) -> tuple[list[TensorEntry], Any]:
     try:
-        for (lo, hi), done in zip(chunks, faulted, strict=True):
-            done.wait()
-            while lo < hi:
-                got = os.preadv(fd, [view[lo:hi]], start + lo)
-                if got <= 0:
-                    raise StateFileError(f"{path}: read ended at byte {start + lo}")
-                lo += got
-    finally:
-        toucher.join()
-    return buffer
+        entries, metadata = read_header(fd, path)
+        return entries, json.loads(metadata[STRUCTURE_KEY])
+    except TensorFileError as exc:
+        raise StateFileError(str(exc)) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateFileError(f"{path}: not a nexrl state file ({type(exc).__name__}: {exc})") from exc
 
 
-def load_state_file(path: str) -> Any:
-    """Read a file written by ``save_state_file``: one buffer, filled by sequential reads; the
-    tensors are views of it (CPU)."""
+def _decoded(path: str, structure: Any, tensors: dict[str, Any], count: int) -> Any:
+    values: list[Any] = [None] * count
+    try:
+        for name, t in tensors.items():
+            values[int(name[1:])] = t
+        return _decode(structure, values)
+    except (KeyError, ValueError, IndexError, TypeError) as exc:
+        raise StateFileError(f"{path}: inconsistent header ({type(exc).__name__}: {exc})") from exc
+
+
+def peek_state_file(path: str) -> Any:
+    """The structure of a state file with every tensor as its ``TensorEntry`` (dtype, shape, file
+    range) and no tensor bytes read: to check a file before loading it over live state."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise StateFileError(f"{path}: {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise StateFileError(f"{path}: header of {n} bytes runs past the end of the file ({size} bytes)")
-        try:
-            header = json.loads(os.pread(fd, n, 8))
-            structure = json.loads(header.pop("__metadata__")[STRUCTURE_KEY])
-            data_len = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise StateFileError(f"{path}: not a nexrl state file ({type(exc).__name__}: {exc})") from exc
-        start = 8 + n
-        if start + data_len != size:
-            raise StateFileError(
-                f"{path}: {size} bytes, the header describes {start + data_len} (truncated?)"
-            )
-        buffer = _read_range(fd, start, data_len, path)
+        entries, structure = _open_structure(fd, path)
     finally:
         os.close(fd)
-    tensors: list[torch.Tensor] = [torch.empty(0)] * len(header)
+    return _decoded(path, structure, {e.name: e for e in entries}, len(entries))
+
+
+def load_state_file(path: str, into: Any = None) -> Any:
+    """Read a file written by ``save_state_file`` (CPU tensors).
+
+    ``into``: a structure like the saved one (say, the optimizer state the trainer holds now); each
+    of its tensors that matches the file's tensor at the same place in dtype and shape receives the
+    bytes in place and is returned in the result (no new memory); the others are read into new
+    tensors. A read that fails after a live tensor was written raises ``PartialLoadError``."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        for name, entry in header.items():
-            lo, hi = entry["data_offsets"]
-            tensors[int(name[1:])] = buffer[lo:hi].view(_BY_NAME[entry["dtype"]]).reshape(entry["shape"])
-        return _decode(structure, tensors)
-    except (KeyError, ValueError, IndexError, RuntimeError, TypeError) as exc:
-        raise StateFileError(f"{path}: inconsistent header ({type(exc).__name__}: {exc})") from exc
+        entries, structure = _open_structure(fd, path)
+        live: dict[str, torch.Tensor] = {}
+        _live_targets(structure, into, live)
+        read = read_tensors(fd, path, entries, live)
+    finally:
+        os.close(fd)
+    return _decoded(path, structure, read, len(entries))

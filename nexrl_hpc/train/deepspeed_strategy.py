@@ -196,6 +196,11 @@ class DeepSpeedZeRO(ParallelStrategy):
             for k, v in state.items()
         }
 
+    def full_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        """ZeRO-3 parameters are empty outside a gather: their whole shape is ``ds_shape``."""
+        live = self.engine.module.state_dict(keep_vars=True)
+        return {k: tuple(getattr(t, "ds_shape", t.shape)) for k, t in live.items()}
+
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Rank 0's full weights into every rank (ZeRO-3: each parameter gathered, modified on
         rank 0, re-partitioned), then the optimizer's fp32 master copies refreshed from them."""
@@ -226,6 +231,10 @@ class DeepSpeedZeRO(ParallelStrategy):
     # --- optimizer state (this rank's partition) -------------------------------------------------
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return _plain(self.engine.optimizer.state_dict())
+
+    def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """None: DeepSpeed's ``load_state_dict`` copies into its own partitions whatever it gets."""
+        return None
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]

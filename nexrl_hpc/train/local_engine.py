@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
-from nexrl_hpc.checkpoint.hf import fsync_path, read_safetensors_dir, write_hf_model_dir
-from nexrl_hpc.checkpoint.state_file import load_state_file, save_state_file
+from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
+from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.train.parallel import ParallelStrategy, create_parallel_strategy, dp_slices
 from nexrl_hpc.train.service import TrainServiceClient
@@ -85,6 +85,7 @@ class LocalTrainEngine(TrainServiceClient):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.device = torch.device("cpu")
         self.parallel: ParallelStrategy | None = None
+        self._incomplete_load: str | None = None  # why the last load left the state half replaced
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_worker(
@@ -146,9 +147,13 @@ class LocalTrainEngine(TrainServiceClient):
             self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
         )
 
-    def _require_parallel(self) -> ParallelStrategy:
+    def _require_parallel(self, loading: bool = False) -> ParallelStrategy:
         if self.parallel is None:
             raise RuntimeError("init_model must be called before training")
+        if self._incomplete_load is not None and not loading:
+            raise RuntimeError(
+                f"the last load_checkpoint failed halfway: {self._incomplete_load}; load a checkpoint again"
+            )
         return self.parallel
 
     def _require_cfg(self) -> dict[str, Any]:
@@ -377,41 +382,86 @@ class LocalTrainEngine(TrainServiceClient):
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
         """Weights load at any world size; optimizer state only at the world size and engine that
-        wrote it (its shards follow that layout) — otherwise the error says so."""
-        par = self._require_parallel()
+        wrote it (its shards follow that layout) — otherwise the error says so. Names, shapes and
+        layout are checked before a tensor byte is read, so a wrong checkpoint changes nothing; then
+        the bytes go straight into the live weights and optimizer state where they match
+        (``tensor_reads``: no fresh memory to fault in), the optimizer file read alongside the
+        weights."""
+        par = self._require_parallel(loading=True)
+        model_dir = os.path.join(local_path, "model")
         opt_path = self._optimizer_file(local_path, par.rank)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
-            # the optimizer file is read while the weights load: the disk and the copies overlap
-            present = load_optimizer and os.path.exists(opt_path)
-            reading = pool.submit(_read_optimizer_file, opt_path) if present else None
-            self._load_weights(os.path.join(local_path, "model"), par)
-            if not load_optimizer:
-                return
-            saved: dict[str, Any] = {}
-            error: Exception | None = None
-            if reading is None:
-                error = FileNotFoundError(
-                    f"{opt_path}: optimizer state missing (checkpoint saved with save_weight_only, "
-                    "or by fewer trainer ranks?)"
-                )
-            else:
-                try:
-                    saved = reading.result()
-                except (OSError, ValueError, RuntimeError) as exc:
-                    error = exc
-        engine = self._require_cfg()["engine"]
-        if error is None and (
-            saved.get("world_size", 1) != par.world_size or saved.get("engine", "single") != engine
-        ):
-            error = ValueError(
-                f"{opt_path} holds optimizer state of engine={saved.get('engine', 'single')} on "
-                f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
-                "resume with the same layout, or load the weights only (load_optimizer=False)"
-            )
+        error = self._check_weights(model_dir, par) if par.rank == 0 else None
+        if error is None and load_optimizer:
+            error = self._check_optimizer_file(opt_path, par)
         par.agree(error)  # every rank loads, or none does
         assert self.optimizer is not None and self.scheduler is not None
-        par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        saved: dict[str, Any] = {}
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
+                live = par.optimizer_state_in_place(self.model, self.optimizer) if load_optimizer else None
+                into = None if live is None else {"optimizer": live}  # as save_checkpoint lays the file out
+                reading = pool.submit(_read_optimizer_file, opt_path, into) if load_optimizer else None
+                self._load_weights(model_dir, par)
+                try:
+                    saved = reading.result() if reading is not None else {}
+                    error = self._layout_error(opt_path, saved, par) if reading is not None else None
+                except (OSError, ValueError, RuntimeError) as exc:
+                    error = exc
+            par.agree(error)
+            if load_optimizer:
+                par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
+                self.scheduler.load_state_dict(saved["scheduler"])
+        except Exception as exc:  # past the checks: live weights or optimizer state may be half replaced
+            self._incomplete_load = f"rank {par.rank}: {type(exc).__name__}: {exc}"
+            raise
+        self._incomplete_load = None
+
+    def _check_weights(self, model_dir: str, par: ParallelStrategy) -> Exception | None:
+        """Why the HF directory cannot replace this model's weights (names, shapes), from the
+        safetensors headers alone; None when it can."""
+        try:
+            entries = peek_safetensors_dir(model_dir)
+        except (OSError, ValueError) as exc:
+            return exc
+        hf_model = par.unwrap(self.model)
+        expected = par.full_shapes(self.model)
+        tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
+        missing, unexpected = set(expected) - set(entries) - tied, set(entries) - set(expected)
+        if missing or unexpected:
+            return ValueError(
+                f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
+        wrong = [
+            f"{k} {list(e.shape)} (model: {list(expected[k])})"
+            for k, e in entries.items()
+            if e.shape != expected[k]
+        ]
+        return ValueError(f"{model_dir}: shapes differ from the model's: {wrong[:5]}") if wrong else None
+
+    def _check_optimizer_file(self, path: str, par: ParallelStrategy) -> Exception | None:
+        """Why this rank's optimizer file cannot be loaded (missing, another layout), from its
+        header alone (an older ``torch.save`` file is checked once read); None when it can."""
+        if not os.path.exists(path):
+            return FileNotFoundError(
+                f"{path}: optimizer state missing (checkpoint saved with save_weight_only, "
+                "or by fewer trainer ranks?)"
+            )
+        if not path.endswith(".safetensors"):
+            return None
+        try:
+            return self._layout_error(path, peek_state_file(path), par)
+        except (OSError, ValueError) as exc:
+            return exc
+
+    def _layout_error(self, path: str, saved: dict[str, Any], par: ParallelStrategy) -> ValueError | None:
+        engine = self._require_cfg()["engine"]
+        if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
+            return None
+        return ValueError(
+            f"{path} holds optimizer state of engine={saved.get('engine', 'single')} on "
+            f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+            "resume with the same layout, or load the weights only (load_optimizer=False)"
+        )
 
     @staticmethod
     def _optimizer_file(local_path: str, rank: int) -> str:
@@ -422,31 +472,25 @@ class LocalTrainEngine(TrainServiceClient):
         return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
 
     def _load_weights(self, model_dir: str, par: ParallelStrategy) -> None:
-        """Rank 0 reads the HF directory and checks its names; every rank gets its part."""
+        """Rank 0 reads the HF directory (checked by ``_check_weights``) into the weights it holds
+        whole, if any; every rank gets its part."""
         state: dict[str, torch.Tensor] = {}
         error: Exception | None = None
         if par.rank == 0:
             try:
-                state = read_safetensors_dir(model_dir)
+                state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
             except (OSError, ValueError) as exc:
                 error = exc
-            hf_model = par.unwrap(self.model)
-            expected = set(hf_model.state_dict())
-            tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
-            missing, unexpected = expected - set(state) - tied, set(state) - expected
-            if error is None and (missing or unexpected):
-                error = ValueError(
-                    f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-                )
         par.agree(error)
         par.load_full_state_dict(self.model, state)
 
 
-def _read_optimizer_file(path: str) -> dict[str, Any]:
-    """A rank's optimizer file: the state file, or a ``torch.save`` file of an older checkpoint
-    (``weights_only``: tensors and plain values only; its tensors copied out of the mapping)."""
+def _read_optimizer_file(path: str, into: Any = None) -> dict[str, Any]:
+    """A rank's optimizer file: the state file (its tensors read into ``into``'s where they match),
+    or a ``torch.save`` file of an older checkpoint (``weights_only``: tensors and plain values only;
+    its tensors copied out of the mapping)."""
     if path.endswith(".safetensors"):
-        return load_state_file(path)
+        return load_state_file(path, into=into)
     saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return _materialize(saved)
 

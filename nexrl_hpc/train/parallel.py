@@ -123,6 +123,21 @@ class ParallelStrategy(ABC):
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 
+    def full_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        """Every weight's name and whole (unsharded) shape: what a full state dict must hold."""
+        return {k: tuple(v.shape) for k, v in self.unwrap(model).state_dict().items()}
+
+    def full_weights_in_place(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Live tensors a full state dict read on this rank may be written into directly (a load
+        then needs no new memory): none unless this rank holds the whole model."""
+        return {}
+
+    def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The live optimizer state, shaped like ``optimizer_state``'s result and sharing its
+        tensors' memory, for a load to write into; None when there is none yet (a new optimizer
+        creates its state at the first step) or it cannot be shared."""
+        return optimizer.state_dict() if optimizer.state else None
+
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
@@ -145,7 +160,13 @@ class SingleProcess(ParallelStrategy):
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         device = next(model.parameters()).device
-        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
+        live = model.state_dict()
+        # tensors read in place (full_weights_in_place) are loaded already
+        rest = {k: v for k, v in state.items() if k not in live or v.data_ptr() != live[k].data_ptr()}
+        model.load_state_dict({k: v.to(device) for k, v in rest.items()}, strict=False)
+
+    def full_weights_in_place(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
 
 
 class FSDP2(ParallelStrategy):
@@ -194,6 +215,11 @@ class FSDP2(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return _local_shards(get_optimizer_state_dict(model, optimizer))
+
+    def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The local shards of the live state (``to_local`` shares memory), when it exists: asked
+        of an empty optimizer, ``get_optimizer_state_dict`` would create it."""
+        return self.optimizer_state(model, optimizer) if optimizer.state else None
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]

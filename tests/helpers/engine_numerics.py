@@ -23,6 +23,7 @@ def main() -> None:
     extra = sys.argv[5:]
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from nexrl_hpc.checkpoint.state_file import load_state_file
     from nexrl_hpc.train.local_engine import LocalTrainEngine
     from nexrl_hpc.train.parallel import init_trainer_process_group
     from nexrl_hpc.train.worker import TrainWorker
@@ -68,18 +69,44 @@ def main() -> None:
     bad["advantages"].fill_(float("nan"))
     skipped = fresh.update_actor({"batch": bad})["meta_info"]["metrics"]["actor/nan_skipped"]
     c = fresh.parallel.full_state_dict(fresh.model)
+    next_update_diff = max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0
+    nan_weights_equal = all(torch.equal(b[k], c[k]) for k in b)  # (a, b, c may share the live memory)
+    # the checkpoint again, into the engine that now has optimizer state: read in place where the
+    # strategy shares its live state (single, fsdp), and equal to the file on every rank
+    par = fresh.parallel
+    live = par.optimizer_state_in_place(fresh.model, fresh.optimizer)
+    where = [t.data_ptr() for t in tensors_of(live)]
+    fresh.load_checkpoint(ckpt)
+    reloaded = tensors_of(par.optimizer_state(fresh.model, fresh.optimizer))
+    in_file = tensors_of(
+        load_state_file(os.path.join(ckpt, "optimizer", f"rank_{par.rank}.safetensors"))["optimizer"]
+    )
+    if len(reloaded) != len(in_file) or not all(torch.equal(x, y) for x, y in zip(reloaded, in_file)):
+        raise AssertionError(f"rank {par.rank}: optimizer state after the second load differs from the file")
     if eng.parallel.rank == 0:
         resumed = {
             "same_logp": same_logp,
-            "next_update_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "next_update_diff": next_update_diff,
             "nan_skipped": skipped,
-            "nan_weights_equal": all(torch.equal(b[k], c[k]) for k in b),
+            "nan_weights_equal": nan_weights_equal,
+            "reload_in_place": bool(where) and where == [t.data_ptr() for t in reloaded],
         }
         with open(os.path.join(out_dir, "resumed.json"), "w") as f:
             json.dump(resumed, f)
         torch.save(logp, os.path.join(out_dir, "logp.pt"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
+
+
+def tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors of a nested state, in traversal order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
 
 
 if __name__ == "__main__":
