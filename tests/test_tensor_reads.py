@@ -136,3 +136,16 @@ def test_a_failed_read_says_whether_live_tensors_were_written(
     with pytest.raises(PartialLoadError, match="the tensors loaded in place are incomplete"):
         read_file(path, live)
     assert torch.equal(live["a"], load_file(str(path))["a"]) and not live["b"].any()
+
+
+def test_a_broken_later_shard_says_the_live_model_was_partly_replaced(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    paths = write_safetensors(model.state_dict(), str(tmp_path), max_shard_bytes=2048)
+    last = Path(sorted(p for p in paths if p.endswith(".safetensors"))[-1])
+    last.write_bytes(last.read_bytes()[:-8])
+    with pytest.raises(TensorFileError, match=r"\(truncated\?\)$"):
+        read_safetensors_dir(str(tmp_path))
+    with pytest.raises(
+        PartialLoadError, match=r"\(truncated\?\); the tensors loaded in place are incomplete"
+    ):
+        read_safetensors_dir(str(tmp_path), into=model.state_dict())

@@ -16,7 +16,14 @@ import threading
 import torch
 from safetensors.torch import save_file
 
-from nexrl_hpc.checkpoint.tensor_reads import TensorEntry, exclusive, read_header, read_tensors
+from nexrl_hpc.checkpoint.tensor_reads import (
+    PartialLoadError,
+    TensorEntry,
+    TensorFileError,
+    exclusive,
+    read_header,
+    read_tensors,
+)
 
 HF_SIDE_FILES = (
     "config.json",
@@ -199,6 +206,10 @@ def read_safetensors_dir(
         try:
             entries, _ = read_header(fd, path)
             state.update(read_tensors(fd, path, entries, into))
+        except TensorFileError as exc:
+            if any(n in into and t.data_ptr() == into[n].data_ptr() for n, t in state.items()):
+                raise PartialLoadError(f"{exc}; the tensors loaded in place are incomplete") from exc
+            raise
         finally:
             os.close(fd)
     return state
