@@ -310,6 +310,12 @@ def measure_requeue() -> tuple[float, float, float] | None:
         return running, float(saves[-1]) if saves else float("nan"), training
     finally:
         subprocess.run(["scancel", job])
+        deadline = time.monotonic() + 60  # its ranks write into run_dir until they are gone
+        while (
+            time.monotonic() < deadline
+            and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
+        ):
+            time.sleep(0.5)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
