@@ -4,7 +4,7 @@ a resumed trainer already holds (its parameters, its optimizer state) when the c
 Why in place: memory the process has not touched yet costs a page fault per 4 KiB on first write
 (0.5-1 s per GB on the VMs measured here, bench/README.md), which a load into fresh buffers pays and
 ``dd`` does not; reading into the live tensors pays only the disk. Tensors with no live counterpart
-are read into new memory, with a second thread faulting its pages in one chunk ahead of the reads.
+are read into new memory, with a second thread faulting their pages in ahead of the reads.
 
 Nothing here executes what it reads: the header is JSON, checked against the file's size before a
 byte of tensor data is read.
@@ -74,7 +74,7 @@ def read_header(fd: int, path: str) -> tuple[list[TensorEntry], dict[str, str]]:
         raise TensorFileError(f"{path}: not a safetensors header ({type(exc).__name__}: {exc})") from exc
     entries.sort(key=lambda e: e.begin)
     for e in entries:
-        nbytes = math.prod(e.shape) * torch.empty(0, dtype=e.dtype).element_size()
+        nbytes = math.prod(e.shape) * e.dtype.itemsize
         if e.end - e.begin != nbytes or e.begin < start or e.end > size:
             raise TensorFileError(
                 f"{path}: tensor {e.name!r} ({e.dtype}, shape {list(e.shape)}) has bytes "
@@ -83,11 +83,10 @@ def read_header(fd: int, path: str) -> tuple[list[TensorEntry], dict[str, str]]:
     return entries, metadata
 
 
-def _takes_whole(target: torch.Tensor | None, entry: TensorEntry) -> bool:
+def _takes_whole(target: torch.Tensor, entry: TensorEntry) -> bool:
     """Whether the file's bytes can go straight into ``target``'s memory."""
     return (
-        isinstance(target, torch.Tensor)
-        and type(target) in (torch.Tensor, torch.nn.Parameter)
+        type(target) in (torch.Tensor, torch.nn.Parameter)
         and target.device.type == "cpu"
         and target.dtype == entry.dtype
         and tuple(target.shape) == entry.shape

@@ -134,9 +134,10 @@ class ParallelStrategy(ABC):
 
     def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """The live optimizer state, shaped like ``optimizer_state``'s result and sharing its
-        tensors' memory, for a load to write into; None when there is none yet (a new optimizer
-        creates its state at the first step) or it cannot be shared."""
-        return optimizer.state_dict() if optimizer.state else None
+        tensors' memory (FSDP2's ``to_local`` shards share it), for a load to write into; None when
+        there is none yet — a new optimizer creates it at the first step, and asking FSDP2's
+        ``get_optimizer_state_dict`` for it would create it — or it cannot be shared."""
+        return self.optimizer_state(model, optimizer) if optimizer.state else None
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
@@ -215,11 +216,6 @@ class FSDP2(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return _local_shards(get_optimizer_state_dict(model, optimizer))
-
-    def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        """The local shards of the live state (``to_local`` shares memory), when it exists: asked
-        of an empty optimizer, ``get_optimizer_state_dict`` would create it."""
-        return self.optimizer_state(model, optimizer) if optimizer.state else None
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
