@@ -51,13 +51,17 @@ def hydra_main(cfg: DictConfig) -> None:
         _exit_unless_ok(submit_to_slurm(config))
         return  # a sweep goes on with its next point
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
+    from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
+    from nexrl_hpc.runtime.mpi import exit_process, run_mpi
 
+    grace_s = config["runtime_monitor"]["stop_timeout_s"]
     if config["launch_mode"] == "mpi":
-        from nexrl_hpc.runtime.mpi import exit_process, run_mpi
-
         code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
-        exit_process(code, config["runtime_monitor"]["stop_timeout_s"])  # never hangs on dead peers' threads
-    _exit_unless_ok(run_controller(config))
+        exit_process(code, grace_s)  # never hangs on dead peers' threads
+    code = run_controller(config)
+    if code == PREEMPTED_EXIT:  # the modules were aborted, not stopped: leave without the teardown
+        exit_process(code, grace_s)
+    _exit_unless_ok(code)
 
 
 def _exit_unless_ok(code: int) -> None:

@@ -71,6 +71,7 @@ class NexRLController:
         self.last_validation: dict[str, float] | None = None
         self.resumed_from: str | None = None
         self.preempted = False
+        self._saved_for_resume = False  # preempted and this session's last checkpoint is complete
         self._last_step = 0
         self._preemption = PreemptionWatch(config["preemption"])
         self.exit_reason = ""
@@ -249,8 +250,8 @@ class NexRLController:
         if self.preempted:
             logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
                            self._preemption.reason)  # fmt: skip
-            # the checkpoint is complete: requeue now, the orderly stop below overlaps Slurm's requeue
-            self._preemption.requeue()
+            self._saved_for_resume = True
+            self._preemption.requeue()  # the checkpoint is complete: requeue now, then leave at once
         else:
             logger.info("training finished at step %d", step)
 
@@ -428,7 +429,11 @@ class NexRLController:
 
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:
-        """Stop producers before consumers, all within one ``stop_timeout_s`` budget: an exit never hangs."""
+        """Stop producers before consumers, all within one ``stop_timeout_s`` budget: an exit never
+        hangs. A preempted run whose checkpoint is complete leaves at once instead."""
+        if self._saved_for_resume and not self.exit_reason:
+            self._leave_for_resume()
+            return
         deadline = time.monotonic() + self._monitor["stop_timeout_s"]
         if self._modules_built:
             self._stop_all(self._rollout_workers, deadline)
@@ -446,6 +451,16 @@ class NexRLController:
         code = 1 if self.exit_reason else PREEMPTED_EXIT if self.preempted else 0
         reason = self.exit_reason or ("preempted: checkpoint saved" if self.preempted else "run finished")
         self._quietly(lambda: self.runtime.shutdown(reason, code))
+
+    def _leave_for_resume(self) -> None:
+        """Preempted, checkpoint complete: no orderly stop. Slurm starts the requeued job only once
+        every process of this one is gone (an orderly stop took 1-2 s: loops finishing their long
+        polls, endpoints closing), and nothing still running holds what the resume needs: tasks in
+        flight are in the checkpoint's state.h5. Every module aborts (server processes killed),
+        metrics are flushed, and every rank leaves."""
+        self._quietly(lambda: self.runtime.abort("preempted: checkpoint saved", PREEMPTED_EXIT))
+        if self.experiment_logger is not None:
+            self._quietly(self.experiment_logger.close)
 
     def _stop_all(self, handles: list[Any], deadline: float) -> None:
         """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""

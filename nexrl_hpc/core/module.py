@@ -82,6 +82,12 @@ class NexRLModule:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def abort(self) -> None:
+        """This process ends right after this call, with no stop (a preempted run whose checkpoint is
+        complete): end what would outlive the process, finish nothing. Loops see ``stopped``;
+        nobody waits for them."""
+        self._stop_event.set()
+
     @property
     def stopped(self) -> bool:
         return self._stop_event.is_set()

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -132,6 +133,9 @@ class LocalInferenceServer:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def kill(self) -> None:
+        kill_process_group(self.process)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -141,6 +145,21 @@ class LocalInferenceServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=timeout)
+
+
+def kill_process_group(process: subprocess.Popen | None, reap_timeout_s: float = 5.0) -> None:
+    """SIGKILL a server started in a session of its own (its pid is the group id: the server and
+    every process it spawned) and reap it."""
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=reap_timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("server pid %d not gone %.0fs after SIGKILL", process.pid, reap_timeout_s)
 
 
 def log_tail(path: str, lines: int) -> str:

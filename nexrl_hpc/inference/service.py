@@ -100,3 +100,9 @@ class InferenceService(NexRLModule):
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
+
+    def abort(self) -> None:
+        """The server's state is worth nothing now: its processes are killed, not shut down."""
+        super().abort()
+        if self._server is not None:
+            self._server.kill()

@@ -24,7 +24,7 @@ import time
 import httpx
 
 from nexrl_hpc.config.schema import VLLMInferenceConfig
-from nexrl_hpc.inference.local_server import InferenceServerStartError, log_tail
+from nexrl_hpc.inference.local_server import InferenceServerStartError, kill_process_group, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ class VLLMServer:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """No graceful stop: the supervisor, the API server and the engine processes get SIGKILL."""
+        kill_process_group(self.process)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM the server's process group (supervisor, API server, engine), SIGKILL if it lingers."""

@@ -68,3 +68,8 @@ class LocalRuntime:
 
     def shutdown(self, reason: str, exit_code: int) -> None:
         return None
+
+    def abort(self, reason: str, exit_code: int) -> None:
+        """End the run now, with no orderly stop: every module aborts (server processes killed)."""
+        for _, _, module in self.modules():
+            module.abort()

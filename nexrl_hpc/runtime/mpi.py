@@ -208,6 +208,7 @@ class MPIRuntime:
         self._config = config
         self._world = world
         self._context_sent = False
+        self.aborted = False  # abort() ran: the process leaves without closing its endpoint
 
     def create_all_actors(self, ctx: RunContext, tracker: ActivityTracker) -> None:
         w = self._world
@@ -292,6 +293,15 @@ class MPIRuntime:
             "shutdown", (reason, exit_code), self._config["runtime_monitor"]["stop_timeout_s"]
         )
 
+    def abort(self, reason: str, exit_code: int) -> None:
+        """End the run's processes now, with no orderly stop (a preempted run whose checkpoint is
+        complete: Slurm starts the requeued job only once every process of this one is gone).
+        This rank's modules and every live rank's abort (server processes killed, nothing finished
+        or waited for); the ranks answer at once and leave when released, as after ``shutdown``."""
+        self.aborted = True
+        _abort_modules([self._world.registry.get(name) for name in self._world.spec.module_names])
+        self._call_live_ranks("abort", (reason, exit_code), self._config["runtime_monitor"]["stop_timeout_s"])
+
     def release_ranks(self) -> bool:
         """Rank 0 is about to exit (its output flushed): the other ranks may exit now. Waits briefly
         for the answers: closing the endpoint at once could drop the queued messages.
@@ -334,7 +344,7 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     tracker = world.directory.resolve(TRACKER)
     monitor = config["runtime_monitor"]
     stop, stopped, released = threading.Event(), threading.Event(), threading.Event()
-    verdict: dict[str, Any] = {"reason": "", "code": 0, "finalize": False}
+    verdict: dict[str, Any] = {"reason": "", "code": 0, "finalize": False, "aborted": False}
 
     def shutdown(reason: str, exit_code: int) -> bool:
         verdict.update(reason=reason, code=exit_code)
@@ -342,13 +352,24 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
         return stopped.wait(monitor["stop_timeout_s"])
 
     world.registry.add_builtin("shutdown", shutdown)
+    modules: list[Any] = []
+
+    def abort(reason: str, exit_code: int) -> bool:
+        logger.info("rank %d: aborting its modules and leaving (%s)", world.rank, reason)
+        verdict.update(reason=reason, code=exit_code, aborted=True)
+        _abort_modules(modules)
+        stop.set()
+        stopped.set()
+        return True
+
+    world.registry.add_builtin("abort", abort)
 
     def release(finalize: bool = False) -> None:
         verdict["finalize"] = finalize
         released.set()
 
     world.registry.add_builtin("release", release)
-    modules = _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
+    modules += _build_rank_modules(world, config, ctx, ActivityTrackerProxy(tracker))
     world.comm.barrier()
     names = world.peers[world.rank]["modules"]
     trainer_stop = threading.Event()
@@ -382,14 +403,16 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
             f"error: rank {world.rank} ({', '.join(names)}) stopping: {verdict['reason']}",
             file=sys.stderr,
         )
-    _stop_modules(modules, monitor["stop_timeout_s"])
-    if trainer_thread is not None:  # trainer rank 0 stops and tells the other trainer ranks to
-        trainer_stop.set()
-        trainer_thread.join(monitor["stop_timeout_s"])
-    stopped.set()
+    if not verdict["aborted"]:  # aborted: nothing to stop in order, the process is ending
+        _stop_modules(modules, monitor["stop_timeout_s"])
+        if trainer_thread is not None:  # trainer rank 0 stops and tells the other trainer ranks to
+            trainer_stop.set()
+            trainer_thread.join(monitor["stop_timeout_s"])
+        stopped.set()
     if stop.is_set():  # rank 0 is alive and asked: wait for its go (or its end)
         _heartbeat_until(beat, released, monitor["health_check"], max_s=monitor["stop_timeout_s"])
-    world.endpoint.close()
+    if not verdict["aborted"]:  # closing waits for the IO thread; an ending process need not
+        world.endpoint.close()
     if released.is_set() and verdict["finalize"]:
         _finalize_mpi(monitor["stop_timeout_s"], int(verdict["code"]))
     return int(verdict["code"])
@@ -422,6 +445,15 @@ def _heartbeat_until(
         if max_s is not None and time.monotonic() - start > max_s:
             return True
     return True
+
+
+def _abort_modules(modules: list[Any]) -> None:
+    """``abort`` every module (what would outlive the process ends: server processes)."""
+    for m in modules:
+        try:
+            m.abort()
+        except Exception:
+            logger.exception("aborting %s", m.get_module_name())
 
 
 def _stop_modules(modules: list[Any], timeout: float) -> None:
@@ -512,7 +544,8 @@ def run_mpi(config: RLTrainConfig, run_controller: Any, launcher_dir: str | None
         sys.stdout.flush()
         sys.stderr.flush()
         finalize = runtime.release_ranks()
-        world.endpoint.close()
+        if not runtime.aborted:
+            world.endpoint.close()
         if finalize:
             _finalize_mpi(config["runtime_monitor"]["stop_timeout_s"], code)
 
