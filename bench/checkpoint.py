@@ -335,7 +335,9 @@ def measure_requeue() -> Requeue | None:
             state, restarts = job_field("JobState"), job_field("Restarts")
             if restarts == "1" and state == "PENDING" and pending is None:
                 pending = time.monotonic() - t0
-            if restarts == "1" and state == "RUNNING":
+            # RUNNING with Restarts=1 was seen once right after the requeue, before COMPLETING:
+            # running again counts only after PENDING
+            if pending is not None and state == "RUNNING":
                 break
             if time.monotonic() - t0 > 300:
                 return None
@@ -348,7 +350,7 @@ def measure_requeue() -> Requeue | None:
         while steps() <= saved_step and time.monotonic() - t0 < 300:  # a step past the checkpoint's
             time.sleep(0.1)
         training = time.monotonic() - t0
-        return Requeue(running if pending is None else pending, running, training, save)
+        return Requeue(pending, running, training, save)
     finally:
         subprocess.run(["scancel", job])
         deadline = time.monotonic() + 60  # its ranks write into run_dir until they are gone
