@@ -91,3 +91,12 @@ class NexRLModule:
     @property
     def stopped(self) -> bool:
         return self._stop_event.is_set()
+
+
+def abort_modules(modules: list[NexRLModule]) -> None:
+    """``abort`` every module, whatever one of them raises (the process is ending either way)."""
+    for m in modules:
+        try:
+            m.abort()
+        except Exception:
+            logger.exception("aborting %s", m.get_module_name())

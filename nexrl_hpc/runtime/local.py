@@ -11,6 +11,7 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.runtime.placement import module_name
 from nexrl_hpc.runtime.roles import RunContext, build_module, local_role_counts
 from nexrl_hpc.types import NexRLRole
@@ -71,5 +72,4 @@ class LocalRuntime:
 
     def abort(self, reason: str, exit_code: int) -> None:
         """End the run now, with no orderly stop: every module aborts (server processes killed)."""
-        for _, _, module in self.modules():
-            module.abort()
+        abort_modules([module for _, _, module in self.modules()])

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute_async
+from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 from nexrl_hpc.rpc.endpoint import RPC_MODULE, RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
@@ -299,7 +300,7 @@ class MPIRuntime:
         This rank's modules and every live rank's abort (server processes killed, nothing finished
         or waited for); the ranks answer at once and leave when released, as after ``shutdown``."""
         self.aborted = True
-        _abort_modules([self._world.registry.get(name) for name in self._world.spec.module_names])
+        abort_modules([self._world.registry.get(name) for name in self._world.spec.module_names])
         self._call_live_ranks("abort", (reason, exit_code), self._config["runtime_monitor"]["stop_timeout_s"])
 
     def release_ranks(self) -> bool:
@@ -357,7 +358,7 @@ def serve_rank(config: RLTrainConfig, world: MPIWorld) -> int:
     def abort(reason: str, exit_code: int) -> bool:
         logger.info("rank %d: aborting its modules and leaving (%s)", world.rank, reason)
         verdict.update(reason=reason, code=exit_code, aborted=True)
-        _abort_modules(modules)
+        abort_modules(modules)
         stop.set()
         stopped.set()
         return True
@@ -445,15 +446,6 @@ def _heartbeat_until(
         if max_s is not None and time.monotonic() - start > max_s:
             return True
     return True
-
-
-def _abort_modules(modules: list[Any]) -> None:
-    """``abort`` every module (what would outlive the process ends: server processes)."""
-    for m in modules:
-        try:
-            m.abort()
-        except Exception:
-            logger.exception("aborting %s", m.get_module_name())
 
 
 def _stop_modules(modules: list[Any], timeout: float) -> None:
