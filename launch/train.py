@@ -50,6 +50,11 @@ def hydra_main(cfg: DictConfig) -> None:
     if config["launcher"]["name"] == "slurm":
         _exit_unless_ok(submit_to_slurm(config))
         return  # a sweep goes on with its next point
+    if os.environ.get("SUBMITIT_EXECUTOR"):  # a task of a job of Hydra's submitit launcher
+        from nexrl_hpc.launcher.slurm import job_config, run_job_task
+
+        run_job_task(job_config(config), HydraConfig.get().runtime.output_dir)  # returns: submitit stores it
+        return
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
     from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi

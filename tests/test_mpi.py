@@ -20,11 +20,12 @@ from typing import Any
 
 import h5py
 import pytest
+import yaml
 
 from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import JsonlDataLoader
-from tests.conftest import CONFIG_DIR, REPO, compose_config
+from tests.conftest import CONFIG_DIR, REPO
 from tests.test_rpc import attack, attack_lane
 
 pytestmark = pytest.mark.e2e
@@ -189,7 +190,7 @@ def assert_trained_as_planned(run_dir: Path, steps: int) -> None:
     (the rollout dumps of each step against the data order)."""
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    cfg = compose_config(["data.batch_size=8"])
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())  # the run's own (seed, batch sizes)
     reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
     per_step = cfg["trajectory_pool"]["batch_size"]
     for step in range(1, steps + 1):

@@ -42,6 +42,10 @@ def restarts(env: dict[str, str], job_id: str) -> int:
     return int(out.split("Restarts=")[1].split()[0])
 
 
+def queued(env: dict[str, str]) -> str:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout
+
+
 def trained_steps(run_dir: Path) -> int:
     if not (run_dir / "metrics.jsonl").exists():
         return 0
@@ -138,6 +142,8 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [json.loads((run_dir / str(k) / "launcher.json").read_text())["job_id"] for k in (0, 1)]
     assert len(set(jobs)) == 2
+    listed = [f"  {run_dir / str(k)} (Slurm job {job})" for k, job in enumerate(jobs)]
+    assert "\n".join(["sweep of 2 run(s):", *listed]) in proc.stdout, proc.stdout[-2000:]
     try:
         for job in jobs:
             wait_until(
@@ -167,15 +173,12 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
 def test_bad_input_is_refused_before_sbatch(
     slurm_env: dict[str, str], tmp_path: Path, args: list[str], path: str, says: str
 ) -> None:
-    before = subprocess.run(
-        ["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True
-    ).stdout
+    before = queued(slurm_env)
     proc = launch(slurm_env, [f"run_dir={tmp_path / 'bad'}", *args], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert path in proc.stderr and says in proc.stderr, proc.stderr
     assert not (tmp_path / "bad" / "launcher.json").exists()
-    after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True).stdout
-    assert after == before  # nothing was submitted
+    assert queued(slurm_env) == before  # nothing was submitted
 
 
 def test_plain_sbatch_template_runs_the_mpi_mode(slurm_env: dict[str, str], tmp_path: Path) -> None:
@@ -206,3 +209,67 @@ def test_the_run_saves_and_requeues_before_the_time_limit(slurm_env: dict[str, s
         wait_until(lambda: "resumed at step" in (run_dir / "train.log").read_text(), 120, "the resume")
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env)
+
+
+def hydra_submitit(env: dict[str, str], args: list[str], **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    """``python -m launch.train -m hydra/launcher=submitit_slurm ARGS``: Hydra submits the points."""
+    cmd = [sys.executable, "-m", "launch.train", "-m", "hydra/launcher=submitit_slurm",
+           "hydra.launcher.timeout_min=20", *args]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            **kwargs)  # fmt: skip
+
+
+def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """hydra/launcher=submitit_slurm with a homogeneous placement (4 tasks of one job per point):
+    2 points, 2 finished runs; point 0, signalled mid-run, requeues itself and resumes exactly."""
+    steps, run_dir = 12, tmp_path / "hydra_sweep"
+    args = [a for a in preemptible_run(run_dir, steps) if not a.startswith("run_dir=")]
+    proc = hydra_submitit(slurm_env, ["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", f"run_dir={run_dir}",
+                                      "seed=1,2", *args])  # fmt: skip
+    try:
+        wait_until(lambda: trained_steps(run_dir / "0") >= 3, 300, "point 0's step 3")
+        queue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True)
+        (point0,) = [j for j in queue.stdout.split() if j.endswith("_0")]  # the array's task 0: point 0
+        subprocess.run(["scancel", "--signal=USR2", point0], env=slurm_env, check=True)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert f"sweep of 2 run(s):\n  {run_dir / '0'}\n  {run_dir / '1'}\n" in out, out[-2000:]
+    assert restarts(slurm_env, point0) == 1
+    log = (run_dir / "0" / "train.log").read_text()
+    assert "checkpoint saved, the run resumes from it" in log and "resumed at step" in log
+    seeds = [yaml.safe_load((run_dir / str(k) / "config.yaml").read_text())["seed"] for k in (0, 1)]
+    assert seeds == [1, 2]
+    for k in (0, 1):  # each point a run of its own, every sample trained as planned
+        assert len(json.loads((run_dir / str(k) / "logs" / "ranks.json").read_text())) == 4
+        assert (run_dir / str(k) / "checkpoints" / f"global_step_{steps}" / "COMPLETE").exists()
+        assert_trained_as_planned(run_dir / str(k), steps)
+
+
+@pytest.mark.parametrize(
+    ("args", "path", "says"),
+    [
+        (["hydra.launcher.partition=nowhere"], "hydra.launcher.partition", "unknown partition 'nowhere'"),
+        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=2"], "placement",
+         "hydra.launcher.nodes x tasks_per_node = 2 tasks"),
+        (["hydra.launcher.tasks_per_node=4"], "hydra.launcher.tasks_per_node", "launch_mode=local is one process"),
+        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "placement.resources.rollout.cpus_per_rank=2"],
+         "placement.resources", "use launcher=slurm (a heterogeneous job)"),
+        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.setup=['export SLURM_MPI_TYPE=none']"],
+         "hydra.launcher.setup", "launch_mode=mpi needs pmi2"),
+    ],
+)  # fmt: skip
+def test_hydra_submitit_bad_input_is_refused_before_sbatch(
+    slurm_env: dict[str, str], tmp_path: Path, args: list[str], path: str, says: str
+) -> None:
+    before = queued(slurm_env)
+    proc = hydra_submitit(slurm_env, [f"run_dir={tmp_path / 'bad'}", "seed=1,2", *args])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert path in err and says in err, err
+    assert not (tmp_path / "bad").exists()
+    assert queued(slurm_env) == before  # nothing was submitted

@@ -63,3 +63,22 @@ def test_mpi_start_up_across_nodes_never_hangs(slurm_env: dict[str, str]) -> Non
         assert proc.returncode == 0, f"start {attempt}: {proc.stderr[-2000:]}"
         assert proc.stdout.strip() == "started [0, 1]", proc.stdout
         assert "not properly terminated" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_srun_without_pmi2_is_refused_by_every_task(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """srun without an MPI plugin gives every task a world of its own: each would run the whole job
+    into the same run dir. Every task refuses, saying what to change, before anything runs."""
+    run_dir = tmp_path / "no_pmi"
+    proc = subprocess.run(
+        ["srun", "--mpi=none", "-N1", "-n2", sys.executable, "-m", "launch.train", "launch_mode=mpi",
+         f"run_dir={run_dir}"],
+        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        proc.stderr.count(
+            "srun started 2 tasks but MPI sees a world of 1: srun must start them with --mpi=pmi2"
+        )
+        == 2
+    )
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()

@@ -17,10 +17,12 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+
+HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 
 _PASSTHROUGH_FLAGS = {
     "--help",
@@ -41,10 +43,10 @@ def _groups(config_dir: str) -> set[str]:
     return {d for d in os.listdir(config_dir) if os.path.isdir(os.path.join(config_dir, d))}
 
 
-def _compose(config_dir: str, config_name: str, overrides: list[str]) -> DictConfig:
+def _compose(config_dir: str, config_name: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="preflight"):
-        return compose(config_name, overrides=overrides)
+        return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
 
 
 def _suggest(base: DictConfig, key: str) -> str:
@@ -104,13 +106,26 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         else:
             problems.append(ConfigProblem(o.key_or_group, f"unknown key{_suggest(base, o.key_or_group)}"))
     try:
-        cfg = _compose(config_dir, config_name, [o.input_line for o in group_ovr + kept if o.input_line])
+        cfg = _compose(
+            config_dir, config_name, [o.input_line for o in group_ovr + kept if o.input_line], True
+        )
     except HydraException as exc:
         return problems + [ConfigProblem("<overrides>", str(exc).split("\n")[0])]
+    launcher = cfg.hydra.launcher  # which launcher Hydra would hand the runs to
+    job = None
+    if launcher.get("_target_") == HYDRA_SUBMITIT_SLURM:  # each point becomes a job: check it as one
+        job = {k: launcher[k] for k in ("partition", "nodes", "tasks_per_node")}
+        job["setup"] = list(launcher.setup or [])
+    with open_dict(cfg):
+        del cfg["hydra"]
     try:
-        validate_config(cfg)
+        config = validate_config(cfg)
     except ConfigError as err:
-        problems += err.problems
+        return problems + err.problems
+    if job is not None:
+        from nexrl_hpc.launcher.slurm import check_hydra_submitit_job
+
+        problems += check_hydra_submitit_job(config, job)
     return problems
 
 

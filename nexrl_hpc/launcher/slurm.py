@@ -8,6 +8,10 @@ has no hetjob support; ``HetSlurmExecutor`` adds it (a subclass, two pitfalls ha
 ``%j`` per component, so its log paths use ``${SLURM_JOB_ID}``; sacct names components ``N+0``,
 ``N+1``). Every rank runs ``SlurmRun``, which runs the mpi mode and, on preemption, leaves the
 requeue to rank 0 (see ``launcher.preemption``).
+
+Hydra's own submitit launcher (``-m hydra/launcher=submitit_slurm``) submits one plain job per sweep
+point instead; its tasks call ``launch.train``'s task function, which runs them as ``SlurmRun``
+does (``run_job_task``). ``check_hydra_submitit_job`` checks those jobs on the login node first.
 """
 
 from __future__ import annotations
@@ -145,36 +149,110 @@ class SlurmRun:
         self.config = config
 
     def __call__(self) -> dict[str, Any]:
-        from nexrl_hpc.launcher.preemption import catch_signal_early
-
-        catch_signal_early(self.config["preemption"])
-        from nexrl_hpc.controller import run_controller
-        from nexrl_hpc.runtime.mpi import run_mpi
-
-        rank = int(os.environ.get("SLURM_PROCID", "0"))
-        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
-        code = run_mpi(self.config, run_controller)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # whatever threads of dead peers linger, this process ends (after submitit writes the result)
-        watchdog = threading.Timer(60.0, os._exit, (code,))
-        watchdog.daemon = True  # never what keeps the process alive (a requeue waits for every process)
-        watchdog.start()
-        if code == PREEMPTED_EXIT:  # rank 0 saved and requeued the job: no result, leave at once
-            os._exit(code)
-        if code != 0 and rank == 0:
-            raise RuntimeError(f"the run failed (exit code {code}); see {self.config['run_dir']}/train.log")
-        return {"exit_code": code, "rank": rank, "run_dir": self.config["run_dir"]}
+        return run_job_task(self.config)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Not used: rank 0 saves and requeues itself (submitit's handler is replaced)."""
         return None
 
 
+def job_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config a Slurm job runs: a requeued job must resume its run (``resume.mode=auto``)."""
+    mode = config["resume"]["mode"]
+    return dict(config, resume=dict(config["resume"], mode="auto" if mode == "disable" else mode))
+
+
+def run_job_task(config: dict[str, Any], launcher_dir: str | None = None) -> dict[str, Any]:
+    """One task of a job submitit started (``SlurmRun``, or a task of Hydra's submitit launcher):
+    run this rank, then end as the job needs. Preempted: leave at once (rank 0 saved and requeued
+    the job; there is no result). Failed: raise on rank 0 (submitit's result carries the error).
+    Finished: return the result, for submitit to store."""
+    from nexrl_hpc.launcher.preemption import catch_signal_early
+
+    catch_signal_early(config["preemption"])  # a signal during start-up is remembered, not fatal
+    from nexrl_hpc.controller import run_controller
+    from nexrl_hpc.runtime.mpi import run_mpi
+
+    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+    if config["launch_mode"] == "mpi":
+        code = run_mpi(config, run_controller, launcher_dir)
+    else:
+        code = run_controller(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # whatever threads of dead peers linger, this process ends (after submitit writes the result)
+    watchdog = threading.Timer(60.0, os._exit, (code,))
+    watchdog.daemon = True  # never what keeps the process alive (a requeue waits for every process)
+    watchdog.start()
+    if code == PREEMPTED_EXIT:  # rank 0 saved and requeued the job: no result, leave at once
+        os._exit(code)
+    if code != 0 and rank == 0:
+        raise RuntimeError(f"the run failed (exit code {code}); see {config['run_dir']}/train.log")
+    return {"exit_code": code, "rank": rank, "run_dir": config["run_dir"]}
+
+
+def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -> list[ConfigProblem]:
+    """``hydra/launcher=submitit_slurm``: every task of a point's job gets the same resources
+    (``launcher`` is ``hydra.launcher``). Checked on the login node before Hydra submits: the
+    partition exists; launch_mode=local is one task; launch_mode=mpi has ``nodes`` x
+    ``tasks_per_node`` tasks that fit the placement, no group asking for other resources than the
+    rest (that is a heterogeneous job: launcher=slurm), and srun starting them with pmi2."""
+    problems = [
+        ConfigProblem(f"hydra.{p.path}", p.message) for p in check_partition(launcher.get("partition"))
+    ]
+    if config["launcher"]["name"] != "local":
+        problems.append(ConfigProblem("launcher", "launcher=slurm submits a job of its own; with "
+                                      "hydra/launcher=submitit_slurm each point is a job already: leave launcher=local"))  # fmt: skip
+    tasks = int(launcher["nodes"]) * int(launcher["tasks_per_node"])
+    where = f"hydra.launcher.nodes x tasks_per_node = {tasks} tasks"
+    if config["launch_mode"] == "local":
+        if tasks != 1:
+            problems.append(ConfigProblem("hydra.launcher.tasks_per_node", f"{where}, but launch_mode=local "
+                                          "is one process: set launch_mode=mpi to make them ranks, or 1 task"))  # fmt: skip
+        return problems
+    try:
+        placement = plan_placement(config, tasks)
+    except PlacementError as err:
+        return problems + [ConfigProblem(p.path, f"{where}: {p.message}") for p in err.problems]
+    resources = {g.name: (g.cpus_per_rank, g.gpus_per_rank) for g in placement.groups}
+    if len(set(resources.values())) > 1:
+        asked = ", ".join(f"{name} {c} CPU/{g} GPU" for name, (c, g) in resources.items())
+        problems.append(ConfigProblem("placement.resources", f"groups ask for different resources per rank "
+                                      f"({asked}); a Hydra submitit job gives every task the same: use "
+                                      "launcher=slurm (a heterogeneous job)"))  # fmt: skip
+    mpi_type, source = srun_mpi_type(list(launcher.get("setup") or []))
+    if mpi_type != "pmi2":
+        problems.append(ConfigProblem("hydra.launcher.setup", f"srun would start the ranks with MPI type "
+                                      f"{mpi_type!r} ({source}); launch_mode=mpi needs pmi2: "
+                                      "add \"export SLURM_MPI_TYPE=pmi2\" to hydra.launcher.setup"))  # fmt: skip
+    return problems
+
+
+def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
+    """(the MPI plugin srun uses in a job whose script runs ``setup`` first, where that comes from):
+    SLURM_MPI_TYPE if a setup line exports it, else the cluster's MpiDefault."""
+    for line in reversed(setup):
+        found = re.search(r"\bSLURM_MPI_TYPE=[\"']?([\w-]+)", line)
+        if found:
+            return found.group(1), "hydra.launcher.setup"
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except OSError:  # no Slurm client here
+        out = ""
+    found = re.search(r"^MpiDefault\s*=\s*(\S+)", out, re.MULTILINE)
+    return (found.group(1) if found else "unknown"), "the cluster's MpiDefault"
+
+
 def check_partition(partition: str | None) -> list[ConfigProblem]:
     if partition is None:
         return []
-    proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60)
+    except OSError as exc:  # no Slurm client here
+        return [ConfigProblem("launcher.partition", f"cannot ask Slurm for partitions: {exc}")]
     if proc.returncode != 0:
         return [
             ConfigProblem("launcher.partition", f"cannot ask Slurm for partitions: {proc.stderr.strip()}")
@@ -196,12 +274,8 @@ def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     problems = check_partition(lc["partition"])
     if problems:
         raise ConfigError(problems)
-    job_config = dict(config, launch_mode="mpi")
-    job_config["resume"] = dict(
-        config["resume"], mode="auto" if config["resume"]["mode"] == "disable" else config["resume"]["mode"]
-    )
     run_dir = os.path.abspath(config["run_dir"])
-    job_config["run_dir"] = run_dir
+    run_config = dict(job_config(config), launch_mode="mpi", run_dir=run_dir)
     folder = os.path.join(run_dir, "slurm")
     os.makedirs(folder, exist_ok=True)
     parameters = {
@@ -216,7 +290,7 @@ def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "additional_parameters": {**lc["sbatch"], "requeue": True},
     }
     executor = HetSlurmExecutor(folder, components, **{k: v for k, v in parameters.items() if v is not None})
-    job = executor.submit(SlurmRun(job_config))
+    job = executor.submit(SlurmRun(run_config))
     info = {
         "job_id": str(job.job_id),
         "run_dir": run_dir,
