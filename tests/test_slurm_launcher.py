@@ -168,6 +168,18 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
           "+placement.roles.inference_service={count:1,colocation_group:rollout}"],
          "placement.roles (rollout)", "All roles in colocation group must have same count"),
         (["data.batch_size=0"], "data.batch_size", ">= 1"),
+        # placements that cannot fit the dev cluster (2 nodes of 4 CPUs): Slurm would queue them for good
+        (["launcher.rollout_ranks=7"], "launcher.partition",
+         "the job (driver, trainer, rollout) needs 9 task(s) x 1 CPU(s), more than partition 'debug' "
+         "(2 node(s) of 4 CPUs) holds: use fewer ranks (launcher.rollout_ranks"),
+        (["placement.resources.rollout.cpus_per_rank=3"], "launcher.partition",
+         "component 1 (rollout): 2 task(s) x 3 CPU(s) -> 2 node(s); 3 nodes in all, but partition 'debug'"),
+        (["placement.resources.rollout.cpus_per_rank=5"], "placement.resources.rollout.cpus_per_rank",
+         "component 1 (rollout) asks for 5 CPU(s) on one node; no node of partition 'debug' (2 node(s) of 4 "
+         "CPUs) has more than 4"),
+        (["placement.resources.trainer.gpus_per_rank=1"], "placement.resources.trainer.gpus_per_rank",
+         "asks for 1 GPU(s) on one node; no node of partition 'debug'"),
+        (["-m", "launcher.rollout_ranks=2,7"], "launcher.partition", "needs 9 task(s)"),  # not even point 0
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_before_sbatch(
@@ -177,8 +189,30 @@ def test_bad_input_is_refused_before_sbatch(
     proc = launch(slurm_env, [f"run_dir={tmp_path / 'bad'}", *args], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert path in proc.stderr and says in proc.stderr, proc.stderr
-    assert not (tmp_path / "bad" / "launcher.json").exists()
+    assert not (tmp_path / "bad").exists()  # refused before Hydra made the run dir
     assert queued(slurm_env) == before  # nothing was submitted
+
+
+def test_a_time_limit_above_the_partitions_is_refused_before_sbatch(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Slurm would queue it for good (PartitionTimeLimit); here the partition gets a limit for the test."""
+    before = queued(slurm_env)
+    subprocess.run(["scontrol", "update", "PartitionName=high", "MaxTime=30"], env=slurm_env, check=True)
+    try:
+        proc = launch(slurm_env, [f"run_dir={tmp_path / 'bad'}", "launcher.partition=high", "launcher.time_min=45"],
+                      timeout=120)  # fmt: skip
+        fits = launch(slurm_env, [f"run_dir={tmp_path / 'ok'}", "launcher.partition=high", "launcher.time_min=30",
+                                  "data.batch_size=0"], timeout=120)  # fmt: skip
+    finally:
+        subprocess.run(
+            ["scontrol", "update", "PartitionName=high", "MaxTime=INFINITE"], env=slurm_env, check=True
+        )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "launcher.time_min: 45 min is above the time limit of partition 'high' (30 min)" in proc.stderr
+    assert queued(slurm_env) == before and not (tmp_path / "bad").exists()
+    assert fits.returncode == 2 and "time_min" not in fits.stderr  # at the limit: only the other problem
+    assert "data.batch_size" in fits.stderr
 
 
 def test_plain_sbatch_template_runs_the_mpi_mode(slurm_env: dict[str, str], tmp_path: Path) -> None:
@@ -261,6 +295,10 @@ def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
          "placement.resources", "use launcher=slurm (a heterogeneous job)"),
         (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.setup=['export SLURM_MPI_TYPE=none']"],
          "hydra.launcher.setup", "launch_mode=mpi needs pmi2"),
+        (["launch_mode=mpi", "hydra.launcher.nodes=3", "hydra.launcher.tasks_per_node=2"], "hydra.launcher.partition",
+         "each of the 3 node(s) of the job needs 6 task(s) x 1 CPU(s) (2 per node), more than partition 'debug'"),
+        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=2"],
+         "hydra.launcher.cpus_per_task, hydra.launcher.tasks_per_node", "asks for 8 CPU(s) on one node"),
     ],
 )  # fmt: skip
 def test_hydra_submitit_bad_input_is_refused_before_sbatch(

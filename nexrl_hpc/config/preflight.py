@@ -3,7 +3,8 @@
 Hydra itself rejects an override of an unknown key with its own message and exit code 1; here
 every problem — unknown keys (with the closest valid name), unknown group options, bad values,
 wrong types, missing keys — is collected into one ``ConfigError`` (exit code 2). With ``-m``
-each point of the sweep is checked.
+each point of the sweep is checked; a point that goes to Slurm (``launcher=slurm`` or Hydra's
+submitit launcher) is also checked against the cluster (partition, nodes, time limit).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
     launcher = cfg.hydra.launcher  # which launcher Hydra would hand the runs to
     job = None
     if launcher.get("_target_") == HYDRA_SUBMITIT_SLURM:  # each point becomes a job: check it as one
-        job = {k: launcher[k] for k in ("partition", "nodes", "tasks_per_node")}
+        job = {k: launcher.get(k) for k in ("partition", "nodes", "tasks_per_node", "cpus_per_task",
+                                            "gpus_per_node", "gpus_per_task", "timeout_min")}  # fmt: skip
         job["setup"] = list(launcher.setup or [])
     with open_dict(cfg):
         del cfg["hydra"]
@@ -126,6 +128,10 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         from nexrl_hpc.launcher.slurm import check_hydra_submitit_job
 
         problems += check_hydra_submitit_job(config, job)
+    elif config["launcher"]["name"] == "slurm":  # every point of a sweep fits, before the first is submitted
+        from nexrl_hpc.launcher.slurm import check_slurm_job
+
+        problems += check_slurm_job(config)
     return problems
 
 

@@ -31,6 +31,7 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+from nexrl_hpc.launcher.cluster import ClusterQueryError, Demand, check_job, find_partition, read_partitions
 from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_rank_count
 
@@ -192,15 +193,46 @@ def run_job_task(config: dict[str, Any], launcher_dir: str | None = None) -> dic
     return {"exit_code": code, "rank": rank, "run_dir": config["run_dir"]}
 
 
+def check_slurm_job(config: dict[str, Any]) -> list[ConfigProblem]:
+    """``launcher=slurm``: the placement's components fit the partition (login node, before sbatch)."""
+    try:
+        _, components = plan_components(config)
+    except ConfigError as err:
+        return err.problems
+    lc = config["launcher"]
+    try:
+        partition, problems = find_partition(read_partitions(), lc["partition"], "launcher.partition")
+    except ClusterQueryError as exc:
+        return [ConfigProblem("launcher.partition", str(exc))]
+    if partition is None:
+        return problems
+    het = len(components) > 1
+    demands = [
+        Demand(
+            label=f"component {k} ({', '.join(c.groups)})" if het else f"the job ({', '.join(c.groups)})",
+            tasks=c.ntasks,
+            cpus_per_task=c.cpus_per_task,
+            gpus_per_task=c.gpus_per_task,
+            cpus_key=", ".join(f"placement.resources.{g}.cpus_per_rank" for g in c.groups),
+            gpus_key=", ".join(f"placement.resources.{g}.gpus_per_rank" for g in c.groups),
+        )
+        for k, c in enumerate(components)
+    ]
+    ranks = ("launcher.rollout_ranks, service.train_service.world_size" if config["placement"]["mode"] == "auto"
+             else "placement.roles.<role>.count, service.train_service.world_size")  # fmt: skip
+    hint = f"use fewer ranks ({ranks}) or fewer CPUs/GPUs per rank (placement.resources.<group>)"
+    return check_job(partition, "launcher.partition", demands, separate_nodes=het, time_min=lc["time_min"],
+                     time_key="launcher.time_min", shrink_hint=hint)  # fmt: skip
+
+
 def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -> list[ConfigProblem]:
     """``hydra/launcher=submitit_slurm``: every task of a point's job gets the same resources
     (``launcher`` is ``hydra.launcher``). Checked on the login node before Hydra submits: the
-    partition exists; launch_mode=local is one task; launch_mode=mpi has ``nodes`` x
-    ``tasks_per_node`` tasks that fit the placement, no group asking for other resources than the
-    rest (that is a heterogeneous job: launcher=slurm), and srun starting them with pmi2."""
-    problems = [
-        ConfigProblem(f"hydra.{p.path}", p.message) for p in check_partition(launcher.get("partition"))
-    ]
+    partition exists and can hold ``nodes`` x ``tasks_per_node`` tasks within its time limit;
+    launch_mode=local is one task; launch_mode=mpi has as many tasks as fit the placement, no
+    group asking for other resources than the rest (that is a heterogeneous job: launcher=slurm),
+    and srun starting them with pmi2."""
+    problems = _check_hydra_submitit_partition(launcher)
     if config["launcher"]["name"] != "local":
         problems.append(ConfigProblem("launcher", "launcher=slurm submits a job of its own; with "
                                       "hydra/launcher=submitit_slurm each point is a job already: leave launcher=local"))  # fmt: skip
@@ -229,6 +261,33 @@ def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -
     return problems
 
 
+def _check_hydra_submitit_partition(launcher: dict[str, Any]) -> list[ConfigProblem]:
+    """The point's job (``nodes`` x ``tasks_per_node`` tasks) fits its partition."""
+    try:
+        partition, problems = find_partition(
+            read_partitions(), launcher.get("partition"), "hydra.launcher.partition"
+        )
+    except ClusterQueryError as exc:
+        return [ConfigProblem("hydra.launcher.partition", str(exc))]
+    if partition is None:
+        return problems
+    per_node = int(launcher["tasks_per_node"])
+    demand = Demand(
+        label=f"each of the {launcher['nodes']} node(s) of the job",
+        tasks=int(launcher["nodes"]) * per_node,
+        cpus_per_task=int(launcher.get("cpus_per_task") or 1),
+        gpus_per_task=int(launcher.get("gpus_per_task") or 0),
+        tasks_per_node=per_node,
+        gpus_per_node=int(launcher.get("gpus_per_node") or 0),
+        cpus_key="hydra.launcher.cpus_per_task, hydra.launcher.tasks_per_node",
+        gpus_key="hydra.launcher.gpus_per_node, hydra.launcher.gpus_per_task",
+    )
+    hint = "use fewer nodes or tasks (hydra.launcher.nodes, hydra.launcher.tasks_per_node)"
+    return check_job(partition, "hydra.launcher.partition", [demand], separate_nodes=False,
+                     time_min=launcher.get("timeout_min"), time_key="hydra.launcher.timeout_min",
+                     shrink_hint=hint)  # fmt: skip
+
+
 def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
     """(the MPI plugin srun uses in a job whose script runs ``setup`` first, where that comes from):
     SLURM_MPI_TYPE if a setup line exports it, else the cluster's MpiDefault."""
@@ -246,34 +305,13 @@ def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
     return (found.group(1) if found else "unknown"), "the cluster's MpiDefault"
 
 
-def check_partition(partition: str | None) -> list[ConfigProblem]:
-    if partition is None:
-        return []
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60)
-    except OSError as exc:  # no Slurm client here
-        return [ConfigProblem("launcher.partition", f"cannot ask Slurm for partitions: {exc}")]
-    if proc.returncode != 0:
-        return [
-            ConfigProblem("launcher.partition", f"cannot ask Slurm for partitions: {proc.stderr.strip()}")
-        ]
-    known = sorted(set(proc.stdout.split()))
-    if partition not in known:
-        return [
-            ConfigProblem(
-                "launcher.partition", f"unknown partition {partition!r} (available: {', '.join(known)})"
-            )
-        ]
-    return []
-
-
 def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Check what only the cluster can tell, submit, write ``<run_dir>/launcher.json``."""
     lc = config["launcher"]
-    world, components = plan_components(config)
-    problems = check_partition(lc["partition"])
+    problems = check_slurm_job(config)
     if problems:
         raise ConfigError(problems)
+    world, components = plan_components(config)
     run_dir = os.path.abspath(config["run_dir"])
     run_config = dict(job_config(config), launch_mode="mpi", run_dir=run_dir)
     folder = os.path.join(run_dir, "slurm")
