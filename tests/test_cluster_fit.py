@@ -105,7 +105,7 @@ def test_a_fixed_spread_needs_that_many_nodes_each_holding_its_tasks() -> None:
     per_node = Demand("each node", 12, 8, tasks_per_node=4, gpus_per_node=3, cpus_key="c", gpus_key="g")
     assert check(gpu, [per_node]) == []
     per_node.gpus_per_node = 4  # g3 has 3: two nodes hold it, three are asked for
-    assert "needs 12 task(s) x 8 CPU(s) (4 per node)" in check(gpu, [per_node])[0]
+    assert "needs 12 task(s) x 8 CPU(s) (4 per node, 4 GPU(s))" in check(gpu, [per_node])[0]
     per_node.gpus_per_node = 5
     assert check(gpu, [per_node])[0].startswith("g: each node asks for 5 GPU(s) on one node")
     assert check(gpu, [Demand("each node", 2, 32, tasks_per_node=4, cpus_key="c")])[0].startswith(

@@ -148,8 +148,8 @@ def check_job(
         per_node = d.tasks_per_node or 1
         cpus, gpus = per_node * d.cpus_per_task, max(d.gpus_per_node, per_node * d.gpus_per_task)
         if cpus > most_cpus:
-            problems.append(ConfigProblem(d.cpus_key, f"{d.label} asks for {cpus} CPU(s) on one node; no node of {where} "
-                                               f"has more than {most_cpus}"))  # fmt: skip
+            problems.append(ConfigProblem(d.cpus_key, f"{d.label} asks for {cpus} CPU(s) on one node; no node of "
+                                                      f"{where} has more than {most_cpus}"))  # fmt: skip
             continue
         if gpus > most_gpus:
             problems.append(ConfigProblem(d.gpus_key, f"{d.label} asks for {gpus} GPU(s) on one node; no node of "
@@ -194,7 +194,8 @@ def _nodes_needed(d: Demand, nodes: list[Node]) -> int | None:
 
 def _describe_demand(d: Demand) -> str:
     gpus = f" + {d.gpus_per_task} GPU" if d.gpus_per_task else ""
-    spread = f" ({d.tasks_per_node} per node)" if d.tasks_per_node else ""
+    per_node_gpus = f", {d.gpus_per_node} GPU(s)" if d.gpus_per_node else ""
+    spread = f" ({d.tasks_per_node} per node{per_node_gpus})" if d.tasks_per_node else ""
     return f"{d.tasks} task(s) x {d.cpus_per_task} CPU(s){gpus}{spread}"
 
 
