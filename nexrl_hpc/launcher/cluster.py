@@ -73,6 +73,7 @@ def read_partitions() -> dict[str, Partition]:
 def parse_sinfo(text: str) -> dict[str, Partition]:
     """``sinfo -h -N -o "%P|%N|%c|%G|%l"`` output (a node once per partition it is in)."""
     partitions: dict[str, Partition] = {}
+    seen: set[tuple[str, str]] = set()
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -80,7 +81,8 @@ def parse_sinfo(text: str) -> dict[str, Partition]:
         default = name.endswith("*")
         name = name.rstrip("*")
         part = partitions.setdefault(name, Partition(name, default, [], parse_time_limit(limit)))
-        if node not in {n.name for n in part.nodes}:
+        if (name, node) not in seen:
+            seen.add((name, node))
             part.nodes.append(Node(node, int(cpus.rstrip("+")), gpu_count(gres)))
     return partitions
 
@@ -120,6 +122,27 @@ def find_partition(
             ConfigProblem(key, f"unknown partition {name!r} (available: {', '.join(sorted(partitions))})")
         ]
     return partitions[name], []
+
+
+def check_job_in_partition(
+    name: str | None,
+    partition_key: str,
+    demands: list[Demand],
+    *,
+    separate_nodes: bool,
+    time_min: float | None,
+    time_key: str,
+    shrink_hint: str,
+) -> list[ConfigProblem]:
+    """Ask Slurm for partition ``name`` (``None``: the default one), then ``check_job``."""
+    try:
+        partition, problems = find_partition(read_partitions(), name, partition_key)
+    except ClusterQueryError as exc:
+        return [ConfigProblem(partition_key, str(exc))]
+    if partition is None:
+        return problems
+    return check_job(partition, partition_key, demands, separate_nodes=separate_nodes, time_min=time_min,
+                     time_key=time_key, shrink_hint=shrink_hint)  # fmt: skip
 
 
 def check_job(

@@ -31,7 +31,7 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
-from nexrl_hpc.launcher.cluster import ClusterQueryError, Demand, check_job, find_partition, read_partitions
+from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
 from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_rank_count
 
@@ -200,12 +200,6 @@ def check_slurm_job(config: dict[str, Any]) -> list[ConfigProblem]:
     except ConfigError as err:
         return err.problems
     lc = config["launcher"]
-    try:
-        partition, problems = find_partition(read_partitions(), lc["partition"], "launcher.partition")
-    except ClusterQueryError as exc:
-        return [ConfigProblem("launcher.partition", str(exc))]
-    if partition is None:
-        return problems
     het = len(components) > 1
     demands = [
         Demand(
@@ -221,8 +215,8 @@ def check_slurm_job(config: dict[str, Any]) -> list[ConfigProblem]:
     ranks = ("launcher.rollout_ranks, service.train_service.world_size" if config["placement"]["mode"] == "auto"
              else "placement.roles.<role>.count, service.train_service.world_size")  # fmt: skip
     hint = f"use fewer ranks ({ranks}) or fewer CPUs/GPUs per rank (placement.resources.<group>)"
-    return check_job(partition, "launcher.partition", demands, separate_nodes=het, time_min=lc["time_min"],
-                     time_key="launcher.time_min", shrink_hint=hint)  # fmt: skip
+    return check_job_in_partition(lc["partition"], "launcher.partition", demands, separate_nodes=het,
+                                  time_min=lc["time_min"], time_key="launcher.time_min", shrink_hint=hint)  # fmt: skip
 
 
 def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -> list[ConfigProblem]:
@@ -263,14 +257,6 @@ def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -
 
 def _check_hydra_submitit_partition(launcher: dict[str, Any]) -> list[ConfigProblem]:
     """The point's job (``nodes`` x ``tasks_per_node`` tasks) fits its partition."""
-    try:
-        partition, problems = find_partition(
-            read_partitions(), launcher.get("partition"), "hydra.launcher.partition"
-        )
-    except ClusterQueryError as exc:
-        return [ConfigProblem("hydra.launcher.partition", str(exc))]
-    if partition is None:
-        return problems
     per_node = int(launcher["tasks_per_node"])
     demand = Demand(
         label=f"each of the {launcher['nodes']} node(s) of the job",
@@ -283,9 +269,9 @@ def _check_hydra_submitit_partition(launcher: dict[str, Any]) -> list[ConfigProb
         gpus_key="hydra.launcher.gpus_per_node, hydra.launcher.gpus_per_task",
     )
     hint = "use fewer nodes or tasks (hydra.launcher.nodes, hydra.launcher.tasks_per_node)"
-    return check_job(partition, "hydra.launcher.partition", [demand], separate_nodes=False,
-                     time_min=launcher.get("timeout_min"), time_key="hydra.launcher.timeout_min",
-                     shrink_hint=hint)  # fmt: skip
+    return check_job_in_partition(launcher.get("partition"), "hydra.launcher.partition", [demand],
+                                  separate_nodes=False, time_min=launcher.get("timeout_min"),
+                                  time_key="hydra.launcher.timeout_min", shrink_hint=hint)  # fmt: skip
 
 
 def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
