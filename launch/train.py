@@ -15,11 +15,11 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.config.location import CONFIG_NAME, config_dir
 from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-CONFIG_NAME = "rl_train"
+CONFIG_DIR = config_dir()
 
 logger = logging.getLogger("launch.train")
 

@@ -17,9 +17,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.config.location import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG_DIR = str(REPO / "configs")
+CONFIG_DIR = config_dir()
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
