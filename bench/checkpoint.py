@@ -3,7 +3,7 @@
 One run, on ``--dir`` (default: a temp dir under ``outputs/``, where a run's ``run_dir`` goes by
 default, so the same filesystem). The model is the project's tiny Llama scaled up to ``--gb`` of fp32
 weights (hidden 2048, intermediate 5632, as many layers as it takes), trained by the real
-``LocalTrainEngine`` with AdamW state populated (one optimizer step on zero gradients), so a
+``PolicyTrainer`` with AdamW state populated (one optimizer step on zero gradients), so a
 checkpoint costs what it costs in a run: ``model/`` (HF safetensors) + ``optimizer/rank_0.safetensors`` (2x
 the weights) + ``state.h5``, through ``TrainWorker.save_checkpoint`` -> ``CheckpointManager.save``.
 
@@ -19,7 +19,7 @@ shared, so the pairs matter more than the absolute numbers):
 - a whole checkpoint: ``TrainWorker.save_checkpoint()`` (gather, safetensors, optimizer, state.h5,
   fsyncs, rename, COMPLETE, latest, pruning of the previous one);
 - cold-cache reads: ``dd if=F of=/dev/null bs=16M`` against ``read_safetensors_dir`` (into new
-  tensors), ``LocalTrainEngine.load_checkpoint`` into the trained engine (weights and optimizer
+  tensors), ``PolicyTrainer.load_checkpoint`` into the trained engine (weights and optimizer
   state read in place into its live tensors), and ``load_checkpoint`` into a second engine whose
   optimizer has no state yet (what a resumed process has after ``init_model``: 2 GB of new memory
   to fault in). Before each read
@@ -64,7 +64,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
 from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
 from nexrl_hpc.models.tiny import materialize_base_model  # noqa: E402
-from nexrl_hpc.train.local_engine import LocalTrainEngine  # noqa: E402
+from nexrl_hpc.train.policy_trainer import PolicyTrainer  # noqa: E402
 from nexrl_hpc.train.worker import TrainWorker  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +79,7 @@ def layers_for(gb: float) -> int:
     return max(1, round(gb * GB / per_layer))
 
 
-def build(work: str, gb: float) -> tuple[TrainWorker, LocalTrainEngine, str]:
+def build(work: str, gb: float) -> tuple[TrainWorker, PolicyTrainer, str]:
     """The real trainer on a scaled-up tiny Llama, its AdamW state populated."""
     register_resolvers()
     with initialize_config_dir(
@@ -99,7 +99,7 @@ def build(work: str, gb: float) -> tuple[TrainWorker, LocalTrainEngine, str]:
         )
     cfg: Any = validate_config(raw)
     base = materialize_base_model(cfg["model"], os.path.join(work, "base_model"))
-    eng = LocalTrainEngine(base)
+    eng = PolicyTrainer(base)
     worker = TrainWorker(cfg, eng)
     eng.initialize_worker(worker.train_service_config())
     eng.init_model()
@@ -212,7 +212,7 @@ Sample = tuple[int, float, float, float]  # bytes, seconds, dd-zeros seconds, dd
 def run(work: str, gb: float, repeat: int, drop_caches: bool, requeue_runs: int) -> None:
     t0 = time.perf_counter()
     worker, eng, base_dir = build(work, gb)
-    fresh = LocalTrainEngine(base_dir)  # a second trainer, as a resumed process has it: model, no state
+    fresh = PolicyTrainer(base_dir)  # a second trainer, as a resumed process has it: model, no state
     fresh.initialize_worker(worker.train_service_config())
     fresh.init_model()
     state = eng.model.state_dict()
@@ -262,7 +262,7 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool, requeue_runs: int)
             after = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
             for name, s, p in (
                 ("weights: read_safetensors_dir into new tensors (cold cache)", s_weights, export),
-                ("checkpoint: LocalTrainEngine.load_checkpoint (cold cache)", s_ckpt, path),
+                ("checkpoint: PolicyTrainer.load_checkpoint (cold cache)", s_ckpt, path),
                 (
                     "checkpoint: load_checkpoint, no optimizer state yet (new memory; cold cache)",
                     s_fresh,

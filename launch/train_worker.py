@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.policy_trainer import PolicyTrainer
     from nexrl_hpc.train.protocol import key_from_token
     from nexrl_hpc.train.trainer_rank import TrainerRank
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=timedelta(seconds=args.collective_timeout_s),
     )
     trainer = TrainerRank(
-        LocalTrainEngine(engine=args.backend),
+        PolicyTrainer(engine=args.backend),
         torch.device(args.device),
         key_from_token(token, args.identifier),
         host=args.host,

@@ -86,7 +86,7 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
 ) -> None:
     """A single-process engine loads a 2-rank checkpoint's weights, and refuses its optimizer state
     naming both layouts."""
-    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.policy_trainer import PolicyTrainer
     from nexrl_hpc.train.worker import TrainWorker
     from tests.conftest import compose_config
 
@@ -94,7 +94,7 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
         "rank_0.safetensors",
         "rank_1.safetensors",
     ]
-    eng = LocalTrainEngine(model_dir)
+    eng = PolicyTrainer(model_dir)
     eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
     eng.init_model()
     with pytest.raises(ValueError) as err:

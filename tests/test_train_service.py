@@ -1,4 +1,4 @@
-"""The standalone train service (seed 002): API server + torchrun workers on loopback, driven by the
+"""The standalone train service: API server + torchrun workers on loopback, driven by the
 client the train worker uses, with the rank-0-centric ACK protocol.
 
 Real processes: ``python -m launch.train_service`` (FastAPI/uvicorn) and
@@ -22,11 +22,11 @@ import pytest
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
 from nexrl_hpc.train.group_client import ApiServerControl, TrainGroupClient
-from nexrl_hpc.train.local_engine import LocalTrainEngine
+from nexrl_hpc.train.policy_trainer import PolicyTrainer
 from nexrl_hpc.train.protocol import TrainerRankError, key_from_token
 from nexrl_hpc.train.worker import TrainWorker
 from tests.conftest import REPO, compose_config
-from tests.test_local_engine import make_batch
+from tests.test_policy_trainer import make_batch
 
 pytestmark = pytest.mark.e2e
 TOKEN = "test-token-0123456789"
@@ -105,7 +105,7 @@ def payload(engine: str) -> dict:
             "service.train_service.actor.ppo_micro_batch_size=3",
         ]
     )
-    return TrainWorker(cfg, LocalTrainEngine()).train_service_config()
+    return TrainWorker(cfg, PolicyTrainer()).train_service_config()
 
 
 def stop_group(proc: subprocess.Popen, url: str, identifier: str) -> None:
@@ -131,7 +131,7 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
         for client in clients.values():
             client.initialize_worker(payload("fsdp"), role="actor", world_size=2)
             client.init_model()
-        ref = LocalTrainEngine(tiny_model_dir)
+        ref = PolicyTrainer(tiny_model_dir)
         ref.initialize_worker(payload("single"))
         ref.init_model()
 

@@ -146,7 +146,7 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Any, host: str, key: b
     import torch
     import torch.distributed as dist
 
-    from nexrl_hpc.train.local_engine import LocalTrainEngine
+    from nexrl_hpc.train.policy_trainer import PolicyTrainer
     from nexrl_hpc.train.trainer_rank import TrainerRank
 
     ts = config["service"]["train_service"]
@@ -174,7 +174,7 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Any, host: str, key: b
         timeout=timeout,
     )
     return TrainerRank(
-        LocalTrainEngine(),
+        PolicyTrainer(),
         torch.device(ts["device"]),
         key,
         host=host,

@@ -89,7 +89,7 @@ def build_module(
     if role == NexRLRole.ALGORITHM_PROCESSOR:
         return cls(config, pad_token_id=ctx.pad_token_id)
     if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.train.service import create_train_service_client
+        from nexrl_hpc.train.factory import create_train_service_client
 
         address, key = trainer_group if trainer_group is not None else (None, None)
         return cls(config, create_train_service_client(config, ctx.base_model_dir, address, key))

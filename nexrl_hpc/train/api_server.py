@@ -1,4 +1,4 @@
-"""The standalone train-service API server (seed 002): worker groups, execute signals, heartbeats.
+"""The standalone train-service API server: worker groups, execute signals, heartbeats.
 
 Training data never passes through here: clients send batches to trainer rank 0 over ZMQ. The
 server keeps, per identifier (``student``, ``teacher``, ...), the group's size, each rank's endpoint,

@@ -179,9 +179,11 @@ class DeepSpeedZeRO(ParallelStrategy):
         if hasattr(eng.optimizer, "clip_grad"):
             eng.optimizer.clip_grad = max_norm
         eng.step()
-        norm = eng.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
-        return norm, bool(eng.was_step_applied())
+        global_norm = eng.get_global_grad_norm()
+        return (
+            float(global_norm) if global_norm is not None else float("nan"),
+            bool(eng.was_step_applied()),
+        )
 
     # --- weights ---------------------------------------------------------------------------------
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

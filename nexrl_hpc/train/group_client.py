@@ -1,4 +1,4 @@
-"""TrainGroupClient: the TrainServiceClient of a trainer group (seed 002's DirectZMQ client).
+"""TrainGroupClient: the TrainServiceClient of a trainer group (the training service's direct-ZMQ client).
 
 Batches go to trainer rank 0 only, over one signed ZMQ connection; the client waits for the ACK,
 then asks for the execution through its control plane, then waits for the result:
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import zmq
 
-from nexrl_hpc.train.protocol import SignedChannel, TrainerRankError, check_batch
+from nexrl_hpc.train.batch_contract import check_batch
+from nexrl_hpc.train.protocol import SignedChannel, TrainerRankError
 from nexrl_hpc.train.service import TrainServiceClient
 
 _LIVENESS_CHECK_S = 1.0

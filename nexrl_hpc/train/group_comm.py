@@ -40,7 +40,10 @@ class GroupComm:
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self._device)
         dist.broadcast(buf, src=0)
-        return header if self.rank == 0 else msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
+        if self.rank == 0:
+            assert header is not None
+            return header
+        return msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
 
     def gather_status(self, status: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's status dict on rank 0 (rank order); other ranks get []."""

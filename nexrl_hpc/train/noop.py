@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.train.local_engine import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.train.batch_contract import REQUIRED_KEYS, check_training_batch
 from nexrl_hpc.train.service import TrainServiceClient
 
 

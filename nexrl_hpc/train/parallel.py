@@ -1,9 +1,9 @@
-"""How a train engine spreads one model over its ranks: the parts of a training step that differ.
+"""How the policy trainer spreads one model over its ranks: the parts of a training step that differ.
 
-The PPO update in ``local_engine`` is written once against this interface; a strategy wraps the
+The PPO update in ``policy_trainer`` is written once against this interface; a strategy wraps the
 unchanged HF model (torchtitan style) and owns what depends on the parallelism: backward, gradient
 clipping and the optimizer step, full-state-dict gathering and loading, per-rank optimizer state.
-Chosen by ``service.train_service.engine`` through ``create_parallel_strategy``:
+Chosen by ``service.train_service.engine`` through ``strategy_factory.create_parallel_strategy``:
 
 - ``single``: one process, plain model and AdamW.
 - ``fsdp``: FSDP2 ``fully_shard`` per decoder layer and at the root over a 1-D device mesh of the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -197,7 +197,10 @@ class FSDP2(ParallelStrategy):
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = cast(
+            "dict[str, torch.Tensor]",
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        )
         if self.rank != 0:
             return {}
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -207,7 +210,7 @@ class FSDP2(ParallelStrategy):
 
         set_model_state_dict(
             model,
-            state,
+            cast("dict[str, Any]", state),
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
         )
 
@@ -268,26 +271,6 @@ def dp_slices(n: int, world_size: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
-
-
-def create_parallel_strategy(
-    engine: str, cfg: dict[str, Any], device: torch.device, world_size: int
-) -> ParallelStrategy:
-    if engine == "single":
-        return SingleProcess()
-    if engine == "fsdp":
-        if not dist.is_initialized() and world_size == 1:
-            # one trainer rank (local mode, or one trainer rank in an MPI job): a 1-rank group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        fsdp = cfg["fsdp"]
-        return FSDP2(device, fsdp["param_dtype"], fsdp["reduce_dtype"])
-    if engine == "deepspeed":
-        from nexrl_hpc.train.deepspeed_strategy import DeepSpeedZeRO
-
-        if not dist.is_initialized() and world_size == 1:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        return DeepSpeedZeRO(cfg)
-    raise ValueError(f"service.train_service.engine={engine!r} is not available")
 
 
 def init_trainer_process_group(device: str) -> None:

@@ -1,4 +1,4 @@
-"""Messages between a train-service client and trainer rank 0 (seed 002's rank-0-centric protocol).
+"""Messages between a train-service client and trainer rank 0 (the rank-0-centric protocol).
 
 Every message is a msgpack header (kind, op id, operation, arguments) plus raw tensor buffers
 described in it — no pickle — in ``rpc.bulk``'s signed format (a Poly1305 tag per head and chunk,
@@ -80,14 +80,3 @@ class SignedChannel:
             self._in.rejected += 1
             return None
         return msg.routing_id, msg.header, dict(msg.tensors)
-
-
-def check_batch(operation: str, tensors: dict[str, Any]) -> None:
-    """Names and row counts checked on the client, before a byte is sent."""
-    from nexrl_hpc.train.local_engine import REQUIRED_KEYS, check_training_batch
-
-    need = REQUIRED_KEYS + (("old_log_probs", "advantages") if operation == "update_actor" else ())
-    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"{operation} batch: {bad} are not tensors")
-    check_training_batch(tensors, need)

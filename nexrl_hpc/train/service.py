@@ -1,17 +1,15 @@
-"""TrainServiceClient: how the train worker (and tests) drive a training backend (seed 002's methods).
+"""TrainServiceClient: how the train worker (and tests) drive a training backend (the training
+service's methods).
 
 Batches go in as ``{"batch": {name: tensor}, "meta_info": {...}}``; ``compute_log_prob`` returns
 ``{"batch": {"old_log_probs": tensor}}`` and ``update_actor`` ``{"meta_info": {"metrics": {...}}}``.
-Backends are chosen by ``service.train_service.backend`` through ``create_train_service_client``.
+Backends are chosen by ``service.train_service.backend`` through ``factory.create_train_service_client``.
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any
-
-from nexrl_hpc.config.schema import RLTrainConfig
 
 
 class TrainServiceClient(ABC):
@@ -50,51 +48,3 @@ class TrainServiceClient(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
-
-
-def create_train_service_client(
-    config: RLTrainConfig,
-    base_model_dir: str,
-    trainer_address: str | None = None,
-    job_key: bytes | None = None,
-) -> TrainServiceClient:
-    """``local``: the engine in this process (local mode) or the MPI job's trainer ranks (mpi mode:
-    ``trainer_address`` is their rank 0); ``direct-zmq``: a standalone service at ``url``."""
-    ts = config["service"]["train_service"]
-    backend = ts["backend"]
-    if backend == "noop":
-        from nexrl_hpc.train.noop import NoopTrainService
-
-        return NoopTrainService()
-    if backend == "local" and trainer_address is None:
-        from nexrl_hpc.train.local_engine import LocalTrainEngine
-
-        return LocalTrainEngine(base_model_dir)
-    from nexrl_hpc.train.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
-    from nexrl_hpc.train.protocol import key_from_token
-
-    control: Control
-    if backend == "local":
-        assert job_key is not None
-        address, key, control = trainer_address, job_key, DirectControl()
-    elif backend == "direct-zmq":
-        token = os.environ.get(ts["token_env"], "")
-        if not token:
-            raise ValueError(
-                f"service.train_service.backend=direct-zmq: the bearer token is read from the environment "
-                f"variable {ts['token_env']!r} (service.train_service.token_env), which is not set"
-            )
-        api = ApiServerControl(ts["url"], token, ts["identifier"], ts["heartbeat_timeout_s"])
-        info = api.wait_ready(ts["connect_timeout_s"])
-        address, key, control = info["endpoints"]["0"], key_from_token(token, ts["identifier"]), api
-    else:
-        raise ValueError(f"service.train_service.backend={backend!r} is not available")
-    return TrainGroupClient(
-        address,
-        key,
-        control,
-        recv_timeout_ms=ts["config"]["zmq_recv_timeout_ms"],
-        total_timeout_ms=ts["config"]["zmq_total_timeout_ms"],
-        max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
-        model_path=base_model_dir,
-    )

@@ -1,4 +1,4 @@
-"""One rank of a trainer group (seed 002): rank 0 serves clients, the other ranks follow rank 0.
+"""One rank of a trainer group: rank 0 serves clients, the other ranks follow rank 0.
 
 Rank 0 binds one ZMQ ROUTER. A client sends a whole batch there (``data``); rank 0 keeps it and
 ACKs. Only an ``execute`` for that op id — from the client itself (embedded in an MPI job) or
@@ -23,7 +23,7 @@ import zmq
 
 from nexrl_hpc.rpc.endpoint import ConnectionWatch
 from nexrl_hpc.train.group_comm import GroupComm
-from nexrl_hpc.train.local_engine import LocalTrainEngine
+from nexrl_hpc.train.policy_trainer import PolicyTrainer
 from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ _MAX_PENDING = 4  # batches held between their ACK and their execute signal
 class TrainerRank:
     def __init__(
         self,
-        engine: LocalTrainEngine,
+        policy_trainer: PolicyTrainer,
         device: torch.device,
         key: bytes,
         host: str = "127.0.0.1",
@@ -42,7 +42,7 @@ class TrainerRank:
         max_message_bytes: int = 8 << 30,
         idle_tick_s: float = 1.0,
     ):
-        self.engine = engine
+        self.policy_trainer = policy_trainer
         self.comm = GroupComm(device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._idle_tick_s = idle_tick_s
@@ -70,6 +70,10 @@ class TrainerRank:
     def rejected(self) -> int:
         """Messages and connections dropped before anything was decoded."""
         return self._channel.rejected + self._dropped
+
+    def _rank0_router(self) -> zmq.Socket:
+        assert self._router is not None, "only trainer rank 0 serves clients"
+        return self._router
 
     def _drop(self, reason: str, peer: str) -> None:
         self._dropped += 1
@@ -134,14 +138,16 @@ class TrainerRank:
                 logger.warning("trainer rank 0: dropped the data of %s (never executed)", dropped)
             self._pending[op_id] = (client, operation, tensors)
             logger.debug("data for %s %s received; ACK", operation, op_id)
-            self._channel.send(self._router, {"kind": "ack", "op_id": op_id}, routing_id=client)
+            self._channel.send(self._rank0_router(), {"kind": "ack", "op_id": op_id}, routing_id=client)
         elif kind == "execute":
             entry = self._pending.pop(op_id, None)
             if entry is None:
                 self._reply(client, op_id, error=f"execute for {op_id}: no data received for it (not ACKed)")
                 return
             if client != entry[0]:  # relayed by the API server: it only needs to know it started
-                self._channel.send(self._router, {"kind": "started", "op_id": op_id}, routing_id=client)
+                self._channel.send(
+                    self._rank0_router(), {"kind": "started", "op_id": op_id}, routing_id=client
+                )
             data_client, operation, batch = entry
             self._run(data_client, op_id, operation, batch, {})
         elif kind == "call":
@@ -164,7 +170,9 @@ class TrainerRank:
             return
         out: dict[str, Any] = {}
         try:
-            plan, shards = self.engine.plan_batch(operation, batch) if batch is not None else (None, None)
+            plan, shards = (
+                self.policy_trainer.plan_batch(operation, batch) if batch is not None else (None, None)
+            )
         except Exception as exc:  # bad batch: nothing was broadcast yet
             self._reply(client, op_id, error=f"{operation}: {type(exc).__name__}: {exc}")
             return
@@ -205,10 +213,10 @@ class TrainerRank:
     ) -> None:
         header = {"kind": "result", "op_id": op_id, "ok": error is None, "value": value, "error": error}
         try:
-            self._channel.send(self._router, header, tensors, routing_id=client)
+            self._channel.send(self._rank0_router(), header, tensors, routing_id=client)
         except ValueError as exc:  # result over the size limit
             header.update(ok=False, value=None, error=str(exc))
-            self._channel.send(self._router, header, routing_id=client)
+            self._channel.send(self._rank0_router(), header, routing_id=client)
 
     # --- every rank -------------------------------------------------------------------------------
     def _execute(
@@ -216,30 +224,30 @@ class TrainerRank:
     ) -> dict[str, Any]:
         """This rank's part of one operation; the collectives after it run whatever happened."""
         op, args, plan = header["op"], header["args"], header["plan"]
-        eng = self.engine
+        trainer = self.policy_trainer
         status: dict[str, Any] = {"ok": True, "error": None}
         logp: torch.Tensor | None = None
         try:
             if op == "compute_log_prob":
                 assert shard is not None
-                logp = eng.compute_log_prob_shard(shard, plan)
+                logp = trainer.compute_log_prob_shard(shard, plan)
             elif op == "update_actor":
                 assert shard is not None
-                out["value"] = {"metrics": eng.update_actor_shard(shard, plan)}
+                out["value"] = {"metrics": trainer.update_actor_shard(shard, plan)}
             elif op == "initialize_worker":
-                eng.initialize_worker(
+                trainer.initialize_worker(
                     args["config"], role=args.get("role", "actor"), world_size=args["world_size"]
                 )
             elif op == "init_model":
-                eng.init_model()
+                trainer.init_model()
             elif op == "save_checkpoint":
-                eng.save_checkpoint(
+                trainer.save_checkpoint(
                     args["local_path"], args["global_step"], args.get("save_weight_only", False)
                 )
             elif op == "load_checkpoint":
-                eng.load_checkpoint(args["local_path"], args.get("load_optimizer", True))
+                trainer.load_checkpoint(args["local_path"], args.get("load_optimizer", True))
             elif op == "export_weights":
-                eng.export_weights(args["path"])
+                trainer.export_weights(args["path"])
             else:
                 raise ValueError(f"unknown operation {op!r}")
         except Exception as exc:

@@ -69,7 +69,7 @@ class TrainWorker(NexRLModule):
         self._dataloader = dataloader
 
     def train_service_config(self) -> dict[str, Any]:
-        """What the train service workers need (seed 002's ``initialize_worker`` payload)."""
+        """What the train service workers need (the training service's ``initialize_worker`` payload)."""
         ts = self._config["service"]["train_service"]
         return {
             "actor": ts["actor"],

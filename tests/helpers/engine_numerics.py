@@ -24,11 +24,11 @@ def main() -> None:
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     from nexrl_hpc.checkpoint.state_file import load_state_file
-    from nexrl_hpc.train.local_engine import LocalTrainEngine
     from nexrl_hpc.train.parallel import init_trainer_process_group
+    from nexrl_hpc.train.policy_trainer import PolicyTrainer
     from nexrl_hpc.train.worker import TrainWorker
     from tests.conftest import compose_config
-    from tests.test_local_engine import make_batch
+    from tests.test_policy_trainer import make_batch
 
     if world_size > 1:
         init_trainer_process_group("cpu")
@@ -40,7 +40,7 @@ def main() -> None:
         *extra,
     ]
     cfg = compose_config(overrides)
-    eng = LocalTrainEngine(model_dir)
+    eng = PolicyTrainer(model_dir)
     payload = TrainWorker(cfg, eng).train_service_config()
     eng.initialize_worker(payload, world_size=world_size)
     eng.init_model()
@@ -52,7 +52,7 @@ def main() -> None:
     # the same next update (weights and optimizer state both restored)
     ckpt = os.path.join(out_dir, "ckpt")
     eng.save_checkpoint(ckpt, global_step=updates)
-    fresh = LocalTrainEngine(model_dir)
+    fresh = PolicyTrainer(model_dir)
     fresh.initialize_worker(payload, world_size=world_size)
     fresh.init_model()
     fresh.load_checkpoint(ckpt)

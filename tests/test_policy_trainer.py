@@ -1,4 +1,4 @@
-"""The local train backend: loss/gradient accumulation, NaN steps, checkpoints that plain transformers loads."""
+"""The policy trainer: loss/gradient accumulation, NaN steps, checkpoints that plain transformers loads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.checkpoint.state_file import load_state_file
-from nexrl_hpc.train.local_engine import LocalTrainEngine, lr_factor
+from nexrl_hpc.train.loss_sums import LossSums
+from nexrl_hpc.train.parallel import SingleProcess
+from nexrl_hpc.train.policy_trainer import PolicyTrainer, lr_factor
 from nexrl_hpc.train.worker import TrainWorker
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
@@ -36,23 +38,23 @@ def make_batch(n: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def engine(tiny_model_dir: str, overrides: list[str] | None = None) -> LocalTrainEngine:
+def trainer(tiny_model_dir: str, overrides: list[str] | None = None) -> PolicyTrainer:
     cfg = compose_config(overrides or [])
-    eng = LocalTrainEngine(tiny_model_dir)
+    eng = PolicyTrainer(tiny_model_dir)
     worker = TrainWorker(cfg, eng)
     eng.initialize_worker(worker.train_service_config())
     eng.init_model()
     return eng
 
 
-def params(eng: LocalTrainEngine) -> dict[str, torch.Tensor]:
+def params(eng: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tiny_model_dir: str) -> None:
     batch = make_batch(16)
-    a = engine(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=16"])
-    b = engine(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=3"])
+    a = trainer(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=16"])
+    b = trainer(tiny_model_dir, ["service.train_service.actor.ppo_micro_batch_size=3"])
     ma = a.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
     mb = b.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-5)
@@ -63,7 +65,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tiny_model_dir: str) 
 
 
 def test_compute_log_prob_matches_pre_update_forward(tiny_model_dir: str) -> None:
-    eng = engine(tiny_model_dir)
+    eng = trainer(tiny_model_dir)
     batch = make_batch(8)
     lp = eng.compute_log_prob({"batch": batch})["batch"]["old_log_probs"]
     assert lp.shape == batch["responses"].shape
@@ -74,7 +76,7 @@ def test_compute_log_prob_matches_pre_update_forward(tiny_model_dir: str) -> Non
 
 
 def test_nan_loss_skips_the_optimizer_step(tiny_model_dir: str) -> None:
-    eng = engine(tiny_model_dir)
+    eng = trainer(tiny_model_dir)
     before = params(eng)
     batch = make_batch(8)
     batch["advantages"][0, 0] = float("nan")
@@ -87,7 +89,7 @@ def test_nan_loss_skips_the_optimizer_step(tiny_model_dir: str) -> None:
 
 
 def test_batch_problems_name_the_key(tiny_model_dir: str) -> None:
-    eng = engine(tiny_model_dir)
+    eng = trainer(tiny_model_dir)
     batch = make_batch(4)
     del batch["advantages"]
     with pytest.raises(KeyError, match="advantages"):
@@ -99,7 +101,7 @@ def test_batch_problems_name_the_key(tiny_model_dir: str) -> None:
 
 
 def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, tmp_path: Any) -> None:
-    eng = engine(tiny_model_dir)
+    eng = trainer(tiny_model_dir)
     for seed in range(2):
         eng.update_actor({"batch": make_batch(8, seed)})
     eng.save_checkpoint(str(tmp_path), global_step=2)
@@ -112,7 +114,7 @@ def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, 
             "tokenizer_config.json",
         ]
     )
-    restored = engine(tiny_model_dir)
+    restored = trainer(tiny_model_dir)
     restored.load_checkpoint(str(tmp_path))
     for k, v in params(eng).items():
         assert torch.equal(v, params(restored)[k]), k
@@ -132,20 +134,20 @@ def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, 
 
 
 def test_resume_without_optimizer_state_says_why(tiny_model_dir: str, tmp_path: Any) -> None:
-    eng = engine(tiny_model_dir)
+    eng = trainer(tiny_model_dir)
     eng.save_checkpoint(str(tmp_path), global_step=0, save_weight_only=True)
     with pytest.raises(FileNotFoundError, match="optimizer state missing"):
-        engine(tiny_model_dir).load_checkpoint(str(tmp_path))
+        trainer(tiny_model_dir).load_checkpoint(str(tmp_path))
 
 
 def test_kl_to_reference_is_zero_before_the_policy_moves(tiny_model_dir: str) -> None:
-    eng = engine(tiny_model_dir, ["algorithm.kl_loss_coef=0.1", "algorithm.kl_loss_type=k3"])
+    eng = trainer(tiny_model_dir, ["algorithm.kl_loss_coef=0.1", "algorithm.kl_loss_type=k3"])
     assert eng.ref_model is not None
     first = eng.update_actor({"batch": make_batch(8)})["meta_info"]["metrics"]
     assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     second = eng.update_actor({"batch": make_batch(8)})["meta_info"]["metrics"]
     assert second["actor/kl_loss"] > 0.0
-    assert engine(tiny_model_dir).ref_model is None  # coefficient 0: no reference model
+    assert trainer(tiny_model_dir).ref_model is None  # coefficient 0: no reference model
 
 
 def test_lr_warmup_then_constant_or_cosine() -> None:
@@ -165,7 +167,7 @@ def test_deepspeed_refuses_optimizer_state_of_another_zero_stage() -> None:
         strategy.load_optimizer_state(torch.nn.Linear(1, 1), None, {"zero_stage": 3})  # type: ignore[arg-type]
 
 
-def optimizer_tensors(eng: LocalTrainEngine) -> dict[str, torch.Tensor]:
+def optimizer_tensors(eng: PolicyTrainer) -> dict[str, torch.Tensor]:
     assert eng.optimizer is not None
     return {
         f"{i}.{k}": v for i, s in enumerate(eng.optimizer.state.values()) for k, v in s.items() if v.dim() > 0
@@ -174,12 +176,12 @@ def optimizer_tensors(eng: LocalTrainEngine) -> dict[str, torch.Tensor]:
 
 def test_a_trained_engine_loads_a_checkpoint_into_its_own_memory(tiny_model_dir: str, tmp_path: Any) -> None:
     """The bytes go straight into the live parameters and optimizer moments (same storage after the
-    load), and the result is the saved engine exactly: the next step matches."""
-    saved = engine(tiny_model_dir)
+    load), and the result is the saved trainer exactly: the next step matches."""
+    saved = trainer(tiny_model_dir)
     for seed in (1, 2):
         saved.update_actor({"batch": make_batch(8, seed)})
     saved.save_checkpoint(str(tmp_path), global_step=2)
-    live = engine(tiny_model_dir)
+    live = trainer(tiny_model_dir)
     live.update_actor({"batch": make_batch(8, 7)})  # other values, same shapes
     where = {k: v.data_ptr() for k, v in {**live.model.state_dict(), **optimizer_tensors(live)}.items()}
     live.load_checkpoint(str(tmp_path))
@@ -200,9 +202,9 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model_dir: str, tmp
 
     from nexrl_hpc.checkpoint.state_file import save_state_file
 
-    src = engine(tiny_model_dir)
+    src = trainer(tiny_model_dir)
     src.update_actor({"batch": make_batch(8, 1)})
-    live = engine(tiny_model_dir)
+    live = trainer(tiny_model_dir)
     live.update_actor({"batch": make_batch(8, 2)})
     before = {k: v.clone() for k, v in {**live.model.state_dict(), **optimizer_tensors(live)}.items()}
 
@@ -239,10 +241,10 @@ def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
 
     from nexrl_hpc.checkpoint import tensor_reads
 
-    src = engine(tiny_model_dir)
+    src = trainer(tiny_model_dir)
     src.update_actor({"batch": make_batch(8, 1)})
     src.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
-    live = engine(tiny_model_dir)
+    live = trainer(tiny_model_dir)
     live.update_actor({"batch": make_batch(8, 2)})
     real_preadv, calls = os.preadv, []
 
@@ -269,3 +271,19 @@ def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
     for k, v in src.model.state_dict().items():
         assert torch.equal(v, live.model.state_dict()[k]), k
     live.update_actor({"batch": make_batch(8, 3)})
+
+
+def test_loss_sums_give_the_losses_per_optimizer_step_and_the_ratios_per_token() -> None:
+    sums = LossSums()
+    sums.add(pg_loss=1.0, kl_loss=0.25, clipfrac=2.0, ppo_kl=0.5, tokens=4.0)
+    sums.add(pg_loss=3.0, kl_loss=0.25, clipfrac=0.0, ppo_kl=1.5, tokens=4.0)
+    reduced = sums.all_reduced(SingleProcess())  # one rank: the sums themselves
+    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, clipfrac=2.0, ppo_kl=2.0, tokens=8.0)
+    assert reduced.metrics(optimizer_steps=2, kl_loss_coef=0.5) == {
+        "actor/pg_loss": 2.0,
+        "actor/kl_loss": 0.25,
+        "actor/loss": 2.125,
+        "actor/pg_clipfrac": 0.25,
+        "actor/ppo_kl": 0.25,
+    }
+    assert LossSums(clipfrac=3.0).metrics(1, 0.0)["actor/pg_clipfrac"] == 3.0  # no tokens: divided by 1

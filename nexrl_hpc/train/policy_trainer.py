@@ -1,51 +1,37 @@
-"""The ``local`` train backend: the whole PPO/GRPO update on this process's trainer rank(s).
+"""The policy trainer: the PPO/GRPO update that every trainer rank runs, whatever the parallelism.
+
+Behind ``service.train_service.backend=local`` in this process, and on each rank of a trainer group
+(an MPI job's trainer ranks, a standalone service's torchrun workers).
 
 Token-level PPO-clip loss, optional KL to a frozen reference, mini-batches (one optimizer step
 each) split into micro-batches whose gradients accumulate with a mini-batch-wide normaliser,
 grad-norm clipping, AdamW, linear LR warm-up then constant or cosine. A non-finite loss or
 gradient skips that optimizer step and is reported in the metrics (``actor/nan_skipped``).
-The parallelism (one process, or FSDP2 over the trainer ranks) is a ``ParallelStrategy``: every
+The parallelism (one process, FSDP2 or DeepSpeed ZeRO over the trainer ranks) is a ``ParallelStrategy``: every
 rank runs this same code on its slice of each mini-batch, with the same number of forward/backward
 passes (a rank short of rows runs a zero-weighted pass: the collectives must line up).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import logging
 import math
-import os
 import warnings
 from typing import Any
 
 import torch
 
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
-from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
-from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
+from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
-from nexrl_hpc.train.parallel import ParallelStrategy, create_parallel_strategy, dp_slices
+from nexrl_hpc.train.batch_contract import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.train.loss_sums import LossSums
+from nexrl_hpc.train.parallel import ParallelStrategy, dp_slices
 from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.train.strategy_factory import create_parallel_strategy
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-
-
-def check_training_batch(tensors: dict[str, Any], need: tuple[str, ...]) -> int:
-    """Validate names and row counts before any work; returns the batch size."""
-    missing = [k for k in need if k not in tensors]
-    if missing:
-        raise KeyError(f"training batch is missing {missing}")
-    sizes = {k: int(v.shape[0]) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"training batch tensors have different row counts: {sizes}")
-    r = tensors["responses"].shape[1]
-    for k in ("response_mask", "old_log_probs", "advantages", "is_weights"):
-        if k in tensors and tensors[k].shape[1] != r:
-            raise ValueError(f"training batch {k!r} has {tensors[k].shape[1]} columns, responses has {r}")
-    return next(iter(sizes.values()))
 
 
 def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -74,7 +60,13 @@ def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: floa
     return 1.0
 
 
-class LocalTrainEngine(TrainServiceClient):
+class PolicyTrainer(TrainServiceClient):
+    """The model, its optimizer and LR schedule on one trainer rank, and the PPO update over them.
+
+    A trainer group's rank 0 splits each batch with ``plan_batch`` and every rank runs the
+    ``*_shard`` methods on its part; in one process ``compute_log_prob``/``update_actor`` do both.
+    """
+
     def __init__(self, base_model_dir: str | None = None, engine: str | None = None):
         self._base_model_dir = base_model_dir
         self._engine = engine  # a standalone worker's --backend: overrides the client's choice
@@ -266,8 +258,7 @@ class LocalTrainEngine(TrainServiceClient):
         micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
         assert self.optimizer is not None and self.scheduler is not None
-        # per-rank sums: pg_loss, kl_loss, clipfrac, ppo_kl, tokens
-        sums = [0.0, 0.0, 0.0, 0.0, 0.0]
+        sums = LossSums()  # this rank's
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
@@ -308,11 +299,13 @@ class LocalTrainEngine(TrainServiceClient):
                     # a non-finite loss shows up in the grad norm of the step
                     par.backward(self.model, loss * weight, last_in_step=i == passes - 1)
                     if real:
-                        sums[0] += pg_value
-                        sums[1] += float(kl.detach()) if kl is not None else 0.0
-                        sums[2] += float(stats["clipfrac_sum"])
-                        sums[3] += float(stats["ppo_kl_sum"])
-                        sums[4] += float(stats["tokens"])
+                        sums.add(
+                            pg_loss=pg_value,
+                            kl_loss=float(kl.detach()) if kl is not None else 0.0,
+                            clipfrac=float(stats["clipfrac_sum"]),
+                            ppo_kl=float(stats["ppo_kl_sum"]),
+                            tokens=float(stats["tokens"]),
+                        )
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
                 if not stepped:
                     nan_skipped += 1
@@ -326,14 +319,8 @@ class LocalTrainEngine(TrainServiceClient):
         ):  # a step whose optimizer steps were all skipped still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
-        pg_loss, kl_loss, clipfrac, ppo_kl, tokens = par.all_reduce_sum(sums)
-        tokens = max(tokens, 1.0)
-        metrics = {
-            "actor/pg_loss": pg_loss / steps_done,
-            "actor/kl_loss": kl_loss / steps_done,
-            "actor/loss": (pg_loss + algo["kl_loss_coef"] * kl_loss) / steps_done,
-            "actor/pg_clipfrac": clipfrac / tokens,
-            "actor/ppo_kl": ppo_kl / tokens,
+        metrics: dict[str, Any] = {
+            **sums.all_reduced(par).metrics(steps_done, algo["kl_loss_coef"]),
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
             "actor/lr": lr,
             "actor/nan_skipped": nan_skipped,
@@ -343,164 +330,39 @@ class LocalTrainEngine(TrainServiceClient):
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
         return metrics
 
-    # --- weights and checkpoints ----------------------------------------------------------------
-    def _write_model(self, path: str, fsync: bool) -> None:
-        """Gather the full weights to rank 0, which writes the HF-layout directory."""
-        par = self._require_parallel()
-        state = par.full_state_dict(self.model)
-        if par.rank == 0:
-            max_shard = self._require_cfg()["export_max_shard_mb"] << 20
-            write_hf_model_dir(state, self._base_model_dir, path, max_shard, fsync=fsync)
-        par.barrier()
+    # --- weights and checkpoints (the files: ``checkpoint.trainer_io``) -------------------------
+    def _checkpoint_io(self, par: ParallelStrategy) -> TrainerCheckpointIO:
+        cfg = self._require_cfg()
+        assert self._base_model_dir is not None  # init_model does not start without it
+        return TrainerCheckpointIO(
+            par,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            engine=cfg["engine"],
+            base_model_dir=self._base_model_dir,
+            max_shard_bytes=cfg["export_max_shard_mb"] << 20,
+        )
 
     def export_weights(self, path: str) -> None:
-        self._write_model(path, fsync=False)
+        self._checkpoint_io(self._require_parallel()).write_model(path, fsync=False)
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
-        par = self._require_parallel()
-        self._write_model(os.path.join(local_path, "model"), fsync=True)
-        if save_weight_only:
-            return
-        assert self.optimizer is not None and self.scheduler is not None
-        opt_dir = os.path.join(local_path, "optimizer")
-        os.makedirs(opt_dir, exist_ok=True)
-        path = os.path.join(opt_dir, f"rank_{par.rank}.safetensors")
-        save_state_file(
-            {
-                "optimizer": par.optimizer_state(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "global_step": global_step,
-                "world_size": par.world_size,
-                "engine": self._require_cfg()["engine"],
-            },
-            path,
-        )
-        fsync_path(path)
-        par.barrier()
-        if par.rank == 0:
-            fsync_path(opt_dir)
+        self._checkpoint_io(self._require_parallel()).save(local_path, global_step, save_weight_only)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
         """Weights load at any world size; optimizer state only at the world size and engine that
         wrote it (its shards follow that layout) — otherwise the error says so. Names, shapes and
-        layout are checked before a tensor byte is read, so a wrong checkpoint changes nothing; then
-        the bytes go straight into the live weights and optimizer state where they match
-        (``tensor_reads``: no fresh memory to fault in), the optimizer file read alongside the
-        weights."""
+        layout are checked before a tensor byte is read, so a wrong checkpoint changes nothing; a
+        load that fails after that leaves this trainer refusing to train until a load succeeds."""
         par = self._require_parallel(loading=True)
-        model_dir = os.path.join(local_path, "model")
-        opt_path = self._optimizer_file(local_path, par.rank)
-        error = self._check_weights(model_dir, par) if par.rank == 0 else None
-        if error is None and load_optimizer:
-            error = self._check_optimizer_file(opt_path, par)
-        par.agree(error)  # every rank loads, or none does
+        io = self._checkpoint_io(par)
+        files = io.files(local_path)
+        io.check(files, load_optimizer)  # every rank loads, or none does
         assert self.optimizer is not None and self.scheduler is not None
-        saved: dict[str, Any] = {}
         try:
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
-                live = par.optimizer_state_in_place(self.model, self.optimizer) if load_optimizer else None
-                into = None if live is None else {"optimizer": live}  # as save_checkpoint lays the file out
-                reading = pool.submit(_read_optimizer_file, opt_path, into) if load_optimizer else None
-                self._load_weights(model_dir, par)
-                try:
-                    saved = reading.result() if reading is not None else {}
-                    error = self._layout_error(opt_path, saved, par) if reading is not None else None
-                except (OSError, ValueError, RuntimeError) as exc:
-                    error = exc
-            par.agree(error)
-            if load_optimizer:
-                par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
-                self.scheduler.load_state_dict(saved["scheduler"])
+            io.load(files, load_optimizer)
         except Exception as exc:  # past the checks: live weights or optimizer state may be half replaced
             self._incomplete_load = f"rank {par.rank}: {type(exc).__name__}: {exc}"
             raise
         self._incomplete_load = None
-
-    def _check_weights(self, model_dir: str, par: ParallelStrategy) -> Exception | None:
-        """Why the HF directory cannot replace this model's weights (names, shapes), from the
-        safetensors headers alone; None when it can."""
-        try:
-            entries = peek_safetensors_dir(model_dir)
-        except (OSError, ValueError) as exc:
-            return exc
-        hf_model = par.unwrap(self.model)
-        expected = par.full_shapes(self.model)
-        tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
-        missing, unexpected = set(expected) - set(entries) - tied, set(entries) - set(expected)
-        if missing or unexpected:
-            return ValueError(
-                f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        wrong = [
-            f"{k} {list(e.shape)} (model: {list(expected[k])})"
-            for k, e in entries.items()
-            if e.shape != expected[k]
-        ]
-        return ValueError(f"{model_dir}: shapes differ from the model's: {wrong[:5]}") if wrong else None
-
-    def _check_optimizer_file(self, path: str, par: ParallelStrategy) -> Exception | None:
-        """Why this rank's optimizer file cannot be loaded (missing, another layout), from its
-        header alone (an older ``torch.save`` file is checked once read); None when it can."""
-        if not os.path.exists(path):
-            return FileNotFoundError(
-                f"{path}: optimizer state missing (checkpoint saved with save_weight_only, "
-                "or by fewer trainer ranks?)"
-            )
-        if not path.endswith(".safetensors"):
-            return None
-        try:
-            return self._layout_error(path, peek_state_file(path), par)
-        except (OSError, ValueError) as exc:
-            return exc
-
-    def _layout_error(self, path: str, saved: dict[str, Any], par: ParallelStrategy) -> ValueError | None:
-        engine = self._require_cfg()["engine"]
-        if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
-            return None
-        return ValueError(
-            f"{path} holds optimizer state of engine={saved.get('engine', 'single')} on "
-            f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
-            "resume with the same layout, or load the weights only (load_optimizer=False)"
-        )
-
-    @staticmethod
-    def _optimizer_file(local_path: str, rank: int) -> str:
-        """This rank's optimizer file: the state file, or the ``torch.save`` file of an older
-        checkpoint when only that exists."""
-        path = os.path.join(local_path, "optimizer", f"rank_{rank}.safetensors")
-        legacy = path.removesuffix(".safetensors") + ".pt"
-        return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
-
-    def _load_weights(self, model_dir: str, par: ParallelStrategy) -> None:
-        """Rank 0 reads the HF directory (checked by ``_check_weights``) into the weights it holds
-        whole, if any; every rank gets its part."""
-        state: dict[str, torch.Tensor] = {}
-        error: Exception | None = None
-        if par.rank == 0:
-            try:
-                state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
-            except (OSError, ValueError) as exc:
-                error = exc
-        par.agree(error)
-        par.load_full_state_dict(self.model, state)
-
-
-def _read_optimizer_file(path: str, into: Any = None) -> dict[str, Any]:
-    """A rank's optimizer file: the state file (its tensors read into ``into``'s where they match),
-    or a ``torch.save`` file of an older checkpoint (``weights_only``: tensors and plain values only;
-    its tensors copied out of the mapping)."""
-    if path.endswith(".safetensors"):
-        return load_state_file(path, into=into)
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return _materialize(saved)
-
-
-def _materialize(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors live in memory (not in a memory-mapped file)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _materialize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_materialize(v) for v in obj)
-    return obj

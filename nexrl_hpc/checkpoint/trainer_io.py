@@ -1,0 +1,216 @@
+"""A trainer rank's checkpoint files: the HF-layout model and this rank's optimizer state.
+
+``local_path/model`` holds the whole weights (written by rank 0 from the gathered state dict);
+``local_path/optimizer/rank_<r>.safetensors`` holds rank ``r``'s optimizer and LR-schedule state,
+laid out as its parallel strategy shards it (an older checkpoint's ``rank_<r>.pt`` still loads).
+Weights load at any world size; optimizer state only at the world size and engine that wrote it.
+
+A load runs in two phases: ``check`` reads headers only and raises on every rank when any rank
+cannot load (nothing changed yet); ``load`` then writes into the live weights and optimizer state,
+so an exception there may leave them half replaced (the trainer marks itself unusable).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
+from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
+
+if TYPE_CHECKING:
+    from nexrl_hpc.train.parallel import ParallelStrategy
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """Where one rank's parts of a checkpoint are."""
+
+    model_dir: str
+    optimizer_file: str
+
+
+class TrainerCheckpointIO:
+    """Save and load one trainer rank's model, optimizer and LR schedule (every rank calls each
+    method: they hold collectives)."""
+
+    def __init__(
+        self,
+        par: ParallelStrategy,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        engine: str,
+        base_model_dir: str,
+        max_shard_bytes: int,
+    ):
+        self.par = par
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.engine = engine  # service.train_service.engine: part of the optimizer file's layout
+        self.base_model_dir = base_model_dir
+        self.max_shard_bytes = max_shard_bytes
+
+    def write_model(self, path: str, fsync: bool) -> None:
+        """Gather the full weights to rank 0, which writes the HF-layout directory."""
+        par = self.par
+        state = par.full_state_dict(self.model)
+        if par.rank == 0:
+            write_hf_model_dir(state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync)
+        par.barrier()
+
+    def save(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
+        par = self.par
+        self.write_model(os.path.join(local_path, "model"), fsync=True)
+        if save_weight_only:
+            return
+        assert self.optimizer is not None and self.scheduler is not None
+        opt_dir = os.path.join(local_path, "optimizer")
+        os.makedirs(opt_dir, exist_ok=True)
+        path = os.path.join(opt_dir, f"rank_{par.rank}.safetensors")
+        save_state_file(
+            {
+                "optimizer": par.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+                "global_step": global_step,
+                "world_size": par.world_size,
+                "engine": self.engine,
+            },
+            path,
+        )
+        fsync_path(path)
+        par.barrier()
+        if par.rank == 0:
+            fsync_path(opt_dir)
+
+    def files(self, local_path: str) -> CheckpointFiles:
+        return CheckpointFiles(os.path.join(local_path, "model"), optimizer_file(local_path, self.par.rank))
+
+    def check(self, files: CheckpointFiles, load_optimizer: bool) -> None:
+        """Names, shapes and layout, from headers alone, before a tensor byte is read: raises on
+        every rank if any rank cannot load (every rank loads, or none does)."""
+        par = self.par
+        error = self._check_weights(files.model_dir) if par.rank == 0 else None
+        if error is None and load_optimizer:
+            error = self._check_optimizer_file(files.optimizer_file)
+        par.agree(error)
+
+    def load(self, files: CheckpointFiles, load_optimizer: bool) -> None:
+        """After ``check``: the bytes go straight into the live weights and optimizer state where
+        they match (``tensor_reads``: no fresh memory to fault in), the optimizer file read
+        alongside the weights. An exception here may leave the live state half replaced."""
+        par = self.par
+        assert self.optimizer is not None and self.scheduler is not None
+        opt_path = files.optimizer_file
+        saved: dict[str, Any] = {}
+        error: Exception | None
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
+            live = par.optimizer_state_in_place(self.model, self.optimizer) if load_optimizer else None
+            into = None if live is None else {"optimizer": live}  # as save lays the file out
+            reading = pool.submit(read_optimizer_file, opt_path, into) if load_optimizer else None
+            self._load_weights(files.model_dir)
+            try:
+                saved = reading.result() if reading is not None else {}
+                error = self._layout_error(opt_path, saved) if reading is not None else None
+            except (OSError, ValueError, RuntimeError) as exc:
+                error = exc
+        par.agree(error)
+        if load_optimizer:
+            par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+
+    def _check_weights(self, model_dir: str) -> Exception | None:
+        """Why the HF directory cannot replace this model's weights (names, shapes), from the
+        safetensors headers alone; None when it can."""
+        par = self.par
+        try:
+            entries = peek_safetensors_dir(model_dir)
+        except (OSError, ValueError) as exc:
+            return exc
+        hf_model = par.unwrap(self.model)
+        expected = par.full_shapes(self.model)
+        tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
+        missing, unexpected = set(expected) - set(entries) - tied, set(entries) - set(expected)
+        if missing or unexpected:
+            return ValueError(
+                f"{model_dir}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
+        wrong = [
+            f"{k} {list(e.shape)} (model: {list(expected[k])})"
+            for k, e in entries.items()
+            if e.shape != expected[k]
+        ]
+        return ValueError(f"{model_dir}: shapes differ from the model's: {wrong[:5]}") if wrong else None
+
+    def _check_optimizer_file(self, path: str) -> Exception | None:
+        """Why this rank's optimizer file cannot be loaded (missing, another layout), from its
+        header alone (an older ``torch.save`` file is checked once read); None when it can."""
+        if not os.path.exists(path):
+            return FileNotFoundError(
+                f"{path}: optimizer state missing (checkpoint saved with save_weight_only, "
+                "or by fewer trainer ranks?)"
+            )
+        if not path.endswith(".safetensors"):
+            return None
+        try:
+            return self._layout_error(path, peek_state_file(path))
+        except (OSError, ValueError) as exc:
+            return exc
+
+    def _layout_error(self, path: str, saved: dict[str, Any]) -> ValueError | None:
+        engine, par = self.engine, self.par
+        if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
+            return None
+        return ValueError(
+            f"{path} holds optimizer state of engine={saved.get('engine', 'single')} on "
+            f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+            "resume with the same layout, or load the weights only (load_optimizer=False)"
+        )
+
+    def _load_weights(self, model_dir: str) -> None:
+        """Rank 0 reads the HF directory (checked by ``_check_weights``) into the weights it holds
+        whole, if any; every rank gets its part."""
+        par = self.par
+        state: dict[str, torch.Tensor] = {}
+        error: Exception | None = None
+        if par.rank == 0:
+            try:
+                state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
+            except (OSError, ValueError) as exc:
+                error = exc
+        par.agree(error)
+        par.load_full_state_dict(self.model, state)
+
+
+def optimizer_file(local_path: str, rank: int) -> str:
+    """This rank's optimizer file: the state file, or the ``torch.save`` file of an older
+    checkpoint when only that exists."""
+    path = os.path.join(local_path, "optimizer", f"rank_{rank}.safetensors")
+    legacy = path.removesuffix(".safetensors") + ".pt"
+    return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
+
+
+def read_optimizer_file(path: str, into: Any = None) -> dict[str, Any]:
+    """A rank's optimizer file: the state file (its tensors read into ``into``'s where they match),
+    or a ``torch.save`` file of an older checkpoint (``weights_only``: tensors and plain values only;
+    its tensors copied out of the mapping)."""
+    if path.endswith(".safetensors"):
+        return load_state_file(path, into=into)
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return _materialize(saved)
+
+
+def _materialize(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in memory (not in a memory-mapped file)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _materialize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize(v) for v in obj)
+    return obj
