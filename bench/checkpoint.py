@@ -1,4 +1,4 @@
-"""Checkpoint save and load throughput against ``dd`` on the same filesystem (issue 5).
+"""Checkpoint save and load throughput against ``dd`` on the same filesystem.
 
 One run, on ``--dir`` (default: a temp dir under ``outputs/``, where a run's ``run_dir`` goes by
 default, so the same filesystem). The model is the project's tiny Llama scaled up to ``--gb`` of fp32

@@ -1,4 +1,4 @@
-"""The standalone train service (seed 002): API server + torchrun workers on loopback, driven by the
+"""The standalone train service: API server + torchrun workers on loopback, driven by the
 client the train worker uses, with the rank-0-centric ACK protocol.
 
 Real processes: ``python -m launch.train_service`` (FastAPI/uvicorn) and
