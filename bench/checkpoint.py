@@ -1,4 +1,4 @@
-"""Checkpoint save and load throughput against ``dd`` on the same filesystem (issue 5).
+"""Checkpoint save and load throughput against ``dd`` on the same filesystem.
 
 One run, on ``--dir`` (default: a temp dir under ``outputs/``, where a run's ``run_dir`` goes by
 default, so the same filesystem). The model is the project's tiny Llama scaled up to ``--gb`` of fp32
@@ -146,7 +146,7 @@ def timed_result(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class Baseline:
-    """``dd`` writes/reads of ``nbytes`` on the benchmark's filesystem, from ``/dev/zero`` (the issue's
+    """``dd`` writes/reads of ``nbytes`` on the benchmark's filesystem, from ``/dev/zero`` (the usual
     baseline) and from a file of random bytes kept in RAM (the VM disks measured here store zeros
     ~3x faster than data: weights and optimizer moments are not zeros)."""
 

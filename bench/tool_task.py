@@ -3,7 +3,7 @@
 Each mode runs ``python -m launch.train task=tool_lookup`` as a user would (local: one process;
 mpi: ``mpirun -n 4 ... launch_mode=mpi``), validating greedily on the 128 held-out tables every
 ``--validate-freq`` steps. The clock starts at process start (model warm-up, server start-up and
-validation included). The goal (issue 7): validation reward from <= 0.3 to >= 0.7 within 10 min
+validation included). The goal: validation reward from <= 0.3 to >= 0.7 within 10 min
 on 2 CPU cores; the ratio column is time-to-goal / 600 s (<= 1 meets it).
 
     python bench/tool_task.py [--modes local mpi] [--seed 1] [--steps 80]

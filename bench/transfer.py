@@ -16,7 +16,7 @@ Paths, interleaved rep by rep so machine noise hits them alike:
   authentication costs;
 - memcpy: the same bytes copied in-process into a fresh buffer and into a reused one (reference).
 
-Goal (issue 4): bulk >= 5x pickle and >= 80% of the bare frame. Before timing, one round checks
+Goal: bulk >= 5x pickle and >= 80% of the bare frame. Before timing, one round checks
 that rank 0 received every tensor exactly (digest in the signed ACK).
 
     python bench/transfer.py [--mb 256] [--reps 7] [--chunk-mb 4]

@@ -13,7 +13,7 @@ What is timed, per version (the trainer's weights already updated in memory):
 ratio = (write + vLLM) / (write + read); publish and read alternate in order rep by rep, the page
 cache is as warm for both. Disk writeback makes the write time noisy on a VM; it is the same
 write in both sums. The model is the tiny Llama, scaled up for the larger sizes
-(built locally, random init). Goal (issue 6): vLLM path <= 1.5x the baseline. Needs vLLM's venv
+(built locally, random init). Goal: vLLM path <= 1.5x the baseline. Needs vLLM's venv
 (bash scripts/install_vllm.sh).
 
     python bench/weight_sync.py [--gb 0 0.5] [--reps 5]      # 0: the default tiny model

@@ -1,4 +1,4 @@
-"""The standalone train-service API server (seed 002):
+"""The standalone train-service API server:
 
     NEXRL_TRAIN_SERVICE_TOKEN=... python -m launch.train_service --host 127.0.0.1 --port 8000
 

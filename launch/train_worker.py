@@ -1,4 +1,4 @@
-"""One trainer rank of a standalone train service (seed 002), started by torchrun:
+"""One trainer rank of a standalone train service, started by torchrun:
 
     NEXRL_TRAIN_SERVICE_TOKEN=... torchrun --nproc_per_node=N -m launch.train_worker \\
         --api-server-url http://127.0.0.1:8000 --identifier actor --backend fsdp

@@ -120,7 +120,7 @@ def test_sequence_survives_a_json_round_trip_of_the_episode() -> None:
 def test_masked_tokens_carry_no_gradient_in_the_ppo_loss() -> None:
     """The repo's ppo_clip_loss with this mask: changing anything at mask-0 positions changes nothing.
 
-    (Done-when of issue 7 asks this of the full trainer path too; that needs the pipeline integration.)
+    (The full trainer path should show this too; that needs the pipeline integration.)
     """
     import torch
 

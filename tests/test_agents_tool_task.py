@@ -3,7 +3,7 @@
 The AgentRolloutWorker runs every episode (lookup call, tool result, answer) against the local
 inference server; GRPO (step-wise advantages) trains on the masked sequences. Seeded; the greedy
 validation reward on held-out tables must rise from <= 0.3 well past what calling alone earns,
-and the episode metrics must show why: the tool is called and the answers are right. Issue 7's
+and the episode metrics must show why: the tool is called and the answers are right. The task's
 bar (<= 0.3 -> >= 0.7 within 10 minutes, local and mpi) is timed by bench/tool_task.py; this test
 runs the task's same 80 steps (60 steps left too wide a spread: is_correct 0.23-0.76 over five runs).
 """

@@ -84,7 +84,7 @@ def test_tool_environment_runs_calls_reports_errors_and_scores_the_answer() -> N
         [
             ToolCall("calculator", {"expression": "3+4"}),
             ToolCall(TOOL_CALL_ERROR, {"message": "<calculator> call not closed", "tool": "calculator"}),
-            {"function": {"name": "nope", "arguments": "{}"}},  # the seed's OpenAI shape
+            {"function": {"name": "nope", "arguments": "{}"}},  # the OpenAI tool-call shape
         ]
     )
     outs = obs["tool_outputs"]

@@ -1,5 +1,5 @@
 """kill -9 of every process of a run while a checkpoint is being written: the same command started
-again resumes from the previous complete checkpoint, logs every step once and finishes (issue 5).
+again resumes from the previous complete checkpoint, logs every step once and finishes.
 
 The window is hit without any hook in the code: the test polls the checkpoint folder for the temp
 dir of the targeted save (``.tmp-global_step_<N>-<pid>``, created before anything is written and

@@ -40,7 +40,7 @@ def train_steps(rows: list[dict[str, Any]]) -> list[int]:
 
 
 def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path) -> None:
-    """The issue's acceptance run: the embedded default with only run_dir and seed set."""
+    """The acceptance run: the embedded default with only run_dir and seed set."""
     run_dir = tmp_path / "default"
     proc = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

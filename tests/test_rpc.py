@@ -263,7 +263,7 @@ def raw_zmtp_client(port: int) -> socket.socket:
 
 
 def attack(address: str, key_guess: bytes, marker: Path) -> None:
-    """The four hostile inputs of the MPI issue, against one listening endpoint."""
+    """The four hostile inputs the mpi mode must survive, against one listening endpoint."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     # 1. random bytes
     with socket.create_connection((host, int(port))) as s:
@@ -414,7 +414,7 @@ def test_a_forged_direct_reply_is_rejected(pair: Any) -> None:
 
 
 def attack_lane(address: str, key_guess: bytes, marker: Path) -> None:
-    """The hostile inputs of the MPI issue, framed for a direct lane (and unframed bytes)."""
+    """The hostile inputs the mpi mode must survive, framed for a direct lane (and unframed bytes)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     envelope = msgpack.packb(
         {"t": "req", "id": 1, "src": 9, "s": "attacker", "q": 1, "m": "counter", "f": "peek"}

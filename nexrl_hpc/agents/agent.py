@@ -1,4 +1,4 @@
-"""Agents of the agent model (seed 004): BaseAgent, MathAgent, ToolAgent.
+"""Agents of the agent model: BaseAgent, MathAgent, ToolAgent.
 
 An agent keeps two things: ``chat_completions`` (the messages the model is sent next) and
 ``trajectory`` (what is recorded for training). Workflows drive it with ``update_from_env`` /
@@ -22,7 +22,7 @@ from nexrl_hpc.agents.tools.multi_tool import MultiTool
 from nexrl_hpc.agents.types import ModelOutput, Step, ToolCall, Trajectory
 
 FINISH_TOOL = "finish"
-"""The pseudo tool whose ``response`` argument is the final answer (seed 004's ToolEnvironment)."""
+"""The pseudo tool whose ``response`` argument is the final answer (ToolEnvironment ends the episode on it)."""
 
 TOOL_CALL_ERROR = "<tool_call_error>"
 """Pseudo tool name of a call the model wrote but that did not parse (not an identifier: no model

@@ -125,7 +125,7 @@ class AgentWorkflowEngine:
 
 
 class AgentExecutionEngine:
-    """The simple path (seed 004): ``n_parallel_agents`` (agent, env) pairs run tasks with a multi-turn loop.
+    """The simple execution path: ``n_parallel_agents`` (agent, env) pairs run tasks with a multi-turn loop.
 
     Each pair is driven by a MultiTurnWorkflow (same termination reasons, MC returns with ``gamma``);
     no retries — a failed episode comes back with reason ERROR.

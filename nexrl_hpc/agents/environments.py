@@ -1,4 +1,4 @@
-"""Environments of the agent model (seed 004): BaseEnv, MultiTurnEnvironment, SingleTurnEnvironment, ToolEnvironment.
+"""Environments of the agent model: BaseEnv, MultiTurnEnvironment, SingleTurnEnvironment, ToolEnvironment.
 
 The Gym interface with a task: ``reset(task) -> (observation, info)``, ``step(action) ->
 (observation, reward, done, info)``. Rewards come from a reward function
@@ -116,14 +116,14 @@ class SingleTurnEnvironment(MultiTurnEnvironment):
 
     @staticmethod
     def from_dict(env_args: dict[str, Any]) -> SingleTurnEnvironment:
-        """Seed 004: the reward_fn key is the function, every other key is the task."""
+        """From env args: the reward_fn key is the function, every other key is the task."""
         args = dict(env_args)
         reward_fn = args.pop("reward_fn", None)
         return SingleTurnEnvironment(task=args or None, reward_fn=reward_fn)
 
 
 def _as_tool_call(raw: Any, i: int) -> ToolCall:
-    """ToolCalls as the agent sends them, or the OpenAI dict shape the seed shows."""
+    """ToolCalls as the agent sends them, or the OpenAI tool-call dict shape ``{"function": {"name", "arguments"}}``."""
     if isinstance(raw, ToolCall):
         return raw
     if isinstance(raw, dict) and isinstance(raw.get("function"), dict):

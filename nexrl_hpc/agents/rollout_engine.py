@@ -1,4 +1,4 @@
-"""RolloutEngine (seed 004): ``await get_model_response(messages) -> ModelOutput``.
+"""RolloutEngine: ``await get_model_response(messages) -> ModelOutput``.
 
 Workflows only see this interface, so they run the same against the real inference client and
 against a scripted test double.

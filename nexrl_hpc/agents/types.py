@@ -1,4 +1,4 @@
-"""Episode data of the agent model (seed 004): ToolCall, ModelOutput, Step, Trajectory, Episode.
+"""Episode data of the agent model: ToolCall, ModelOutput, Step, Trajectory, Episode.
 
 Everything here is plain data with ``to_dict``/``from_dict`` so an episode can be dumped to JSON,
 shipped between ranks and loaded back unchanged. Token ids and log-probs are the engine's, copied
@@ -41,7 +41,7 @@ class ToolCall:
 
 @dataclass
 class ModelOutput:
-    """One model response with the token accounting training needs (seed 004's ModelOutput).
+    """One model response with the token accounting training needs.
 
     ``content`` is the answer part, ``reasoning`` what a reasoning parser split off (chat API),
     ``text`` their concatenation: the chat API does not return the raw decoded text, so ``text``

@@ -1,4 +1,4 @@
-"""Workflows (seed 004): the orchestration of agents and environments for one task.
+"""Workflows: the orchestration of agents and environments for one task.
 
 ``run`` drives the interaction and ends by raising ``TerminationEvent(reason)``;
 ``run_with_termination_handling`` turns that (or a timeout, or any exception -> ERROR) into an
@@ -33,7 +33,7 @@ class TerminationEvent(Exception):
 
 
 def adjust_step_rewards(trajectory: Trajectory, gamma: float = 0.0, reward_bonus_coeff: float = 0.0) -> None:
-    """Reward-bonus shaping, then discounted Monte Carlo returns (seed 004).
+    """Reward-bonus shaping, then discounted Monte Carlo returns.
 
     Bonus: ``r_i += coeff * (raw_r_i - raw_r_{i-1})`` for i >= 1, on the environment's raw rewards
     (so the shaping of step i does not feed into step i+1's). Returns: ``G_i = r_i + gamma * G_{i+1}``;
@@ -211,7 +211,7 @@ class Workflow(ABC):
 
 
 class MultiTurnWorkflow(Workflow):
-    """One agent, one env, up to ``max_steps`` model turns (seed 004's loop).
+    """One agent, one env, up to ``max_steps`` model turns (the agent model's multi-turn loop).
 
     Ends with ENV_DONE, MAX_TURNS_EXCEEDED, MAX_RESPONSE_LENGTH_EXCEEDED (a turn cut off by the
     token limit, or the episode's response — completions plus environment tokens after the first

@@ -1,4 +1,4 @@
-"""TypedDict schemas of the whole config tree (seed 001: YAML holds defaults, TypedDicts type them).
+"""TypedDict schemas of the whole config tree (YAML holds the defaults, TypedDicts type them).
 
 Every key the code reads is declared here; ``nexrl_hpc.config.validate`` checks a composed config
 against these before anything is built or submitted.
@@ -65,7 +65,7 @@ class ValKwargs(TypedDict):
 
 
 class AgentRolloutConfig(TypedDict):
-    """rollout_worker.type=agent: one workflow episode per task (seed 004's agent model)."""
+    """rollout_worker.type=agent: one workflow episode per task (the agent model, nexrl_hpc.agents)."""
 
     workflow: str  # "module:Class", a nexrl_hpc.agents.workflow.Workflow subclass
     agent_cls: str  # "module:Class", a BaseAgent subclass (workflow arg agent_cls)

@@ -30,7 +30,7 @@ def task_key(task: dict[str, Any]) -> str:
 
 
 class BaseDataLoader(NexRLModule):
-    """Seed 000's data loader contract."""
+    """The data loader contract: tasks handed out one at a time, returned tasks put back (front or back)."""
 
     def __init__(self, config: DataConfig, is_validate: bool = False):
         super().__init__()
@@ -174,7 +174,7 @@ class JsonlDataLoader(BaseDataLoader):
             self._cursor += 1
         return item
 
-    # --- seed 000 API ---------------------------------------------------------------------------
+    # --- loader API -----------------------------------------------------------------------------
     def __len__(self) -> int:
         """Tasks still to hand out in this epoch (returned items included)."""
         with self._lock:

@@ -87,7 +87,7 @@ class LLMServiceClient:
         self._weight_sync_controller = controller
         self._version_lookup.set_controller(controller)
 
-    # --- blocking API (seed 000) ----------------------------------------------------------------
+    # --- blocking API ---------------------------------------------------------------------------
     def completion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
         """One completion of ``prompt``: text, finish reason, prompt/response token ids, logprobs, version."""
         self._wait_for_weight_sync()

@@ -229,7 +229,7 @@ class BaseRolloutWorker(NexRLModule):
             if slot_freed is not None:
                 slot_freed.set()
 
-    # --- seed 000 data-flow helpers ---------------------------------------------------------------
+    # --- data-flow helpers -----------------------------------------------------------------------
     def step(self, task: dict[str, Any]) -> str | None:
         """Roll out one task; return "success" | "fail" | "re-rollout" | None (may be ``async def``)."""
         raise NotImplementedError

@@ -3,7 +3,7 @@
 Rollouts are paced by the data loader's dispatch budget, one training batch of fresh tasks at a
 time; every trajectory records the weight version that produced it.
 
-- ``sync`` (seed 000): one batch per policy version. When the batch is complete the pool sends
+- ``sync`` (the default): one batch per policy version. When the batch is complete the pool sends
   stragglers back ("re-rollout"), the trainer updates and exports, the inference service reloads
   (``publish``; clients hold new requests meanwhile), the version is bumped, an optional
   validation runs, and the next batch is released.

@@ -12,7 +12,7 @@ from nexrl_hpc.core.imports import load_object
 
 @dataclass
 class RewardOutput:
-    """What a reward function returns (seed 004): the scalar, evaluation details, and correctness."""
+    """What a reward function returns: the scalar, evaluation details, and correctness."""
 
     reward: float
     metadata: dict[str, Any] = field(default_factory=dict)

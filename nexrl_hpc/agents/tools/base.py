@@ -1,4 +1,4 @@
-"""Tool and ToolOutput (seed 004): a named function the model can call, described by a JSON schema."""
+"""Tool and ToolOutput: a named function the model can call, described by a JSON schema."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MultiTool: dispatch a call to one of several tools by name (seed 004)."""
+"""MultiTool: dispatch a call to one of several tools by name."""
 
 from __future__ import annotations
 
