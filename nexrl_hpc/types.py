@@ -13,29 +13,25 @@ from enum import Enum
 from typing import Any, Generic, TypedDict, TypeVar, cast
 
 import torch
-from typing_extensions import NotRequired
 
 ModelTag = str
 """Identifies one model (policy, teacher, ...) inside a run."""
 
 
-class Trajectory(TypedDict):
-    """One rollout: the task's fields, then token ids as the engine produced them, behaviour logprobs,
-    loss mask, scores and the weight version that sampled it.
+class TaskFields(TypedDict, total=False):
+    """What the data loader puts on a task: a dataset row (its own columns too) plus where it came from."""
 
-    A trajectory starts as a copy of its task (``BaseRolloutWorker.make_trajectory``,
-    ``AgentRolloutWorker.episode_to_trajectory``), so the dataset row's own columns (an answer, a
-    reference, ...) ride along under their own names; only the fields the framework reads are
-    declared here. Per-token lists are aligned with ``response_ids``.
-    """
+    prompt: str
+    uid: str  # the row's stable id
+    epoch: int
+    sample_index: int  # which of the row's rollout_repeat_n repeats
+    group_id: str  # "<uid>@<epoch>": one GRPO group (the pool's default key)
 
-    # the task (data.loader): a dataset row plus where it came from
-    prompt: NotRequired[str]
-    uid: NotRequired[str]  # the row's stable id
-    epoch: NotRequired[int]
-    sample_index: NotRequired[int]  # which of the row's rollout_repeat_n repeats
-    group_id: NotRequired[str]  # "<uid>@<epoch>": one GRPO group (the pool's default key)
-    # the rollout
+
+class RolloutFields(TypedDict):
+    """What every rollout worker adds to the task: the engine's token ids and logprobs, the loss mask,
+    the weight version. Per-token lists are aligned with ``response_ids``."""
+
     model_tag: ModelTag
     response: str  # the response text (for reading and reward parsing; never re-tokenised)
     finish_reason: str | None
@@ -44,14 +40,25 @@ class Trajectory(TypedDict):
     behaviour_log_probs: list[float]  # the server's logprob of each response token
     loss_mask: list[int]  # 1: a model token that trains; 0: environment / tool text
     weight_version: int | None  # the policy version that sampled it (the oldest one, for several turns)
-    reward: NotRequired[float]
-    scores: NotRequired[dict[str, float]]  # reward and the other per-trajectory numbers averaged as metrics
-    # multi-turn (agent) rollouts: per-turn rewards, returns and spans of the response
-    termination_reason: NotRequired[str | None]
-    step_rewards: NotRequired[list[float]]
-    step_returns: NotRequired[list[float]]
-    token_rewards: NotRequired[list[float]]
-    step_spans: NotRequired[list[list[int]]]  # [start, end) of turn k's completion in response_ids
+
+
+class Trajectory(TaskFields, RolloutFields, total=False):
+    """One rollout: the task's fields, the rollout's, and its scores.
+
+    A trajectory starts as a copy of its task (``BaseRolloutWorker.make_trajectory``,
+    ``AgentRolloutWorker.episode_to_trajectory``), so the dataset row's own columns (an answer, a
+    reference, ...) ride along under their own names; only the fields the framework reads are
+    declared here.
+    """
+
+    reward: float
+    scores: dict[str, float]  # reward and the other per-trajectory numbers averaged as metrics
+    # multi-turn (agent) rollouts: why the episode ended, per-turn rewards, returns and spans
+    termination_reason: str | None
+    step_rewards: list[float]
+    step_returns: list[float]
+    token_rewards: list[float]
+    step_spans: list[list[int]]  # [start, end) of turn k's completion in response_ids
 
 
 class BatchMetadata(TypedDict, total=False):
