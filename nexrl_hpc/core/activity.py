@@ -19,7 +19,9 @@ from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
 from nexrl_hpc.core.execute import aexecute, execute, execute_async, quick
 
 if TYPE_CHECKING:
+    from nexrl_hpc.config.schema import RLTrainConfig
     from nexrl_hpc.core.module import NexRLModule
+    from nexrl_hpc.tracking.experiment import ExperimentLogger
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,10 @@ class ActivityTracker:
     """Counts in-flight work per module, keeps module references for liveness, routes errors and metrics."""
 
     def __init__(
-        self, config: dict[str, Any] | None = None, max_errors: int = 1000, experiment_logger: Any = None
+        self,
+        config: RLTrainConfig | None = None,
+        max_errors: int = 1000,
+        experiment_logger: ExperimentLogger | None = None,
     ):
         self._config = config
         self._lock = threading.Condition()
@@ -244,9 +249,8 @@ class ActivityTrackerProxy:
     """What a module holds: forwards to the central tracker (local object or remote handle)."""
 
     def __init__(self, central_tracker: ActivityTracker):
-        self._central = (
-            central_tracker  # the tracker itself in local mode, a handle with its methods elsewhere
-        )
+        # the tracker itself in local mode, a handle with its methods elsewhere
+        self._central = central_tracker
 
     @contextmanager
     def track(self, module: str, work: str, auto_report_errors: bool = True) -> Iterator[None]:
