@@ -1,19 +1,82 @@
-"""Core data types shared by every module (seed 000, nexrl_types)."""
+"""Core data types shared by every module: model tags, trajectories, batches and process roles.
+
+``Trajectory`` and ``BatchMetadata`` are TypedDicts: at run time they are plain dicts, which is what
+crosses the wire (the codec sees dicts, lists and numbers, never these classes).
+"""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar, cast
 
 import torch
 
 ModelTag = str
 """Identifies one model (policy, teacher, ...) inside a run."""
 
-Trajectory = dict[str, Any]
-"""One rollout: token ids as the engine produced them, behaviour logprobs, loss mask, scores, version."""
+
+class TaskFields(TypedDict, total=False):
+    """What the data loader puts on a task: a dataset row (its own columns too) plus where it came from."""
+
+    prompt: str
+    uid: str  # the row's stable id
+    epoch: int
+    sample_index: int  # which of the row's rollout_repeat_n repeats
+    group_id: str  # "<uid>@<epoch>": one GRPO group (the pool's default key)
+
+
+class RolloutFields(TypedDict):
+    """What every rollout worker adds to the task: the engine's token ids and logprobs, the loss mask,
+    the weight version. Per-token lists are aligned with ``response_ids``."""
+
+    model_tag: ModelTag
+    response: str  # the response text (for reading and reward parsing; never re-tokenised)
+    finish_reason: str | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_log_probs: list[float]  # the server's logprob of each response token
+    loss_mask: list[int]  # 1: a model token that trains; 0: environment / tool text
+    weight_version: int | None  # the policy version that sampled it (the oldest one, for several turns)
+
+
+class Trajectory(TaskFields, RolloutFields, total=False):
+    """One rollout: the task's fields, the rollout's, and its scores.
+
+    A trajectory starts as a copy of its task (``BaseRolloutWorker.make_trajectory``,
+    ``AgentRolloutWorker.episode_to_trajectory``), so the dataset row's own columns (an answer, a
+    reference, ...) ride along under their own names; only the fields the framework reads are
+    declared here.
+    """
+
+    reward: float
+    scores: dict[str, float]  # reward and the other per-trajectory numbers averaged as metrics
+    # multi-turn (agent) rollouts: why the episode ended, per-turn rewards, returns and spans
+    termination_reason: str | None
+    step_rewards: list[float]
+    step_returns: list[float]
+    token_rewards: list[float]
+    step_spans: list[list[int]]  # [start, end) of turn k's completion in response_ids
+
+
+class BatchMetadata(TypedDict, total=False):
+    """What a ``Batch`` carries besides its columns."""
+
+    batch_size: int  # rows in every entry of ``values``
+    model_tag: ModelTag
+    update_fn: str  # the train service method the batch is for (set by the TrainBatchPool)
+    metrics: dict[str, float]  # the algorithm's metrics of this batch (train/...)
+    global_token_num: int  # attention-mask tokens of the whole batch
+    # per row, for tracing and exactly-once bookkeeping (train batches)
+    uid: list[str]
+    epoch: list[int]
+    task_keys: list[str]  # data.loader.task_key of each row
+
+
+V = TypeVar("V", bound=Sized)
+"""The column type of a Batch: ``list[Any]`` for trajectory columns, ``torch.Tensor`` for training tensors."""
 
 DEFAULT_MODEL_TAG: ModelTag = "default"
 
@@ -34,11 +97,15 @@ class NexRLRole(Enum):
 
 
 @dataclass
-class Batch:
-    """Columnar batch: every entry of ``values`` has ``metadata['batch_size']`` rows."""
+class Batch(Generic[V]):
+    """Columnar batch: every entry of ``values`` has ``metadata['batch_size']`` rows.
 
-    values: dict[str, Any]
-    metadata: dict[str, Any] = field(default_factory=dict)
+    The trajectory pool hands out ``Batch[list[Any]]`` (one list per trajectory field); the
+    algorithm turns it into the ``Batch[torch.Tensor]`` the trainer consumes.
+    """
+
+    values: dict[str, V]
+    metadata: BatchMetadata = field(default_factory=BatchMetadata)
 
     def __post_init__(self) -> None:
         if "batch_size" not in self.metadata:
@@ -52,61 +119,64 @@ class Batch:
     def __len__(self) -> int:
         return int(self.metadata["batch_size"])
 
-    def copy(self) -> Batch:
+    def copy(self) -> Batch[V]:
         return Batch(values=copy.deepcopy(self.values), metadata=copy.deepcopy(self.metadata))
 
     def to_dict(self) -> dict[str, Any]:
         """Values and metadata in one dict; metadata keys win on a clash."""
-        out = dict(self.values)
+        out: dict[str, Any] = dict(self.values)
         out.update(self.metadata)
         return out
 
     @staticmethod
-    def from_trajectories(trajectories: list[Trajectory], metadata: dict[str, Any] | None = None) -> Batch:
+    def from_trajectories(
+        trajectories: list[Trajectory], metadata: BatchMetadata | None = None
+    ) -> Batch[list[Any]]:
         """Column-stack trajectories (keys missing from some trajectories become None)."""
         keys: dict[str, None] = {}
         for traj in trajectories:
             keys.update(dict.fromkeys(traj))
-        values = {k: [t.get(k) for t in trajectories] for k in keys}
-        meta = dict(metadata or {})
+        values: dict[str, list[Any]] = {k: [t.get(k) for t in trajectories] for k in keys}
+        meta = metadata.copy() if metadata else BatchMetadata()
         meta["batch_size"] = len(trajectories)
         return Batch(values=values, metadata=meta)
 
-    def to_trajectories(self) -> list[Trajectory]:
+    def to_trajectories(self: Batch[list[Any]]) -> list[Trajectory]:
+        """The rows of a trajectory batch (``from_trajectories`` inverted; missing fields come back None)."""
         n = len(self)
-        return [{k: v[i] for k, v in self.values.items()} for i in range(n)]
+        return [cast(Trajectory, {k: v[i] for k, v in self.values.items()}) for i in range(n)]
 
     @staticmethod
     def remove_redundant_left_padding(
-        data: Batch,
+        data: Batch[torch.Tensor],
         pad_token_id: int,
         fields: list[str],
         anchor_field: str = "input_ids",
         max_strip_threshold: int | None = None,
-    ) -> Batch:
+    ) -> Batch[torch.Tensor]:
         """Drop leading columns that are padding in every row of ``anchor_field``."""
         return Batch._strip_padding(data, pad_token_id, fields, anchor_field, max_strip_threshold, left=True)
 
     @staticmethod
     def remove_redundant_right_padding(
-        data: Batch,
+        data: Batch[torch.Tensor],
         pad_token_id: int,
         fields: list[str],
         anchor_field: str = "input_ids",
         max_strip_threshold: int | None = None,
-    ) -> Batch:
+    ) -> Batch[torch.Tensor]:
         """Drop trailing columns that are padding in every row of ``anchor_field``."""
         return Batch._strip_padding(data, pad_token_id, fields, anchor_field, max_strip_threshold, left=False)
 
     @staticmethod
     def _strip_padding(
-        data: Batch,
+        data: Batch[torch.Tensor],
         pad_token_id: int,
         fields: list[str],
         anchor_field: str,
         max_strip: int | None,
         left: bool,
-    ) -> Batch:
+    ) -> Batch[torch.Tensor]:
         anchor = data.values[anchor_field]
         non_pad = (anchor != pad_token_id).any(dim=0).nonzero()
         width = anchor.shape[1]
@@ -120,10 +190,11 @@ class Batch:
         values = dict(data.values)
         for name in fields:
             values[name] = values[name][:, strip:] if left else values[name][:, : width - strip]
-        return Batch(values=values, metadata=dict(data.metadata))
+        return Batch(values=values, metadata=data.metadata.copy())
 
     def to_nextrainer_batch(self) -> dict[str, Any]:
-        """Seed 002's wire shape: tensors under ``batch``, the rest under ``non_tensor_batch``/``meta_info``."""
+        """The training service's batch shape: tensors under ``batch``, the rest under
+        ``non_tensor_batch`` / ``meta_info``."""
         tensors = {k: v for k, v in self.values.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in self.values.items() if not isinstance(v, torch.Tensor)}
         return {"batch": tensors, "non_tensor_batch": others, "meta_info": dict(self.metadata)}

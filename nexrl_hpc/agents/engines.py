@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +26,7 @@ class NotThreadSafeError(ValueError):
     """An environment that is not multithread-safe was asked to run in parallel."""
 
 
-def _check_thread_safety(workflows: list[Workflow], what: str, env_cls: Any = None) -> None:
+def _check_thread_safety(workflows: Sequence[Workflow], what: str, env_cls: Any = None) -> None:
     """Envs the workflows hold, and ``env_cls`` from the workflow args (workflows may make envs in ``run``)."""
     if len(workflows) <= 1:
         return

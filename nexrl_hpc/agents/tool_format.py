@@ -157,7 +157,7 @@ def parse_openai_tool_calls(tool_calls: list[Any]) -> ParsedToolCalls:
     for i, raw in enumerate(tool_calls):
         function = raw.get("function") if isinstance(raw, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not name:
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
             result.errors.append(ToolCallError(f"tool_calls[{i}] has no function name: {raw!r:.120}"))
             continue
         call_id = raw.get("id")

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import Batch
+
+if TYPE_CHECKING:
+    import torch
+
+    from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
+    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +27,13 @@ class BaseAlgorithmProcessor(NexRLModule):
         super().__init__()
         self._config = config
         self._long_poll_s = config["algorithm"]["long_poll_s"]
-        self._trajectory_pool: Any = None
-        self._train_batch_pool: Any = None
+        # module references: the module itself in local mode, a handle with its methods elsewhere
+        self._trajectory_pool: TrajectoryPool | None = None
+        self._train_batch_pool: TrainBatchPool | None = None
 
-    def set_module_references(self, trajectory_pool: Any, train_batch_pool: Any) -> None:
+    def set_module_references(
+        self, trajectory_pool: TrajectoryPool, train_batch_pool: TrainBatchPool
+    ) -> None:
         self._trajectory_pool = trajectory_pool
         self._train_batch_pool = train_batch_pool
 
@@ -43,14 +52,16 @@ class BaseAlgorithmProcessor(NexRLModule):
             with self._activity_tracker.track(self._module_name, "fit"):
                 self._fit(batch, self.UPDATE_FN)
 
-    def _fit(self, batch: Batch, update_fn: str) -> None:
+    def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
         raise NotImplementedError
 
-    def _get_batch(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch | None:
+    def _get_batch(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch[list[Any]] | None:
+        assert self._trajectory_pool is not None
         return execute(self._trajectory_pool.get_batch_any, batch_size, wait_s)
 
-    def _put_batch(self, batch: Batch, update_fn: str) -> bool:
+    def _put_batch(self, batch: Batch[torch.Tensor], update_fn: str) -> bool:
         """Queue for training; waits (without busy spinning) while the train batch queue is full."""
+        assert self._train_batch_pool is not None
         while not self.stopped:
             if execute(self._train_batch_pool.put_batch, batch, update_fn):
                 return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
@@ -22,7 +24,7 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         self._group_key = (config["trajectory_pool"]["key_list"] or ["group_id"])[0]
         self._pad_token_id = pad_token_id
 
-    def compute(self, batch: Batch) -> Batch:
+    def compute(self, batch: Batch[list[Any]]) -> Batch[torch.Tensor]:
         """The training batch for ``batch`` of trajectories (exposed for tests and benchmarks)."""
         rewards = torch.tensor([float(r) for r in batch.values["reward"]], dtype=torch.float32)
         keys = batch.values.get(self._group_key) or list(range(len(batch)))
@@ -61,17 +63,15 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "train/zero_std_group_frac": adv_stats["zero_std_group_frac"],
         }
         metrics.update(score_means(batch.values.get("scores"), "train/"))
-        metadata = dict(batch.metadata)
-        metadata.update(
-            metrics=metrics,
-            global_token_num=int(tensors["attention_mask"].sum()),
-            uid=list(batch.values.get("uid", [])),
-            epoch=list(batch.values.get("epoch", [])),
-            task_keys=[task_key(row) for row in _task_fields(batch)],
-        )
+        metadata = batch.metadata.copy()
+        metadata["metrics"] = metrics
+        metadata["global_token_num"] = int(tensors["attention_mask"].sum())
+        metadata["uid"] = list(batch.values.get("uid", []))
+        metadata["epoch"] = list(batch.values.get("epoch", []))
+        metadata["task_keys"] = [task_key(row) for row in _task_fields(batch)]
         return Batch(values=tensors, metadata=metadata)
 
-    def _fit(self, batch: Batch, update_fn: str) -> None:
+    def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
         self._put_batch(self.compute(batch), update_fn)
 
 
@@ -89,7 +89,7 @@ def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> di
     return {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
 
 
-def _column(batch: Batch, name: str) -> list:
+def _column(batch: Batch[list[Any]], name: str) -> list[Any]:
     """A per-trajectory field the step-wise advantage needs; agent rollouts carry it."""
     values = batch.values.get(name)
     if values is None or any(v is None for v in values):
@@ -100,7 +100,7 @@ def _column(batch: Batch, name: str) -> list:
     return list(values)
 
 
-def _task_fields(batch: Batch) -> list[dict]:
+def _task_fields(batch: Batch[list[Any]]) -> list[dict[str, Any]]:
     """Per row, the task fields that identify it (see data.loader.task_key)."""
     columns = {k: batch.values[k] for k in ("group_id", "uid", "sample_index") if k in batch.values}
     return [{k: col[i] for k, col in columns.items() if col[i] is not None} for i in range(len(batch))]

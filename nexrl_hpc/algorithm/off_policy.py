@@ -7,14 +7,16 @@ step reads top to bottom.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from nexrl_hpc.types import Batch
 
+T = TypeVar("T")
 
-def staleness(batch: Batch, step: int) -> torch.Tensor:
+
+def staleness(batch: Batch[torch.Tensor], step: int) -> torch.Tensor:
     """Version gap of every row trained at ``step`` (rows without a version count as fresh)."""
     versions = batch.values.get("weight_version")
     if not isinstance(versions, torch.Tensor) or versions.numel() == 0:
@@ -34,7 +36,7 @@ def staleness_metrics(gap: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
-def select_rows(batch: Batch, keep: torch.Tensor) -> Batch:
+def select_rows(batch: Batch[torch.Tensor], keep: torch.Tensor) -> Batch[torch.Tensor]:
     """The rows of a processed batch where ``keep`` is true (tensors, per-row metadata, token count)."""
     index = keep.nonzero().flatten()
     n = len(batch)
@@ -44,15 +46,25 @@ def select_rows(batch: Batch, keep: torch.Tensor) -> Batch:
         )
         for k, v in batch.values.items()
     }
-    metadata: dict[str, Any] = dict(batch.metadata)
+    metadata = batch.metadata.copy()
     rows = index.tolist()
-    for key in ("uid", "epoch", "task_keys"):
-        if isinstance(metadata.get(key), list) and len(metadata[key]) == n:
-            metadata[key] = [metadata[key][i] for i in rows]
+    if "uid" in metadata:
+        metadata["uid"] = _per_row(metadata["uid"], rows, n)
+    if "epoch" in metadata:
+        metadata["epoch"] = _per_row(metadata["epoch"], rows, n)
+    if "task_keys" in metadata:
+        metadata["task_keys"] = _per_row(metadata["task_keys"], rows, n)
     metadata["batch_size"] = len(rows)
     if "attention_mask" in values:
         metadata["global_token_num"] = int(values["attention_mask"].sum())
     return Batch(values=values, metadata=metadata)
+
+
+def _per_row(column: list[T], rows: list[int], n: int) -> list[T]:
+    """``column``'s entries at ``rows`` when it has one per row (``n``), else ``column`` itself."""
+    if isinstance(column, list) and len(column) == n:
+        return [column[i] for i in rows]
+    return column
 
 
 def importance_weights(

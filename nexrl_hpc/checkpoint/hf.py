@@ -94,7 +94,7 @@ def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         t = tensor.detach().to("cpu")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if key in seen:
             t = t.clone()
         else:

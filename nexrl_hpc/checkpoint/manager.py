@@ -41,6 +41,7 @@ OLD_STEP_DIR = re.compile(r"^\.old-global_step_(\d+)-\d+$")
 
 def capture_rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # legacy=True (the default): ("MT19937", keys, pos, has_gauss, cached)
     return {
         "python": json.dumps(random.getstate()),
         "numpy": {
@@ -217,7 +218,8 @@ class CheckpointManager:
     def _prune(self, current: int) -> None:
         """Keep the newest ``max_to_keep`` complete checkpoints (``current`` always); step dirs
         without ``COMPLETE`` other than ``current`` are leftovers of killed saves and go too."""
-        complete, incomplete = [], []
+        complete: list[int] = []
+        incomplete: list[int] = []
         for name in os.listdir(self.folder):
             if m := STEP_DIR.match(name):
                 path = os.path.join(self.folder, name)

@@ -105,7 +105,8 @@ def save_state_file(state: Any, path: str) -> None:
         f.write(raw)
         for i in order:
             data = tensors[i].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            view = memoryview(data)
+            # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+            view = memoryview(data)  # type: ignore[arg-type]
             for lo in range(0, len(view), CHUNK):
                 f.write(view[lo : lo + CHUNK])
 
@@ -121,7 +122,7 @@ def _live_targets(node: Any, live: Any, found: dict[str, torch.Tensor]) -> None:
         for k, v in node["d"]:
             _live_targets(v, live.get(k), found)
     elif ("l" in node or "u" in node) and isinstance(live, (list, tuple)):
-        for v, w in zip(node.get("l", node.get("u")), live, strict=False):
+        for v, w in zip(node["l"] if "l" in node else node["u"], live, strict=False):
             _live_targets(v, w, found)
 
 

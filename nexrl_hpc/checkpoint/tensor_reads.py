@@ -134,7 +134,8 @@ def read_tensors(
         if e.end == e.begin:
             continue
         flat = dest.reshape(-1).view(torch.uint8)
-        view = memoryview(flat.numpy())
+        # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+        view = memoryview(flat.numpy())  # type: ignore[arg-type]
         for lo in range(0, e.end - e.begin, CHUNK):
             hi = min(lo + CHUNK, e.end - e.begin)
             plan.append((e.begin + lo, view[lo:hi], None if e.name in targets else flat[lo:hi]))

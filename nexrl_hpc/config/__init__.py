@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,11 +33,13 @@ def resolve_config(cfg: DictConfig | Mapping) -> tuple[dict[str, Any], list[Conf
     OmegaConf.set_readonly(cfg, False)
 
     def walk(node: Any, prefix: str) -> None:
-        keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+        keys: Iterable[Any] = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
         for key in keys:
             path = f"{prefix}.{key}" if prefix else str(key)
             if isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, key):
-                interpolations[path] = str(node._get_node(key)._value())
+                interpolated = node._get_node(key)
+                assert interpolated is not None  # is_interpolation: the key has a node
+                interpolations[path] = str(interpolated._value())
             if isinstance(node, DictConfig) and OmegaConf.is_missing(node, key):
                 problems.append(ConfigProblem(path, "missing required value (???)"))
                 node[key] = None
@@ -55,7 +57,7 @@ def resolve_config(cfg: DictConfig | Mapping) -> tuple[dict[str, Any], list[Conf
     container = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(container, dict)
     container.pop("hydra", None)
-    return container, problems, interpolations
+    return cast("dict[str, Any]", container), problems, interpolations  # the top-level keys are names
 
 
 def _drop_follow_on(problems: list[ConfigProblem], interpolations: dict[str, str]) -> list[ConfigProblem]:

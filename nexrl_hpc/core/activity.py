@@ -13,10 +13,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
 from nexrl_hpc.core.execute import aexecute, execute, execute_async, quick
+
+if TYPE_CHECKING:
+    from nexrl_hpc.config.schema import RLTrainConfig
+    from nexrl_hpc.core.module import NexRLModule
+    from nexrl_hpc.tracking.experiment import ExperimentLogger
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +37,16 @@ class ActivityTracker:
     """Counts in-flight work per module, keeps module references for liveness, routes errors and metrics."""
 
     def __init__(
-        self, config: dict[str, Any] | None = None, max_errors: int = 1000, experiment_logger: Any = None
+        self,
+        config: RLTrainConfig | None = None,
+        max_errors: int = 1000,
+        experiment_logger: ExperimentLogger | None = None,
     ):
         self._config = config
         self._lock = threading.Condition()
         self._inflight: dict[int, _Work] = {}
         self._tokens = itertools.count(1)
-        self._modules: dict[str, Any] = {}
+        self._modules: dict[str, NexRLModule] = {}  # the modules, or handles with their methods
         self._rollout_modules: set[str] = set()
         self._rollout_inflight = 0
         self._training_step = 0
@@ -92,7 +100,9 @@ class ActivityTracker:
         return "; ".join(parts)
 
     # --- modules --------------------------------------------------------------------------------
-    def register_module(self, module_name: str, module_ref: Any, is_rollout_worker: bool = False) -> None:
+    def register_module(
+        self, module_name: str, module_ref: NexRLModule, is_rollout_worker: bool = False
+    ) -> None:
         with self._lock:
             self._modules[module_name] = module_ref
             if is_rollout_worker:
@@ -238,7 +248,8 @@ class ActivityTracker:
 class ActivityTrackerProxy:
     """What a module holds: forwards to the central tracker (local object or remote handle)."""
 
-    def __init__(self, central_tracker: Any):
+    def __init__(self, central_tracker: ActivityTracker):
+        # the tracker itself in local mode, a handle with its methods elsewhere
         self._central = central_tracker
 
     @contextmanager

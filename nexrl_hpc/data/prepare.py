@@ -29,7 +29,9 @@ def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], li
     os.makedirs(data_dir, exist_ok=True)
     val_copy = os.path.join(data_dir, "validation.jsonl")
     if config["data"]["type"] == "task":
-        generator = load_object(config["task"]["generator"])
+        spec = config["task"]["generator"]
+        assert spec is not None  # config.checks: data.type=task needs a generator
+        generator = load_object(spec)
         splits = generator(config["task"]["params"], config["data"]["seed"])
         train_path = os.path.join(data_dir, "train.jsonl")
         _write_jsonl(train_path, splits["train"])

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
 
@@ -24,6 +24,9 @@ from nexrl_hpc.core.execute import aexecute, execute
 from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
 from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
 from nexrl_hpc.inference.version import RolloutVersionLookup
+
+if TYPE_CHECKING:
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 __all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
 
@@ -75,7 +78,7 @@ class LLMServiceClient:
         self._freeze_for_weight_sync = config["freeze_for_weight_sync"]
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
-        self._weight_sync_controller: Any = None
+        self._weight_sync_controller: WeightSyncController | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(self._model_tag)
         self._client = openai.OpenAI(
             base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
@@ -83,7 +86,7 @@ class LLMServiceClient:
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
 
-    def set_weight_sync_controller(self, controller: Any) -> None:
+    def set_weight_sync_controller(self, controller: WeightSyncController | None) -> None:
         self._weight_sync_controller = controller
         self._version_lookup.set_controller(controller)
 

@@ -194,9 +194,9 @@ class HFEngine:
         padded = min(lengths_u) != width
         input_ids = torch.full((len(unique_prompts), width), self.pad_token_id, dtype=torch.long)
         attention_u = torch.zeros((len(unique_prompts), width), dtype=torch.long)
-        for i, ids in enumerate(unique_prompts):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            attention_u[i, width - len(ids) :] = 1
+        for i, unique_ids in enumerate(unique_prompts):
+            input_ids[i, width - len(unique_ids) :] = torch.tensor(unique_ids)
+            attention_u[i, width - len(unique_ids) :] = 1
         input_ids = input_ids.to(self.device)
         attention_u = attention_u.to(self.device)
         positions_u = (attention_u.cumsum(-1) - 1).clamp(min=0)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import RLTrainConfig
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def create_llm_client(config: RLTrainConfig, base_url: str | None, api_key: str | None) -> Any:
+    from nexrl_hpc.inference.client import LLMServiceClient
+    from nexrl_hpc.inference.fake import FakeLLMServiceClient
+
+    LLMClient: TypeAlias = "LLMServiceClient | FakeLLMServiceClient"
+    """What a rollout worker talks to: the real client, or the fake one (``backend=fake``)."""
+
+
+def create_llm_client(config: RLTrainConfig, base_url: str | None, api_key: str | None) -> LLMClient:
     service = config["service"]["inference_service"]
     if service["backend"] == "fake":
         from nexrl_hpc.inference.fake import FakeLLMServiceClient

@@ -11,10 +11,13 @@ import asyncio
 import random
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.core.execute import execute
 from nexrl_hpc.inference.version import RolloutVersionLookup
+
+if TYPE_CHECKING:
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 
 class FakeLLMServiceClient:
@@ -29,14 +32,14 @@ class FakeLLMServiceClient:
         self._eos = tokenizer.eos_token_id
         self._rng = random.Random(seed)
         self._latency_s = latency_s
-        self._controller: Any = None
+        self._controller: WeightSyncController | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(model_tag)
         self.in_flight = 0  # requests being answered now, the most at once, and the threads then
         self.peak_in_flight = 0
         self.threads_at_peak = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
-    def set_weight_sync_controller(self, controller: Any) -> None:
+    def set_weight_sync_controller(self, controller: WeightSyncController | None) -> None:
         self._controller = controller
         self._version_lookup.set_controller(controller)
 

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import uvicorn
@@ -148,11 +148,11 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         if isinstance(prompt, str):
             prompt_ids = [tokenizer(prompt).input_ids]
         elif prompt and isinstance(prompt[0], int):
-            prompt_ids = [list(prompt)]  # type: ignore[arg-type]
+            prompt_ids = [list(prompt)]
         elif prompt and isinstance(prompt[0], str):
-            prompt_ids = tokenizer(list(prompt)).input_ids  # type: ignore[arg-type]
+            prompt_ids = tokenizer(list(prompt)).input_ids
         else:
-            prompt_ids = [list(p) for p in prompt]  # type: ignore[union-attr]
+            prompt_ids = [list(p) for p in cast("list[list[int]]", prompt)]
         if not prompt_ids:
             return _error(400, "prompt is empty")
         params = SamplingParams(
@@ -200,7 +200,10 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         if not tokenizer.chat_template:
             return _error(400, "the model's tokenizer has no chat template; use /v1/completions")
         try:
-            prompt = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+            # token ids, or a BatchEncoding holding them (the return type varies across transformers versions)
+            prompt: Any = tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=True
+            )
         except Exception as exc:
             return _error(400, f"could not apply the chat template: {exc}")
         if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.weight_sync.transport import create_weight_transport
+
+if TYPE_CHECKING:
+    from nexrl_hpc.inference.local_server import LocalInferenceServer
+    from nexrl_hpc.inference.vllm_server import VLLMServer
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ class InferenceService(NexRLModule):
         self._attn = config["model"]["attn_implementation"]
         self._model_dir = model_dir
         self._run_dir = run_dir
-        self._server: Any = None
+        self._server: VLLMServer | LocalInferenceServer | None = None
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
         self._transport = create_weight_transport(

@@ -10,9 +10,12 @@ that moment would have seen.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.core.execute import execute_async
+
+if TYPE_CHECKING:
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 
 class RolloutVersionLookup:
@@ -20,10 +23,10 @@ class RolloutVersionLookup:
 
     def __init__(self, model_tag: str):
         self._model_tag = model_tag
-        self._controller: Any = None
+        self._controller: WeightSyncController | None = None  # the module, or a handle to it
         self._in_flight: asyncio.Future | None = None
 
-    def set_controller(self, controller: Any) -> None:
+    def set_controller(self, controller: WeightSyncController | None) -> None:
         self._controller = controller
 
     async def read(self) -> int | None:

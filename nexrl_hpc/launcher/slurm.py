@@ -25,11 +25,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import submitit
 from submitit.slurm import slurm as submitit_slurm
 
+from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
 from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
@@ -49,7 +50,7 @@ class Component:
     gpus_per_task: int
 
 
-def plan_components(config: dict[str, Any]) -> tuple[int, list[Component]]:
+def plan_components(config: RLTrainConfig) -> tuple[int, list[Component]]:
     """(world size, components in rank order); raises ConfigError when the placement cannot fit."""
     world = 1 + trainer_rank_count(config) + config["launcher"]["rollout_ranks"]
     if config["placement"]["mode"] == "manual":
@@ -70,7 +71,7 @@ def plan_components(config: dict[str, Any]) -> tuple[int, list[Component]]:
     return placement.world_size, components
 
 
-def _manual_placement(config: dict[str, Any]) -> Any:
+def _manual_placement(config: RLTrainConfig) -> Any:
     from nexrl_hpc.runtime.placement import manual_groups, trainer_group
 
     problems: list[ConfigProblem] = []
@@ -146,7 +147,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 class SlurmRun:
     """What every task of the job runs (pickled by submitit; re-run after each requeue)."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: RLTrainConfig):
         self.config = config
 
     def __call__(self) -> dict[str, Any]:
@@ -157,13 +158,15 @@ class SlurmRun:
         return None
 
 
-def job_config(config: dict[str, Any]) -> dict[str, Any]:
+def job_config(config: RLTrainConfig) -> RLTrainConfig:
     """The config a Slurm job runs: a requeued job must resume its run (``resume.mode=auto``)."""
     mode = config["resume"]["mode"]
-    return dict(config, resume=dict(config["resume"], mode="auto" if mode == "disable" else mode))
+    return cast(
+        RLTrainConfig, dict(config, resume=dict(config["resume"], mode="auto" if mode == "disable" else mode))
+    )
 
 
-def run_job_task(config: dict[str, Any], launcher_dir: str | None = None) -> dict[str, Any]:
+def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict[str, Any]:
     """One task of a job submitit started (``SlurmRun``, or a task of Hydra's submitit launcher):
     run this rank, then end as the job needs. Preempted: leave at once (rank 0 saved and requeued
     the job; there is no result). Failed: raise on rank 0 (submitit's result carries the error).
@@ -193,7 +196,7 @@ def run_job_task(config: dict[str, Any], launcher_dir: str | None = None) -> dic
     return {"exit_code": code, "rank": rank, "run_dir": config["run_dir"]}
 
 
-def check_slurm_job(config: dict[str, Any]) -> list[ConfigProblem]:
+def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
     """``launcher=slurm``: the placement's components fit the partition (login node, before sbatch)."""
     try:
         _, components = plan_components(config)
@@ -219,7 +222,7 @@ def check_slurm_job(config: dict[str, Any]) -> list[ConfigProblem]:
                                   time_min=lc["time_min"], time_key="launcher.time_min", shrink_hint=hint)  # fmt: skip
 
 
-def check_hydra_submitit_job(config: dict[str, Any], launcher: dict[str, Any]) -> list[ConfigProblem]:
+def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) -> list[ConfigProblem]:
     """``hydra/launcher=submitit_slurm``: every task of a point's job gets the same resources
     (``launcher`` is ``hydra.launcher``). Checked on the login node before Hydra submits: the
     partition exists and can hold ``nodes`` x ``tasks_per_node`` tasks within its time limit;
@@ -291,7 +294,7 @@ def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
     return (found.group(1) if found else "unknown"), "the cluster's MpiDefault"
 
 
-def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def submit(config: RLTrainConfig) -> tuple[Any, dict[str, Any]]:
     """Check what only the cluster can tell, submit, write ``<run_dir>/launcher.json``."""
     lc = config["launcher"]
     problems = check_slurm_job(config)
@@ -299,7 +302,7 @@ def submit(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         raise ConfigError(problems)
     world, components = plan_components(config)
     run_dir = os.path.abspath(config["run_dir"])
-    run_config = dict(job_config(config), launch_mode="mpi", run_dir=run_dir)
+    run_config = cast(RLTrainConfig, dict(job_config(config), launch_mode="mpi", run_dir=run_dir))
     folder = os.path.join(run_dir, "slurm")
     os.makedirs(folder, exist_ok=True)
     parameters = {

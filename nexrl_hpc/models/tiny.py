@@ -23,7 +23,8 @@ from nexrl_hpc.models.tokenizer import build_char_tokenizer
 def build_tiny_model(cfg: TinyModelConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Random-init Llama with untied input/output embeddings (so inference engines reload lm_head)."""
     tokenizer = build_char_tokenizer(cfg["tokenizer"]["alphabet"], cfg["tokenizer"].get("chat_template"))
-    config = LlamaConfig(
+    # LlamaConfig's typed signature omits the PretrainedConfig keywords (torch_dtype) it accepts
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=len(tokenizer),
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -88,7 +89,7 @@ def load_model(
     hf_logging.disable_progress_bar()
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers types .to() as a decorator wrapper
 
 
 def model_config(model_dir: str) -> Any:

@@ -9,6 +9,7 @@ Released trajectories keep their group together, so a batch never splits a GRPO 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from nexrl_hpc.types import Trajectory
@@ -88,9 +89,10 @@ class GroupedTrajectoryStore(TrajectoryStore):
         self._pending = 0
 
     def add(self, trajectory: Trajectory) -> str:
-        if self._key not in trajectory:
+        fields: Mapping[str, Any] = trajectory  # the key is a configured name: any field, the task's too
+        if self._key not in fields:
             return "fail"
-        value = trajectory[self._key]
+        value = fields[self._key]
         group = self._open.setdefault(value, [])
         group.append(trajectory)
         self._pending += 1
@@ -124,9 +126,10 @@ class HierarchicalTrajectoryStore(TrajectoryStore):
         self._pending = 0
 
     def add(self, trajectory: Trajectory) -> str:
-        if any(k not in trajectory for k in self._keys):
+        fields: Mapping[str, Any] = trajectory  # configured names: any field, the task's too
+        if any(k not in fields for k in self._keys):
             return "fail"
-        path = [trajectory[k] for k in self._keys]
+        path = [fields[k] for k in self._keys]
         parents = [self._root]
         node = self._root
         for value in path[:-1]:

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import RLTrainConfig, TrajectoryPoolConfig
 from nexrl_hpc.core.activity import ActivityTrackerProxy
@@ -15,6 +15,10 @@ from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.pool.stores import TrajectoryStore, create_store
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+
+if TYPE_CHECKING:
+    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,9 @@ class TrajectoryPoolInstance:
         self._lock = threading.Lock()
         self._sync_blocked = False
         self._notified_ready = False
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
+        # module references (the module itself in local mode, a handle with its methods elsewhere)
+        self._dataloader: JsonlDataLoader | None = None
+        self._weight_sync_controller: WeightSyncController | None = None
         self._activity_tracker: ActivityTrackerProxy | None = None
         self._seen: dict[
             int, set[str]
@@ -48,7 +53,10 @@ class TrajectoryPoolInstance:
         self.duplicates = 0
 
     def set_module_references(
-        self, dataloader: Any, weight_sync_controller: Any, activity_tracker: ActivityTrackerProxy | None
+        self,
+        dataloader: JsonlDataLoader | None,
+        weight_sync_controller: WeightSyncController | None,
+        activity_tracker: ActivityTrackerProxy | None,
     ) -> None:
         self._dataloader = dataloader
         self._weight_sync_controller = weight_sync_controller
@@ -155,10 +163,12 @@ class TrajectoryPool(NexRLModule):
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
         self._arrivals = threading.Condition()
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
+        self._dataloader: JsonlDataLoader | None = None
+        self._weight_sync_controller: WeightSyncController | None = None
 
-    def set_module_references(self, dataloader: Any, weight_sync_controller: Any) -> None:
+    def set_module_references(
+        self, dataloader: JsonlDataLoader | None, weight_sync_controller: WeightSyncController | None
+    ) -> None:
         self._dataloader = dataloader
         self._weight_sync_controller = weight_sync_controller
         with self._lock:

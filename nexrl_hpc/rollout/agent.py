@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from nexrl_hpc.agents.agent import BaseAgent
 from nexrl_hpc.agents.engines import AgentWorkflowEngine
@@ -32,11 +32,12 @@ from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.rollout.base import BaseRolloutWorker
 from nexrl_hpc.rollout.single_turn import normalize_scores
+from nexrl_hpc.types import Trajectory
 
 KEY = "rollout_worker.agent"
 
 
-def _load_class(spec: Any, key: str, base: type) -> type:
+def _load_class(spec: Any, key: str, base: type) -> type[Any]:
     """Import ``module:Class`` and check it subclasses ``base``; a ConfigError names ``key`` otherwise."""
     if not isinstance(spec, str):
         raise ConfigError([ConfigProblem(key, f"must be a 'module:Class' string, got {spec!r}")])
@@ -210,9 +211,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
         return await self._aput_trajectory(trajectory)
 
     @staticmethod
-    def episode_to_trajectory(
-        task: dict[str, Any], episode: Episode, model_tag: str
-    ) -> dict[str, Any] | None:
+    def episode_to_trajectory(task: dict[str, Any], episode: Episode, model_tag: str) -> Trajectory | None:
         """Task fields + the episode as one training sequence; None when there is nothing to train on.
 
         An ERROR episode (after retries) or one without a model turn is dropped (reported by the
@@ -230,7 +229,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
             )
         (agent_trajectory,) = trained
         sequence = trajectory_to_sequence(agent_trajectory)
-        trajectory: dict[str, Any] = dict(task)
+        trajectory: dict[str, Any] = dict(task)  # the task's own fields ride along
         trajectory.update(sequence.to_trajectory_fields())
         trajectory.update(
             model_tag=model_tag,
@@ -238,4 +237,4 @@ class AgentRolloutWorker(BaseRolloutWorker):
             termination_reason=episode.termination_reason.value if episode.termination_reason else None,
             scores=episode_scores(episode, sequence.reward),
         )
-        return trajectory
+        return cast(Trajectory, trajectory)

@@ -14,9 +14,9 @@ import contextvars
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
@@ -25,6 +25,14 @@ from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.inference.factory import create_llm_client
 from nexrl_hpc.types import Trajectory
+
+if TYPE_CHECKING:
+    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.inference.factory import LLMClient
+    from nexrl_hpc.inference.service import InferenceService
+    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+    from nexrl_hpc.validate.validator import Validator
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +58,31 @@ class BaseRolloutWorker(NexRLModule):
             "temperature": rw["val_kwargs"]["temperature"],
             "top_p": rw["val_kwargs"]["top_p"],
         }
-        self._llm_client: Any = None
-        self._inference_service: Any = None
+        # module references: the module itself in local mode, a handle with its methods elsewhere
+        self._llm_client: LLMClient | None = None
+        self._inference_service: InferenceService | None = None
         self._is_running_validate = False
-        self._trajectory_pool: Any = None
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
-        self._validate_dataloader: Any = None
-        self._validator: Any = None
+        self._trajectory_pool: TrajectoryPool | None = None
+        self._dataloader: JsonlDataLoader | None = None
+        self._weight_sync_controller: WeightSyncController | None = None
+        self._validate_dataloader: JsonlDataLoader | None = None
+        self._validator: Validator | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
         self.num_completed = 0
         self.num_failed = 0
         self._inflight = 0
-        self._put_buffer: dict[int, tuple[Any, list[tuple[Trajectory, asyncio.Future]]]] = {}
+        self._put_buffer: dict[
+            int, tuple[TrajectoryPool | Validator, list[tuple[Trajectory, asyncio.Future[str]]]]
+        ] = {}
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
         self,
-        trajectory_pool: Any,
-        dataloader: Any,
-        weight_sync_controller: Any,
-        validate_dataloader: Any,
-        validator: Any,
+        trajectory_pool: TrajectoryPool,
+        dataloader: JsonlDataLoader,
+        weight_sync_controller: WeightSyncController,
+        validate_dataloader: JsonlDataLoader,
+        validator: Validator,
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
@@ -81,11 +92,11 @@ class BaseRolloutWorker(NexRLModule):
         if self._llm_client is not None:
             self._llm_client.set_weight_sync_controller(weight_sync_controller)
 
-    def set_inference_service(self, inference_service: Any) -> None:
+    def set_inference_service(self, inference_service: InferenceService) -> None:
         """The engine this worker talks to (on its own rank: the endpoint and key stay local)."""
         self._inference_service = inference_service
 
-    def set_llm_client(self, client: Any) -> None:
+    def set_llm_client(self, client: LLMClient) -> None:
         self._llm_client = client
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -146,7 +157,7 @@ class BaseRolloutWorker(NexRLModule):
                 g.cancel()
             if groups:
                 await asyncio.gather(*groups, return_exceptions=True)
-            if hasattr(self._llm_client, "aclose"):
+            if self._llm_client is not None and hasattr(self._llm_client, "aclose"):
                 await self._llm_client.aclose()
 
     def _request_tasks(self, max_items: int, wait_s: float) -> Future:
@@ -154,10 +165,12 @@ class BaseRolloutWorker(NexRLModule):
         answers inline and a remote one over the wire, so with ``wait_s=0`` the event loop does not
         wait for the loader (only the weight-sync status check is a quick blocking call)."""
         if self._is_running_validate:
+            assert self._validate_dataloader is not None
             request = execute_async(
                 self._validate_dataloader.get_next_items, max_items, wait_s, self._module_name
             )
             return _mapped(request, lambda tasks: (tasks, True))
+        assert self._weight_sync_controller is not None and self._dataloader is not None
         if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
             time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
             done: Future = Future()
@@ -182,6 +195,7 @@ class BaseRolloutWorker(NexRLModule):
         try:
             done = await asyncio.gather(*(self._run_task(task, is_validate, slot_freed) for task in tasks))
             loader = self._validate_dataloader if is_validate else self._dataloader
+            assert loader is not None
             for outcome in ("delivered", "dropped"):
                 finished = [task_key(t) for t, o in zip(tasks, done) if o == outcome]
                 if finished:
@@ -196,9 +210,9 @@ class BaseRolloutWorker(NexRLModule):
         assert self._activity_tracker is not None
         try:
             if self._step_is_async:
-                result = await self.step(task)
+                result = await cast("Awaitable[str | None]", self.step(task))
             else:
-                result = await asyncio.to_thread(self.step, task)
+                result = cast("str | None", await asyncio.to_thread(self.step, task))
             if result == "re-rollout":
                 self._put_rollout_task(task, is_validate)
                 return None
@@ -230,7 +244,7 @@ class BaseRolloutWorker(NexRLModule):
                 slot_freed.set()
 
     # --- data-flow helpers -----------------------------------------------------------------------
-    def step(self, task: dict[str, Any]) -> str | None:
+    def step(self, task: dict[str, Any]) -> str | None | Awaitable[str | None]:
         """Roll out one task; return "success" | "fail" | "re-rollout" | None (may be ``async def``)."""
         raise NotImplementedError
 
@@ -239,13 +253,15 @@ class BaseRolloutWorker(NexRLModule):
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
+        assert destination is not None
         return execute(destination.put_trajectory, trajectory)
 
     async def _aput_trajectory(self, trajectory: Trajectory) -> str:
         """``_put_trajectory`` for async steps: trajectories finishing together go out in one call."""
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
+        assert destination is not None
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        future: asyncio.Future[str] = loop.create_future()
         key = id(destination)
         if key not in self._put_buffer:
             self._put_buffer[key] = (destination, [])
@@ -278,6 +294,7 @@ class BaseRolloutWorker(NexRLModule):
             else self._dataloader
         )
         try:
+            assert loader is not None
             execute(loader.add_item_front, task)
             return True
         except Exception as exc:
@@ -291,18 +308,18 @@ class BaseRolloutWorker(NexRLModule):
         task: dict[str, Any], result: dict[str, Any], scores: dict[str, float] | None = None
     ) -> Trajectory:
         """Task fields + what the engine returned; the loss mask trains every generated token."""
-        trajectory: Trajectory = dict(task)
         response_ids = result["response_ids"]
-        trajectory.update(
-            model_tag=result["model_tag"],
-            response=result["response"],
-            finish_reason=result["finish_reason"],
-            prompt_ids=result["prompt_ids"],
-            response_ids=response_ids,
-            behaviour_log_probs=result["logprobs"],
-            loss_mask=[1] * len(response_ids),
-            weight_version=result["weight_version"],
-        )
+        rollout: Trajectory = {
+            "model_tag": result["model_tag"],
+            "response": result["response"],
+            "finish_reason": result["finish_reason"],
+            "prompt_ids": result["prompt_ids"],
+            "response_ids": response_ids,
+            "behaviour_log_probs": result["logprobs"],
+            "loss_mask": [1] * len(response_ids),
+            "weight_version": result["weight_version"],
+        }
+        trajectory = cast(Trajectory, {**task, **rollout})  # the task's own fields ride along
         if scores is not None:
             trajectory["scores"] = scores
             trajectory["reward"] = float(scores["reward"])
@@ -323,7 +340,7 @@ def _mapped(future: Future, fn: Callable[[Any], Any]) -> Future:
     return out
 
 
-def _resolve_puts(items: list[tuple[Trajectory, asyncio.Future]], request: Future) -> None:
+def _resolve_puts(items: list[tuple[Trajectory, asyncio.Future[str]]], request: Future) -> None:
     try:
         results = request.result()
     except Exception as exc:

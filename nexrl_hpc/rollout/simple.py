@@ -12,6 +12,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         prompt = task.get("prompt")
         if not prompt:
             return None
+        assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         reward = float(task.get("reward", 0.0))
         return await self._aput_trajectory(self.make_trajectory(task, result, {"reward": reward}))

@@ -28,6 +28,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         prompt = task.get("prompt")
         if not prompt:
             return None
+        assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         scores = normalize_scores(self._reward_fn(task, result["response"]), self._reward_spec)
         return await self._aput_trajectory(self.make_trajectory(task, result, scores))

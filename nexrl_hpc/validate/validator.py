@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import Trajectory
+
+if TYPE_CHECKING:
+    from nexrl_hpc.data.loader import JsonlDataLoader
 
 
 class Validator(NexRLModule):
@@ -19,9 +22,9 @@ class Validator(NexRLModule):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._trajectories: list[Trajectory] = []
-        self._validate_dataloader: Any = None
+        self._validate_dataloader: JsonlDataLoader | None = None  # the module, or a handle to it
 
-    def set_module_references(self, validate_dataloader: Any) -> None:
+    def set_module_references(self, validate_dataloader: JsonlDataLoader) -> None:
         self._validate_dataloader = validate_dataloader
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
@@ -44,6 +47,7 @@ class Validator(NexRLModule):
     def is_complete(self) -> bool:
         """Every validation task came back, or all were handed out and every worker is done with its
         share (a task whose step failed for good counts as done: it was reported)."""
+        assert self._validate_dataloader is not None
         if self.num_collected() >= execute(self._validate_dataloader.total_tasks):
             return True
         return execute(self._validate_dataloader.is_finished) and not execute(

@@ -24,13 +24,18 @@ import logging
 import os
 import shutil
 import threading
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
 from nexrl_hpc.weight_sync.transport import WeightSyncError
+
+if TYPE_CHECKING:
+    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.inference.service import InferenceService
+    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +57,7 @@ class WeightSyncController(NexRLModule):
         self._validate_at_end = config["validate"]["validate_at_end"]
         self._total_steps = config["train_worker"]["total_train_steps"]
         self._batch_items = config["trajectory_pool"]["batch_size"]
-        self._inference_services: list[Any] = []
+        self._inference_services: list[InferenceService] = []
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._events = 0  # bumped on every new version and validation request (see wait_for_progress)
@@ -63,15 +68,16 @@ class WeightSyncController(NexRLModule):
         self._batches_out: dict[ModelTag, int] = {}  # async modes: batches handed out since the start
         self._waiting_validation: ModelTag | None = None
         self._validation_version = 0
-        self._dataloader: Any = None
-        self._trajectory_pool: Any = None
+        # module references: the module itself in local mode, a handle with its methods elsewhere
+        self._dataloader: JsonlDataLoader | None = None
+        self._trajectory_pool: TrajectoryPool | None = None
 
-    def set_module_references(self, dataloader: Any, trajectory_pool: Any) -> None:
+    def set_module_references(self, dataloader: JsonlDataLoader, trajectory_pool: TrajectoryPool) -> None:
         self._dataloader = dataloader
         self._trajectory_pool = trajectory_pool
         execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
 
-    def set_inference_services(self, services: list[Any]) -> None:
+    def set_inference_services(self, services: list[InferenceService]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
         self._inference_services = list(services)
 
@@ -109,6 +115,7 @@ class WeightSyncController(NexRLModule):
         """Sync mode: the batch is complete; stragglers are sent back ("re-rollout") until the new weights serve."""
         if self._mode != "sync":
             return
+        assert self._trajectory_pool is not None
         execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
 
     def train_worker_notify_weight_update(
@@ -213,6 +220,7 @@ class WeightSyncController(NexRLModule):
                 return
             self._released_for[model_tag] = version
             done = version >= self._total_steps
+        assert self._trajectory_pool is not None and self._dataloader is not None
         execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
         if self._mode == "sync":
             execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)
@@ -221,6 +229,7 @@ class WeightSyncController(NexRLModule):
         """Async modes: a whole batch was over the staleness bound; hand out one batch more in its
         place (otherwise the last steps of the run would wait for data that never comes)."""
         if self._mode != "sync":
+            assert self._dataloader is not None
             execute(self._dataloader.add_dispatch_budget, self._batch_items)
 
     def _release_async(self, model_tag: ModelTag) -> None:
@@ -236,6 +245,7 @@ class WeightSyncController(NexRLModule):
             new = max(0, allowed - out)
             self._batches_out[model_tag] = out + new
         items = new * self._batch_items
+        assert self._dataloader is not None
         if first:  # a resume hands out again the tasks that were untrained at the checkpoint: they count
             items = max(0, items - execute(self._dataloader.num_untrained))
         if items:

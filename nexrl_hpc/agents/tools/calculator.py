@@ -51,7 +51,11 @@ def evaluate(expression: str, max_length: int = 200, max_exponent: int = 64, max
     def walk(node: ast.AST) -> int | float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and type(node.value) is not bool
+        ):
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](walk(node.operand))
