@@ -299,7 +299,7 @@ def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) ->
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def test_seed_003_placement_errors_before_start() -> None:
+def test_colocation_group_placement_errors_before_start() -> None:
     base = ["launch_mode=mpi", "placement.mode=manual"]
     roles = {
         "data_loader": ("driver", 1), "validate_dataloader": ("driver", 1), "trajectory_pool": ("driver", 1),
@@ -325,7 +325,7 @@ def test_seed_003_placement_errors_before_start() -> None:
 
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_mpi_run_with_two_trainer_ranks_learns(tmp_path: Path, engine: str) -> None:
-    """mpirun -n 5: driver, a trainer group of 2 ranks (seed 002 protocol, torch.distributed), 2 rollout ranks."""
+    """mpirun -n 5: driver, a trainer group of 2 ranks (the training service's rank-0 protocol, torch.distributed), 2 rollout ranks."""
     run_dir = tmp_path / engine
     args = [
         f"run_dir={run_dir}",
