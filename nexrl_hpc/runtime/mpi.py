@@ -29,8 +29,6 @@ from nexrl_hpc.runtime.bootstrap import bootstrap
 from nexrl_hpc.runtime.mpi_runtime import MPIRuntime
 from nexrl_hpc.runtime.rank_server import RankServer
 
-_HARD_BOOTSTRAP_GRACE_S = 10.0  # after runtime.bootstrap_timeout_s, for a rank stuck in C code
-
 
 def configure_rank_logging(run_dir: str, rank: int) -> None:
     """Rank 0 keeps Hydra's train.log (or opens it, started without Hydra: the Slurm launcher's
@@ -73,7 +71,8 @@ def run_mpi(
     watchdog.start()
     # MPI_Init holds the GIL, so the timer above cannot fire while it hangs; faulthandler's C thread
     # can: it prints where this rank stood and exits 1 shortly after
-    faulthandler.dump_traceback_later(timeout_s + _HARD_BOOTSTRAP_GRACE_S, exit=True, file=sys.stderr)
+    hard_timeout_s = timeout_s + config["runtime"]["bootstrap_kill_after_s"]  # for a rank stuck in C code
+    faulthandler.dump_traceback_later(hard_timeout_s, exit=True, file=sys.stderr)
     MPI = start_mpi(config["runtime"]["mpi_env"])
 
     from nexrl_hpc.runtime.placement import PlacementError

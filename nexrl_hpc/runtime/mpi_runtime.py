@@ -138,7 +138,7 @@ class MPIRuntime(Runtime):
         rank 0 should finalize."""
         w = self._world
         everyone = all(not w.endpoint.is_dead(r) for r in range(1, len(w.peers)))
-        self._call_live_ranks("release", (everyone,), 1.0)
+        self._call_live_ranks("release", (everyone,), self._config["runtime_monitor"]["release_wait_s"])
         return everyone  # not "all answered": a released rank may close its socket before its reply leaves
 
     def _tracker(self) -> ActivityTracker:

@@ -131,7 +131,7 @@ class RankServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("rank 0 did not answer a heartbeat")
-            if wait_futures([reply], timeout=min(0.1, remaining)).done:
+            if wait_futures([reply], timeout=min(self._health["reply_poll_s"], remaining)).done:
                 reply.result()
                 return
 
