@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
-from nexrl_hpc.config.schema import RuntimeMonitorConfig
+from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.local import LocalRuntime
@@ -21,8 +23,8 @@ class _Module:
 
 
 def _health(policy: str) -> tuple[RunHealth, ActivityTracker, list[tuple[set[str], str]]]:
-    config = compose_config([f"runtime_monitor.exception_handling.policy={policy}"])
-    monitor: RuntimeMonitorConfig = config["runtime_monitor"]
+    config = cast(RLTrainConfig, compose_config([f"runtime_monitor.exception_handling.policy={policy}"]))
+    monitor = config["runtime_monitor"]
     tracker = ActivityTracker()
     dropped: list[tuple[set[str], str]] = []
     health = RunHealth(
