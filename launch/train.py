@@ -56,8 +56,8 @@ def hydra_main(cfg: DictConfig) -> None:
         run_job_task(job_config(config), HydraConfig.get().runtime.output_dir)  # returns: submitit stores it
         return
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
-    from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi
+    from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
     grace_s = config["runtime_monitor"]["stop_timeout_s"]
     if config["launch_mode"] == "mpi":

@@ -1,10 +1,12 @@
 """NexRLController: builds every module from the config, runs them, watches them, stops them.
 
-``run`` (seed 000): prepare the run dir, model and data -> build the modules through the runtime
+``run``: prepare the run dir, model and data -> build the modules through the runtime
 (local objects, or handles to modules on other MPI ranks: the controller cannot tell) -> start the
 inference services -> init the trainer -> load the initial or resumed checkpoint and publish its
 weights -> optional validation -> start the loops -> monitor (validation on weight-sync request,
-finish, exceptions by policy, dead ranks and modules) -> stop everything, even on failure.
+finish, exceptions by policy, dead ranks and modules: ``run_health``) -> stop everything, even on
+failure. Module references are typed as their modules' classes: in mpi mode they are remote handles
+mirroring those classes, called the same way through ``execute``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import random
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,42 +34,45 @@ from nexrl_hpc.checkpoint.manager import (
 )
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
-from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.data.prepare import prepare_datasets
-from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
+from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.local import LocalRuntime
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
+from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.tracking.experiment import ExperimentLogger, read_metrics
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 
+if TYPE_CHECKING:
+    from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
+    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.inference.service import InferenceService
+    from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
+    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+    from nexrl_hpc.rollout.base import BaseRolloutWorker
+    from nexrl_hpc.train.worker import TrainWorker
+    from nexrl_hpc.validate.validator import Validator
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
+
+    _Stoppable = BaseRolloutWorker | BaseAlgorithmProcessor | TrainWorker | InferenceService
+
 logger = logging.getLogger(__name__)
-
-# roles whose loss a run survives under policy "continue": the work of a dead instance is re-issued
-REPLACEABLE_ROLES = {NexRLRole.ROLLOUT_WORKER, NexRLRole.INFERENCE_SERVICE}
-
-
-class RunFailed(RuntimeError):
-    """The run stopped because of an error (policy ``stop_on_error`` / ``stop_on_critical`` or a dead module)."""
 
 
 class NexRLController:
-    def __init__(self, config: RLTrainConfig, runtime: Any = None):
+    def __init__(self, config: RLTrainConfig, runtime: Runtime | None = None) -> None:
         self.config = config
         self.run_dir = os.path.abspath(config["run_dir"])
-        self.runtime = runtime if runtime is not None else LocalRuntime(config)
+        self.runtime: Runtime = runtime if runtime is not None else LocalRuntime(config)
         self._monitor = config["runtime_monitor"]
-        self._policy = self._monitor["exception_handling"]["policy"]
         self._poll_s = self._monitor["poll_interval_s"]
-        self._seen_errors = 0
-        self._last_health_check = 0.0
         self._modules_built = False
-        self._rollout_workers: list[Any] = []
-        self._inference_services: list[Any] = []
-        self._server_descriptions: dict[str, str] = {}
-        self._module_roles: dict[str, NexRLRole] = {}
+        self._rollout_workers: list[BaseRolloutWorker] = []
+        self._inference_services: list[InferenceService] = []
         self.activity_tracker: ActivityTracker | None = None
+        self._health: RunHealth | None = None  # built with the activity tracker
         self.experiment_logger: ExperimentLogger | None = None
         self.last_validation: dict[str, float] | None = None
         self.resumed_from: str | None = None
@@ -132,6 +138,7 @@ class NexRLController:
 
         self.experiment_logger = ExperimentLogger(cfg, self.run_dir, resume_step)
         self.activity_tracker = ActivityTracker(cfg, experiment_logger=self.experiment_logger)
+        self._health = RunHealth(self._monitor, self.runtime, self.activity_tracker, self._continue_without)
         self.runtime.create_all_actors(ctx, self.activity_tracker)
         self._modules_built = True
         self._rollout_workers = list(self.runtime.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER))
@@ -144,7 +151,7 @@ class NexRLController:
         for service in self._inference_services:
             execute(service.wait_ready)
             # kept now: when a server dies its rank may not answer any more
-            self._server_descriptions[execute(service.get_module_name)] = execute(service.describe)
+            self._health.server_descriptions[execute(service.get_module_name)] = execute(service.describe)
         if resume_state is not None:
             assert self.resumed_from is not None
             self._load_resume_checkpoint(self.resumed_from, resume_state)
@@ -161,9 +168,9 @@ class NexRLController:
             gc.freeze()
 
     def _wire_modules(self) -> None:
-        assert self.activity_tracker is not None
+        assert self.activity_tracker is not None and self._health is not None
         for name, role, handle in self.runtime.modules():
-            self._module_roles[name] = role
+            self._health.module_roles[name] = role
             self.activity_tracker.register_module(
                 name, handle, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER
             )
@@ -241,8 +248,7 @@ class NexRLController:
             if execute(self.weight_sync_controller.is_waiting_for_validation):
                 tag = execute(self.weight_sync_controller.waiting_validation_model_tag)
                 self._run_validate(tag or self._model_tag)
-            self._check_module_exceptions()
-            self._check_health()
+            self._check_run()
             self._check_preemption()
             if self._check_finish():
                 break
@@ -292,8 +298,7 @@ class NexRLController:
     def _run_validate(self, model_tag: ModelTag) -> None:
         self._start_validate(model_tag)
         while not execute(self.validator.wait_complete, self._poll_s):
-            self._check_module_exceptions()
-            self._check_health()
+            self._check_run()
         self._end_validate(model_tag)
 
     def _start_validate(self, model_tag: ModelTag) -> None:
@@ -334,86 +339,14 @@ class NexRLController:
             )
         return data_done
 
-    def _check_module_exceptions(self) -> bool:
-        """Apply ``runtime_monitor.exception_handling.policy`` to errors reported since the last check."""
-        assert self.activity_tracker is not None
-        if not self._monitor["exception_handling"]["enabled"]:
-            return True
-        new, self._seen_errors = self.activity_tracker.error_reporter.errors_since(self._seen_errors)
-        errors = [e for e in new if e.severity == ErrorSeverity.ERROR]
-        if self._policy == "stop_on_critical":
-            errors = [e for e in errors if e.is_critical]
-        elif self._policy == "continue":
-            errors = []
-        if errors:
-            first = errors[0]
-            raise RunFailed(
-                f"{first.module_name} [{first.work_context}]: {first.message} (policy {self._policy})"
-            )
-        return True
+    def _check_run(self) -> None:
+        """Errors by policy, dead ranks, dead modules: raises ``RunFailed`` if the run cannot go on."""
+        assert self._health is not None
+        self._health.check_module_exceptions()
+        self._health.check_health()
 
-    def _check_health(self) -> None:
-        """Dead ranks (heartbeats, a local look-up) on every wake-up, so a silent rank is declared dead
-        soon after ``timeout``; module health checks (calls) every ``check_interval``."""
-        health = self._monitor["health_check"]
-        if not health["enabled"]:
-            return
-        tracker = self.activity_tracker
-        assert tracker is not None
-        now = time.monotonic()
-        for dead in self.runtime.dead_ranks(health["timeout"]):
-            reason = (
-                f"rank {dead['rank']} on {dead['host']} ({', '.join(dead['modules'])}) stopped answering: "
-                f"no heartbeat for {dead['silence_s']:.1f}s"
-            )
-            try:
-                if set(dead["modules"]) & set(tracker.registered_modules()):
-                    self._lose_modules(dead["modules"], reason)
-                elif self.runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
-                    raise RunFailed(f"{reason}: the trainer group cannot train without it")
-            finally:
-                self.runtime.retire_rank(dead["rank"], reason)  # calls to it fail at once from now on
-        if now - self._last_health_check < health["check_interval"]:
-            return
-        self._last_health_check = now
-        tracker.set_gauge("rpc/rejected", self.runtime.rpc_rejected_total())
-        dead_modules = tracker.dead_modules(health["timeout"])
-        if dead_modules:
-            self._check_module_exceptions()  # a crash that was reported names its cause
-            silent = self.runtime.ranks_only_hosting(dead_modules)  # nothing on them answers
-            where = ", ".join(
-                f"{name} ({self.runtime.location(name)}{self._served_at(name)})" for name in dead_modules
-            )
-            if silent:
-                reason = "; ".join(
-                    f"{self.runtime.describe_rank(r)} stopped answering: health checks timed out"
-                    for r in silent
-                )
-            else:
-                reason = f"module(s) not alive: {where}"
-            try:
-                self._lose_modules(dead_modules, reason)
-            finally:
-                for rank in silent:
-                    self.runtime.retire_rank(rank, reason)
-
-    def _served_at(self, name: str) -> str:
-        """For an inference service: ``, server <url> (pid, log)`` — which server died, for the message.
-        Recorded at start-up, never asked of the dead module (its rank may be hung)."""
-        description = self._server_descriptions.get(name)
-        return f", server {description}" if description else ""
-
-    def _lose_modules(self, names: list[str], reason: str) -> None:
-        """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
-        assert self.activity_tracker is not None
-        for name in names:  # their in-flight work will never end: shutdown must not wait for it
-            self.activity_tracker.unregister_module(name)
-        replaceable = all(self._module_roles.get(m) in REPLACEABLE_ROLES for m in names)
-        if self._policy != "continue" or not replaceable:
-            raise RunFailed(f"{reason} (policy {self._policy})")
-        logger.error("%s; continuing without it (policy continue)", reason)
-        self.activity_tracker.report_error("controller", "health_check", reason, ErrorSeverity.WARNING)
-        gone = set(names)
+    def _continue_without(self, gone: set[str], reason: str) -> None:
+        """Policy continue lost rollout workers / inference services: re-wire the rest, re-issue their tasks."""
         self._rollout_workers = [w for w in self._rollout_workers if execute(w.get_module_name) not in gone]
         self._inference_services = [
             s for s in self._inference_services if execute(s.get_module_name) not in gone
@@ -421,8 +354,9 @@ class NexRLController:
         if not self._rollout_workers or not self._inference_services:
             raise RunFailed(f"{reason}: no rollout worker or inference service is left")
         execute(self.weight_sync_controller.set_inference_services, self._inference_services)
+        assert self._health is not None
         for name in gone:
-            if self._module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
+            if self._health.module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
                 n = execute(self.dataloader.requeue_consumer, name)
                 m = execute(self.validate_dataloader.requeue_consumer, name)
                 logger.warning("re-issued %d training and %d validation task(s) that %s held", n, m, name)
@@ -462,14 +396,17 @@ class NexRLController:
         if self.experiment_logger is not None:
             self._quietly(self.experiment_logger.close)
 
-    def _stop_all(self, handles: list[Any], deadline: float) -> None:
+    def _stop_all(self, handles: Sequence[_Stoppable], deadline: float) -> None:
         """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""
         futures = [execute_async(h.stop) for h in handles]
         for f in futures:
-            self._quietly(lambda f=f: f.result(timeout=max(0.0, deadline - time.monotonic())))
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                logger.exception("error during shutdown")
 
     @staticmethod
-    def _quietly(fn: Any) -> None:
+    def _quietly(fn: Callable[[], object]) -> None:
         try:
             fn()
         except Exception:
@@ -484,43 +421,43 @@ class NexRLController:
         return self.config["service"]["train_service"]["model_tag"] or DEFAULT_MODEL_TAG
 
     @property
-    def dataloader(self) -> Any:
+    def dataloader(self) -> JsonlDataLoader:
         return self._one(NexRLRole.DATA_LOADER)
 
     @property
-    def validate_dataloader(self) -> Any:
+    def validate_dataloader(self) -> JsonlDataLoader:
         return self._one(NexRLRole.VALIDATE_DATALOADER)
 
     @property
-    def trajectory_pool(self) -> Any:
+    def trajectory_pool(self) -> TrajectoryPool:
         return self._one(NexRLRole.TRAJECTORY_POOL)
 
     @property
-    def algorithm_processor(self) -> Any:
+    def algorithm_processor(self) -> BaseAlgorithmProcessor:
         return self._one(NexRLRole.ALGORITHM_PROCESSOR)
 
     @property
-    def train_batch_pool(self) -> Any:
+    def train_batch_pool(self) -> TrainBatchPool:
         return self._one(NexRLRole.TRAIN_BATCH_POOL)
 
     @property
-    def train_worker(self) -> Any:
+    def train_worker(self) -> TrainWorker:
         return self._one(NexRLRole.TRAIN_WORKER)
 
     @property
-    def weight_sync_controller(self) -> Any:
+    def weight_sync_controller(self) -> WeightSyncController:
         return self._one(NexRLRole.WEIGHT_SYNC_CONTROLLER)
 
     @property
-    def validator(self) -> Any:
+    def validator(self) -> Validator:
         return self._one(NexRLRole.VALIDATOR)
 
     @property
-    def rollout_workers(self) -> list[Any]:
+    def rollout_workers(self) -> list[BaseRolloutWorker]:
         return self._rollout_workers
 
 
-def run_controller(config: RLTrainConfig, runtime: Any = None) -> int:
+def run_controller(config: RLTrainConfig, runtime: Runtime | None = None) -> int:
     """Run the controller (rank 0 in mpi mode) and say how it ended; the process exit code."""
     controller = NexRLController(config, runtime)
     try:

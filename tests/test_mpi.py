@@ -299,7 +299,7 @@ def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) ->
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def test_manual_placement_errors_before_start() -> None:
+def test_colocation_group_placement_errors_before_start() -> None:
     base = ["launch_mode=mpi", "placement.mode=manual"]
     roles = {
         "data_loader": ("driver", 1), "validate_dataloader": ("driver", 1), "trajectory_pool": ("driver", 1),

@@ -19,7 +19,7 @@ import pytest
 
 from nexrl_hpc.checkpoint.manager import find_latest_checkpoint
 from nexrl_hpc.inference.local_server import kill_process_group
-from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 from tests.conftest import REPO, run_train
 from tests.test_checkpoint_crash import alive
 

@@ -41,7 +41,7 @@ class BaseAlgorithmProcessor(NexRLModule):
         self._start_thread(self._loop)
 
     def stop(self) -> None:
-        self._stop_thread(timeout=10)
+        self._stop_thread(timeout=self._config["algorithm"]["stop_timeout_s"])
 
     def _loop(self) -> None:
         while not self.stopped:
@@ -65,5 +65,7 @@ class BaseAlgorithmProcessor(NexRLModule):
         while not self.stopped:
             if execute(self._train_batch_pool.put_batch, batch, update_fn):
                 return True
-            time.sleep(0.01)  # the train batch queue is full: back-pressure
+            time.sleep(
+                self._config["algorithm"]["full_queue_poll_s"]
+            )  # the train batch queue is full: back-pressure
         return False

@@ -98,6 +98,7 @@ class RolloutWorkerConfig(TypedDict):
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
+    stop_timeout_s: Annotated[float, Gt(0.0)]  # stop() waits this long for the worker loop
 
 
 class TrajectoryPoolConfig(TypedDict):
@@ -121,6 +122,8 @@ class AlgorithmConfig(TypedDict):
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
+    stop_timeout_s: Annotated[float, Gt(0.0)]  # stop() waits this long for the processing loop
+    full_queue_poll_s: Annotated[float, Gt(0.0)]  # train batch queue full: offer the batch again after this
 
 
 class TrainBatchPoolConfig(TypedDict):
@@ -140,6 +143,7 @@ class TrainWorkerConfig(TypedDict):
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
+    stop_timeout_s: Annotated[float, Gt(0.0)]  # stop() waits this long for the training loop
 
 
 class WeightConfig(TypedDict):
@@ -218,6 +222,9 @@ class LocalInferenceConfig(TypedDict):
     batch_wait_ms: Annotated[float, Ge(0.0)]
     num_threads: Annotated[int, Ge(1)]
     startup_timeout_s: Annotated[float, Gt(0.0)]
+    startup_poll_s: Annotated[float, Gt(0.0)]  # ready file / /health polls during start-up
+    stop_timeout_s: Annotated[float, Gt(0.0)]  # SIGTERM, then SIGKILL after this long
+    engine_stop_timeout_s: Annotated[float, Gt(0.0)]  # the server's shutdown waits this long for its engine
     seed: int
 
 
@@ -226,6 +233,9 @@ class VLLMInferenceConfig(TypedDict):
     host: str
     port: Annotated[int, Ge(0), Le(65535)]  # 0: a free port
     startup_timeout_s: Annotated[float, Gt(0.0)]
+    startup_poll_s: Annotated[float, Gt(0.0)]  # /v1/models polls during start-up
+    stop_timeout_s: Annotated[float, Gt(0.0)]  # SIGTERM the process group, SIGKILL after this long
+    stop_poll_s: Annotated[float, Gt(0.0)]  # how often stop looks whether the group is gone
     dtype: Literal["float32", "bfloat16", "float16", "auto"]
     max_model_len: Annotated[int, Ge(1)] | None  # null: the model's max_position_embeddings
     pause_mode: Literal["wait", "keep"]  # weight reload: finish in-flight requests first | keep them
@@ -245,6 +255,9 @@ class InferenceServiceConfig(TypedDict):
     retry_backoff_s: Annotated[float, Ge(0.0)]
     request_timeout_s: Annotated[float, Gt(0.0)]
     freeze_for_weight_sync: bool
+    weight_sync_poll_s: Annotated[
+        float, Gt(0.0)
+    ]  # a request held during a weight reload asks again this often
     fake_latency_ms: Annotated[float, Ge(0.0)]  # backend=fake: each request takes this long
     coalesce_wait_ms: Annotated[float, Ge(0.0)]
     max_coalesce: Annotated[int, Ge(1)]
@@ -297,12 +310,16 @@ class HealthCheckConfig(TypedDict):
     enabled: bool
     check_interval: Annotated[float, Gt(0.0)]
     timeout: Annotated[float, Gt(0.0)]
+    reply_poll_s: Annotated[
+        float, Gt(0.0)
+    ]  # a rank awaiting a heartbeat's reply checks this often for a stop
 
 
 class RuntimeMonitorConfig(TypedDict):
     exception_handling: ExceptionHandlingConfig
     health_check: HealthCheckConfig
     stop_timeout_s: Annotated[float, Gt(0.0)]
+    release_wait_s: Annotated[float, Gt(0.0)]  # mpi: rank 0 waits this long for the answers to "release"
     poll_interval_s: Annotated[float, Gt(0.0)]  # how often the controller loop looks at the modules
 
 
@@ -320,6 +337,7 @@ class RpcConfig(TypedDict):
 class RuntimeConfig(TypedDict):
     rpc: RpcConfig
     bootstrap_timeout_s: Annotated[float, Gt(0.0)]
+    bootstrap_kill_after_s: Annotated[float, Gt(0.0)]  # a rank stuck in C code is ended this long after
     mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)
     gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
     gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)

@@ -261,14 +261,14 @@ class LLMServiceClient:
 
     def _wait_for_weight_sync(self) -> None:
         while self._sync_in_progress():
-            time.sleep(0.005)
+            time.sleep(self._config["weight_sync_poll_s"])
 
     async def _await_weight_sync(self) -> None:
         if not self._freeze_for_weight_sync or self._weight_sync_controller is None:
             return
         status = self._weight_sync_controller.check_rollout_service_status
         while await aexecute(status, self._model_tag) == "block":
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(self._config["weight_sync_poll_s"])
 
     async def aclose(self) -> None:
         """Close the connections (call from the loop that made the async requests)."""

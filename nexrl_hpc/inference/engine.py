@@ -68,8 +68,11 @@ class HFEngine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         attn_implementation: str | None = None,
+        *,
+        stop_timeout_s: float,
     ):
         self.model_dir = model_dir
+        self.stop_timeout_s = stop_timeout_s  # stop() waits this long for the engine loop
         self.tokenizer = load_tokenizer(model_dir)
         self.device = torch.device(device)
         self.model = load_model(
@@ -128,7 +131,7 @@ class HFEngine:
     def stop(self) -> None:
         self._stopped = True
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self.stop_timeout_s)
 
     # --- engine loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

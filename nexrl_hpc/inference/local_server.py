@@ -81,6 +81,7 @@ class LocalInferenceServer:
             "--dtype", self.dtype,
             "--weight-version", str(self.weight_version),
             "--parent-pid", str(os.getpid()),
+            "--engine-stop-timeout-s", str(self.config["engine_stop_timeout_s"]),
         ]  # fmt: skip
         if self.attn_implementation:
             cmd += ["--attn-implementation", self.attn_implementation]
@@ -113,7 +114,7 @@ class LocalInferenceServer:
                 self._wait_healthy(deadline)
                 logger.info("local inference server up at %s (pid %d)", self.base_url, self.process.pid)
                 return self.base_url
-            time.sleep(0.05)
+            time.sleep(self.config["startup_poll_s"])
         self.stop()
         raise InferenceServerStartError(
             f"local inference server not ready after {self.config['startup_timeout_s']}s "
@@ -127,7 +128,7 @@ class LocalInferenceServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.05)
+            time.sleep(self.config["startup_poll_s"])
         raise InferenceServerStartError(f"{self.base_url}/health did not answer; see {self.log_path}")
 
     def is_alive(self) -> bool:
@@ -136,9 +137,10 @@ class LocalInferenceServer:
     def kill(self) -> None:
         kill_process_group(self.process)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        timeout = self.config["stop_timeout_s"]
         self.process.terminate()
         try:
             self.process.wait(timeout=timeout)

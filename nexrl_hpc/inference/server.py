@@ -310,6 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", type=int, default=0)
     parser.add_argument("--attn-implementation", default=None, choices=["eager", "sdpa", "flash_attention_2"])
     parser.add_argument(
+        "--engine-stop-timeout-s",
+        type=float,
+        required=True,
+        help="at shutdown, wait this long for the engine loop (service.inference_service.local.engine_stop_timeout_s)",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -336,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=getattr(torch, args.dtype),
         attn_implementation=args.attn_implementation,
+        stop_timeout_s=args.engine_stop_timeout_s,
     )
     engine.weight_version = args.weight_version
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None)

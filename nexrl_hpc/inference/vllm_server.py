@@ -152,7 +152,7 @@ class VLLMServer:
                     return self.base_url
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(self.config["startup_poll_s"])
         self.stop()
         raise InferenceServerStartError(
             f"vLLM server at {self.base_url} not ready after {self.config['startup_timeout_s']}s "
@@ -166,10 +166,11 @@ class VLLMServer:
         """No graceful stop: the supervisor, the API server and the engine processes get SIGKILL."""
         kill_process_group(self.process)
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self) -> None:
         """SIGTERM the server's process group (supervisor, API server, engine), SIGKILL if it lingers."""
         if self.process is None:
             return
+        timeout = self.config["stop_timeout_s"]
         pgid = self.process.pid  # session leader: its pid is the group id
         _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -177,7 +178,7 @@ class VLLMServer:
             self.process.poll()  # reap the supervisor, or the group never looks empty
             if not _signal_group(pgid, 0):
                 return
-            time.sleep(0.1)
+            time.sleep(self.config["stop_poll_s"])
         logger.warning("vLLM server group %d still running after %.0fs: SIGKILL", pgid, timeout)
         _signal_group(pgid, signal.SIGKILL)
         self.process.wait(timeout=timeout)

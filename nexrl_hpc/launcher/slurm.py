@@ -7,7 +7,7 @@ heterogeneous job (``#SBATCH hetjob``) whose tasks form one MPI_COMM_WORLD throu
 has no hetjob support; ``HetSlurmExecutor`` adds it (a subclass, two pitfalls handled: srun expands
 ``%j`` per component, so its log paths use ``${SLURM_JOB_ID}``; sacct names components ``N+0``,
 ``N+1``). Every rank runs ``SlurmRun``, which runs the mpi mode and, on preemption, leaves the
-requeue to rank 0 (see ``launcher.preemption``).
+requeue to rank 0 (see ``runtime.preemption``).
 
 Hydra's own submitit launcher (``-m hydra/launcher=submitit_slurm``) submits one plain job per sweep
 point instead; its tasks call ``launch.train``'s task function, which runs them as ``SlurmRun``
@@ -33,8 +33,8 @@ from submitit.slurm import slurm as submitit_slurm
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
-from nexrl_hpc.launcher.preemption import PREEMPTED_EXIT
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_rank_count
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE"}  # fmt: skip
@@ -171,7 +171,7 @@ def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict
     run this rank, then end as the job needs. Preempted: leave at once (rank 0 saved and requeued
     the job; there is no result). Failed: raise on rank 0 (submitit's result carries the error).
     Finished: return the result, for submitit to store."""
-    from nexrl_hpc.launcher.preemption import catch_signal_early
+    from nexrl_hpc.runtime.preemption import catch_signal_early
 
     catch_signal_early(config["preemption"])  # a signal during start-up is remembered, not fatal
     from nexrl_hpc.controller import run_controller

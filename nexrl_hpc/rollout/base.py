@@ -110,7 +110,7 @@ class BaseRolloutWorker(NexRLModule):
         self._start_thread(lambda: asyncio.run(self._main()))
 
     def stop(self) -> None:
-        self._stop_thread(timeout=30)
+        self._stop_thread(timeout=self._config["rollout_worker"]["stop_timeout_s"])
 
     def begin_validate(self) -> None:
         self._is_running_validate = True

@@ -1,4 +1,4 @@
-"""Local launch mode: every role is a plain object in this process (seed 003's resource manager API).
+"""Local launch mode: every role is a plain object in this process (a ``runtime.protocol.Runtime``).
 
 A runtime builds the modules of the roles, gives each an activity-tracker proxy, and answers
 ``get_actor_wrapper(role)`` with what callers use to reach them — here the objects themselves.
@@ -13,12 +13,15 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.runtime.placement import module_name
+from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext, build_module, local_role_counts
 from nexrl_hpc.types import NexRLRole
 
 
-class LocalRuntime:
-    def __init__(self, config: RLTrainConfig):
+class LocalRuntime(Runtime):
+    """Every module is an object of this process."""
+
+    def __init__(self, config: RLTrainConfig) -> None:
         self._config = config
         self._modules: dict[NexRLRole, list[Any]] = {}
 

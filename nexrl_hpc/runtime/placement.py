@@ -1,7 +1,7 @@
-"""Placement: which roles run on which MPI ranks (seed 003's colocation groups, here: ranks).
+"""Placement: which roles run on which MPI ranks (colocation groups, here: ranks).
 
 A colocation group is a set of roles that share one process; each of its ``count`` instances is one
-rank. Rules (seed 003): every role in a group has the same count; a role without a group gets its
+rank. Rules: every role in a group has the same count; a role without a group gets its
 own ranks; unknown roles are errors. ``mode: auto`` puts the driver roles (loaders, pools,
 processor, weight sync, validator, train worker — and the controller and activity tracker) on
 rank 0, ``service.train_service.world_size`` trainer ranks next (in both modes: a group hosting no
@@ -97,7 +97,7 @@ def _role(name: str, path: str, problems: list[ConfigProblem]) -> NexRLRole | No
 
 
 def manual_groups(placement_cfg: Mapping[str, Any], problems: list[ConfigProblem]) -> list[GroupSpec]:
-    """Groups from ``placement.roles``: {role: {count, colocation_group}} (seed 003's register_role)."""
+    """Groups from ``placement.roles``: {role: {count, colocation_group}} (one entry per role, as a role is registered)."""
     roles_cfg = placement_cfg["roles"]
     resources = placement_cfg["resources"]
     groups: dict[str, dict[str, Any]] = {}
@@ -161,7 +161,7 @@ def check_groups(groups: list[GroupSpec], problems: list[ConfigProblem]) -> None
 
 
 def trainer_rank_count(config: Mapping[str, Any]) -> int:
-    """Ranks of the job's own trainer group (seed 002 embedded): none when training happens elsewhere."""
+    """Ranks of the job's own trainer group (the training service embedded in the job): none when training happens elsewhere."""
     ts = config["service"]["train_service"]
     return ts["world_size"] if ts["backend"] == "local" else 0
 
@@ -195,7 +195,7 @@ def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
         return r.get("cpus_per_rank", 1), r.get("gpus_per_rank", 0)
 
     return [
-        # the train worker drives the trainer group from the driver rank (seed 002's client)
+        # the train worker drives the trainer group from the driver rank (the training service's client)
         GroupSpec(DRIVER_GROUP, list(SINGLETON_ROLES), 1, *res(DRIVER_GROUP)),
         *trainer_group(config),
         GroupSpec(

@@ -137,7 +137,7 @@ class TrainWorker(NexRLModule):
         self._start_thread(self._loop)
 
     def stop(self) -> None:
-        self._stop_thread(timeout=120)
+        self._stop_thread(timeout=self._config["train_worker"]["stop_timeout_s"])
 
     def _loop(self) -> None:
         while not self.stopped and self._train_step < self._total_steps and not self._stopped_early:

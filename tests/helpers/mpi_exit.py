@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from nexrl_hpc.runtime.mpi import _finalize_mpi, exit_process, start_mpi
+from nexrl_hpc.runtime.mpi import exit_process, finalize_mpi, start_mpi
 from tests.conftest import compose_config
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a thread that never ends
     comm_size, rank = mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD.Get_rank()
     mpi.COMM_WORLD.Barrier()
-    _finalize_mpi(10.0, code)
+    finalize_mpi(10.0, code)
     time.sleep(0.2 * (comm_size - 1 - rank))
     if "--os-exit" in sys.argv:
         os._exit(code)

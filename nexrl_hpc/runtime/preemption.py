@@ -20,6 +20,8 @@ import time
 from datetime import datetime
 from typing import Any
 
+from nexrl_hpc.config.schema import PreemptionConfig
+
 logger = logging.getLogger(__name__)
 PREEMPTED_EXIT = 3  # the process exit code of a run that stopped at a checkpoint to be resumed
 
@@ -27,13 +29,13 @@ PREEMPTED_EXIT = 3  # the process exit code of a run that stopped at a checkpoin
 _EARLY = threading.Event()  # the signal came before the controller took it over
 
 
-def catch_signal_early(cfg: dict[str, Any]) -> None:
+def catch_signal_early(cfg: PreemptionConfig) -> None:
     """From a task's first line: a signal during start-up is remembered, not fatal."""
     signal.signal(getattr(signal, f"SIG{cfg['signal']}"), lambda *_: _EARLY.set())
 
 
 class PreemptionWatch:
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: PreemptionConfig) -> None:
         self._cfg = cfg
         self._event = threading.Event()
         self.reason = ""
@@ -87,7 +89,7 @@ class PreemptionWatch:
         return True
 
 
-def ignore_preemption_signal(cfg: dict[str, Any]) -> None:
+def ignore_preemption_signal(cfg: PreemptionConfig) -> None:
     """Ranks other than 0 get the job's signal too: rank 0 decides, they must not die of it."""
     signal.signal(getattr(signal, f"SIG{cfg['signal']}"), signal.SIG_IGN)
 

@@ -1,0 +1,194 @@
+"""MPI start-up of one rank: everything MPI is used for before the modules talk over ZMQ.
+
+Plan the placement (every rank computes the same), split COMM_WORLD by colocation group, broadcast
+a per-job random key (it never crosses the RPC sockets and is never written to disk), open this
+rank's signed ZMQ endpoint and gather every rank's address, start the trainer group's
+torch.distributed on trainer ranks. ``build_rank_modules`` builds a rank's modules once rank 0 has
+broadcast the run context.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_hpc.rpc.endpoint import RpcEndpoint
+from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
+from nexrl_hpc.runtime.placement import TRAINER_GROUP, Placement, RankSpec, plan_placement
+from nexrl_hpc.runtime.roles import RunContext, build_module, role_class
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm, Intracomm
+
+    from nexrl_hpc.core.module import NexRLModule
+    from nexrl_hpc.train.trainer_rank import TrainerRank
+
+TRACKER = "activity_tracker"  # the registry name of rank 0's ActivityTracker
+
+
+def interface_address(spec: str) -> str:
+    """The address to bind: an IP as given, ``hostname`` (this host's address), or an interface name (Linux)."""
+    try:
+        ipaddress.ip_address(spec)
+        return spec
+    except ValueError:
+        pass
+    if spec == "hostname":
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", spec[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise ValueError(
+                f"runtime.rpc.interface={spec!r}: not an IP address, 'hostname' or a network interface ({exc})"
+            ) from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+@dataclass
+class MPIWorld:
+    comm: Intracomm
+    rank: int
+    placement: Placement
+    spec: RankSpec
+    group_comm: Comm
+    endpoint: RpcEndpoint
+    registry: ModuleRegistry
+    directory: Directory
+    host: str
+    peers: list[dict[str, Any]]
+    key: bytes
+    trainer: TrainerRank | None = None  # this rank's TrainerRank when it is a trainer rank
+
+    def trainer_group(self) -> tuple[str, bytes] | None:
+        """(trainer rank 0's address, job key) if the job has trainer ranks."""
+        address = next((p["trainer_address"] for p in self.peers if p.get("trainer_address")), None)
+        return (address, self.key) if address else None
+
+
+def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
+    """Everything MPI is used for (besides the context broadcast and the barrier)."""
+    rank = comm.Get_rank()
+    placement = plan_placement(config, comm.Get_size())  # identical on every rank; raises on every rank
+    spec = placement.ranks[rank]
+    group_names = [g.name for g in placement.groups]
+    group_comm = comm.Split(color=group_names.index(spec.group), key=rank)
+    key = comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
+    rpc = config["runtime"]["rpc"]
+    registry = ModuleRegistry()
+    locations: dict[str, tuple[int, type]] = {
+        name: (r, role_class(role, config)) for name, (r, role, _) in placement.modules().items()
+    }
+    locations[TRACKER] = (0, ActivityTracker)
+    directory_box: list[Directory] = []
+    endpoint = RpcEndpoint(
+        rank,
+        interface_address(rpc["interface"]),
+        key,
+        max_message_bytes=rpc["max_message_mb"] << 20,
+        server_threads=rpc["server_threads"],
+        call_timeout_s=rpc["call_timeout_s"],
+        direct_sockets_per_peer=rpc["direct_sockets_per_peer"],
+        long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1),
+        lookup=registry.lookup,
+        resolve_handle=lambda name: directory_box[0].resolve(name),
+    )
+    directory = Directory(rank, endpoint, registry, locations)
+    directory_box.append(directory)
+    host = socket.gethostname()
+    trainer = None
+    names = spec.module_names
+    if spec.group == TRAINER_GROUP:
+        trainer = start_trainer_rank(config, group_comm, interface_address(rpc["interface"]), key)
+        names = [f"trainer_rank_{spec.instance}"]
+    peers = comm.allgather(
+        {
+            "address": endpoint.address,
+            "lane_address": endpoint.lane_address,  # blocking @quick calls (nexrl_hpc/rpc/lane.py)
+            "host": host,
+            "node": os.environ.get("SLURMD_NODENAME", host),  # Slurm's node name (virtual nodes share a host)
+            "pid": os.getpid(),
+            "modules": names,
+            "trainer_address": trainer.address if trainer is not None else None,
+        }
+    )
+    endpoint.connect(
+        {r: p["address"] for r, p in enumerate(peers)}, {r: p["lane_address"] for r, p in enumerate(peers)}
+    )
+    registry.add_builtin("ping", lambda: True)
+    return MPIWorld(
+        comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers, key, trainer
+    )
+
+
+def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: bytes) -> TrainerRank:
+    """torch.distributed over the trainer group (its rendezvous address exchanged over MPI), then
+    this rank's TrainerRank (rank 0 binds the socket the train worker sends batches to)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from nexrl_hpc.train.policy_trainer import PolicyTrainer
+    from nexrl_hpc.train.trainer_rank import TrainerRank
+
+    ts = config["service"]["train_service"]
+    grank, size = group_comm.Get_rank(), group_comm.Get_size()
+    local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
+    timeout = timedelta(seconds=ts["collective_timeout_s"])
+    # group rank 0's store binds a port of the kernel's choosing and keeps it: picking a "free" port
+    # first and binding it later lost it to another connection's ephemeral port (EADDRINUSE, seen)
+    store = (
+        dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        if grank == 0
+        else None
+    )
+    port = group_comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
+    if ts["device"] == "cuda":
+        torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(
+        "nccl" if ts["device"] == "cuda" else "gloo",
+        store=store,
+        rank=grank,
+        world_size=size,
+        timeout=timeout,
+    )
+    return TrainerRank(
+        PolicyTrainer(),
+        torch.device(ts["device"]),
+        key,
+        host=host,
+        max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
+        idle_tick_s=ts["idle_tick_s"],
+    )
+
+
+def _comm_type_shared() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
+
+
+def build_rank_modules(
+    world: MPIWorld, config: RLTrainConfig, ctx: RunContext, proxy: ActivityTrackerProxy
+) -> list[NexRLModule]:
+    """Build, name and register this rank's modules (every rank, rank 0 included, once the context is known)."""
+    modules = []
+    for name, role in zip(world.spec.module_names, world.spec.roles):
+        module = build_module(role, config, ctx, world.trainer_group())
+        module.set_module_name(name)
+        module.set_activity_tracker(proxy)
+        world.registry.add(name, module)
+        modules.append(module)
+    return modules
