@@ -165,16 +165,17 @@ class TrainWorker(NexRLModule):
         metrics = staleness_metrics(gap)
         stale = gap > self._staleness_bound
         n_stale = int(stale.sum())
+        kept: Batch | None = batch
         if self._async and n_stale:
             if self._drop_stale:
                 self._stale_dropped_total += n_stale
-                batch = select_rows(batch, ~stale) if n_stale < len(batch) else None
+                kept = select_rows(batch, ~stale) if n_stale < len(batch) else None
             else:
                 self._stale_kept_total += n_stale
         metrics["train/stale_dropped_total"] = float(self._stale_dropped_total)
         metrics["train/stale_kept_total"] = float(self._stale_kept_total)
         metrics["train/stale_over_bound"] = float(n_stale)
-        return batch, metrics
+        return kept, metrics
 
     def _step(self, batch: Batch) -> None:
         assert self._activity_tracker is not None
