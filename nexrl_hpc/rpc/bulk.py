@@ -136,7 +136,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class BulkMessage(NamedTuple):
