@@ -13,7 +13,9 @@ import pytest
 import torch
 import zmq
 
-from nexrl_hpc.rpc.bulk import CHUNK, HEAD, BufferPool, BulkMessage, BulkReceiver, BulkSender
+from nexrl_hpc.rpc.bulk.format import CHUNK, HEAD
+from nexrl_hpc.rpc.bulk.receiver import BufferPool, BulkMessage, BulkReceiver
+from nexrl_hpc.rpc.bulk.sender import BulkSender
 
 KEY = secrets.token_bytes(32)
 
@@ -140,7 +142,7 @@ def test_forged_chunk_drops_the_message(
     receiver = BulkReceiver(KEY, 1 << 20)
     msgs = capture(dealer, router, BulkSender(KEY, "driver", chunk_bytes=1024), {}, {"x": torch.ones(2000)})
     msgs[3][-1] = _flip(msgs[3][-1], 17)  # one data bit of chunk 2
-    with caplog.at_level(logging.WARNING, logger="nexrl_hpc.rpc.bulk"):
+    with caplog.at_level(logging.WARNING, logger="nexrl_hpc.rpc.bulk.receiver"):
         assert feed_all(receiver, msgs) == []
     # the forged chunk and every later chunk of that message are dropped; one log line names the peer
     assert receiver.rejected == len(msgs) - 3 and receiver.pending == 0

@@ -24,17 +24,13 @@ from nexrl_hpc.data.loader import JsonlDataLoader
 from nexrl_hpc.inference.service import InferenceService
 from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
 from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+from nexrl_hpc.rpc.calls import CallTimeout, PeerDeadError
 from nexrl_hpc.rpc.codec import HandleRef, RemoteError, decode, encode
-from nexrl_hpc.rpc.endpoint import (
-    CallTimeout,
-    MessageTooLarge,
-    PeerDeadError,
-    RpcEndpoint,
-    _reply_batch,
-    _request_batch,
-)
+from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
 from nexrl_hpc.rpc.lane import lane_parts
+from nexrl_hpc.rpc.limits import MessageTooLarge
+from nexrl_hpc.rpc.server import reply_batch, request_batch
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
 from nexrl_hpc.validate.validator import Validator
@@ -42,7 +38,7 @@ from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 
 def test_codec_round_trip_without_pickle() -> None:
-    value = {
+    value: dict[str, Any] = {
         "f32": torch.arange(6, dtype=torch.float32).reshape(2, 3),
         "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
         "i64": torch.tensor([[1, 2]], dtype=torch.int64),
@@ -295,7 +291,7 @@ def attack(address: str, key_guess: bytes, marker: Path) -> None:
 def test_hostile_input_is_dropped_counted_and_nothing_runs(pair: Any, tmp_path: Path, caplog: Any) -> None:
     client, server, counter, _ = pair
     marker = tmp_path / "pwned"
-    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     attack(server.address, secrets.token_bytes(32), marker)
     deadline = time.monotonic() + 5
     while "oversized" not in caplog.text and time.monotonic() < deadline:
@@ -356,8 +352,8 @@ def test_blocking_quick_calls_use_the_callers_own_sockets(pair: Any) -> None:
     for t in threads:
         t.join()
     assert not errors and results == [7] * 400
-    peer = client._peers[1]
-    assert 1 <= peer.direct_count <= 4 and len(peer.idle_direct) == peer.direct_count
+    peer = client._direct.peers[1]
+    assert 1 <= peer.count <= 4 and len(peer.idle) == peer.count
     assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
     with pytest.raises(
         RemoteError, match="not @quick"
@@ -372,7 +368,7 @@ def test_a_late_direct_reply_is_discarded_and_dead_peers_fail_direct_calls(pair:
     with pytest.raises(CallTimeout, match="counter.stall on rank 1"):
         client.call_direct(1, "counter", "stall", (0.6,), {}, timeout=0.2)
     # the connection that timed out is closed (its late reply can never be read as another's)
-    assert client._peers[1].direct_count == 0 and not client._peers[1].idle_direct
+    assert client._direct.peers[1].count == 0 and not client._direct.peers[1].idle
     assert execute(h.add, 5) == 5 and execute(h.peek) == 5
     time.sleep(0.6)  # the stalled reply went to a closed connection: nothing to reject anywhere
     assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
@@ -410,7 +406,7 @@ def test_a_forged_direct_reply_is_rejected(pair: Any) -> None:
         client.call_direct(5, "counter", "peek", (), {}, timeout=5)
     t.join()
     fake.close()
-    assert client.stats()["rejected"] == 1 and client._peers[5].direct_count == 0
+    assert client.stats()["rejected"] == 1 and client._direct.peers[5].count == 0
 
 
 def attack_lane(address: str, key_guess: bytes, marker: Path) -> None:
@@ -438,7 +434,7 @@ def test_hostile_input_on_the_direct_lane_is_dropped_counted_and_nothing_runs(
 ) -> None:
     client, server, counter, _ = pair
     marker = tmp_path / "pwned"
-    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     attack_lane(server.lane_address, secrets.token_bytes(32), marker)
     assert server.stats()["rejected"] == 4
     assert "bad magic" in caplog.text and caplog.text.count("bad signature") == 2
@@ -447,7 +443,7 @@ def test_hostile_input_on_the_direct_lane_is_dropped_counted_and_nothing_runs(
     assert not marker.exists() and counter.n == 0
     counter.n = 6
     assert execute(handle(client).peek) == 6  # still serving, on the lane
-    assert client._peers[1].direct_count == 1
+    assert client._direct.peers[1].count == 1
 
 
 def test_direct_calls_carry_tensors_both_ways(pair: Any) -> None:
@@ -457,13 +453,13 @@ def test_direct_calls_carry_tensors_both_ways(pair: Any) -> None:
     assert torch.equal(execute(h.mirror, {"t": tensor, "b": tensor.to(torch.bfloat16)})["t"], tensor)
     with pytest.raises(MessageTooLarge, match="exceeds runtime.rpc.max_message_mb"):
         execute(h.mirror, torch.randn(512, 1024))  # refused before sending
-    assert client._peers[1].direct_count == 1  # the connection was neither broken nor lost
+    assert client._direct.peers[1].count == 1  # the connection was neither broken nor lost
 
 
 def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any, caplog: Any) -> None:
     """Small messages travel as one frame; the same key, length and signature checks apply."""
     client, server, counter, key = pair
-    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     envelope = msgpack.packb(
         {"t": "req", "id": 1, "src": 9, "s": "packer", "q": 1, "m": "counter", "f": "add"}
     )
@@ -510,7 +506,7 @@ def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> N
         server.connect({2: plain.address})
         counter.n = 4
         assert execute(RemoteModuleHandle(plain, 1, "counter", Counter).peek) == 4
-        assert plain._peers[1].direct_count == 0 and plain.stats()["rejected"] == 0
+        assert plain._direct.peers[1].count == 0 and plain.stats()["rejected"] == 0
     finally:
         plain.close()
 
@@ -518,13 +514,14 @@ def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> N
 def count_messages(endpoint: RpcEndpoint) -> list[int]:
     """Every message ``endpoint`` takes in from now on (its frame count), in a list."""
     received: list[int] = []
-    on_message = endpoint._on_message
+    server = endpoint._server
+    on_message = server._on_message
 
     def counting(msg: Any) -> None:
         received.append(len(msg))
         on_message(msg)
 
-    endpoint._on_message = counting  # type: ignore[method-assign]
+    server._on_message = counting  # type: ignore[method-assign]
     return received
 
 
@@ -539,13 +536,13 @@ def test_pipelined_quick_calls_share_messages_both_ways_and_each_gets_its_own(pa
     futures = [execute_async(h.peek) for _ in range(600)]
     assert [f.result(timeout=10) for f in futures] == [11] * 600
     assert len(requests) < 300 and len(replies) < 300  # batched both ways
-    assert client._peers[1].quick_in_flight == 0 and not client._peers[1].outbox
+    assert client._calls.peers[1].quick_in_flight == 0 and not client._calls.peers[1].outbox
     assert execute_async(h.add, 4).result(timeout=5) == 15  # a non-quick call is not held back
     assert client.stats()["rejected"] == 0 and server.stats()["rejected"] == 0
     with pytest.raises(RejectedMessage, match="malformed reply batch"):  # signed, but the wrong shape
-        _reply_batch(msgpack.packb([[1, True, "not bytes"]]))
+        reply_batch(msgpack.packb([[1, True, "not bytes"]]))
     with pytest.raises(RejectedMessage, match="malformed request batch"):
-        _request_batch(msgpack.packb([[1, "counter", "peek", "not bytes"]]))
+        request_batch(msgpack.packb([[1, "counter", "peek", "not bytes"]]))
 
 
 def test_queued_quick_requests_to_a_dead_peer_fail_at_once(pair: Any) -> None:
@@ -553,13 +550,13 @@ def test_queued_quick_requests_to_a_dead_peer_fail_at_once(pair: Any) -> None:
     h = handle(client)
     stalled = execute_async(h.stall, 2.0)  # holds the peer's IO thread: no answer for 2 s
     queued = [execute_async(h.peek) for _ in range(10)]
-    assert len(client._peers[1].outbox) == 10
+    assert len(client._calls.peers[1].outbox) == 10
     t0 = time.monotonic()
     client.fail_peer(1, "heartbeats stopped")
     for f in [stalled, *queued]:
         with pytest.raises(PeerDeadError, match="rank 1 is dead"):
             f.result(timeout=1)
-    assert time.monotonic() - t0 < 1.0 and not client._peers[1].outbox
+    assert time.monotonic() - t0 < 1.0 and not client._calls.peers[1].outbox
 
 
 def test_a_lane_out_of_descriptors_pauses_accepts_instead_of_spinning(pair: Any, caplog: Any) -> None:
@@ -568,7 +565,7 @@ def test_a_lane_out_of_descriptors_pauses_accepts_instead_of_spinning(pair: Any,
     import resource
 
     client, server, counter, _ = pair
-    caplog.set_level("WARNING", logger="nexrl_hpc.rpc.endpoint")
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     host, port = server.lane_address.removeprefix("tcp://").rsplit(":", 1)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     spare = [socket.create_connection((host, int(port))) for _ in range(3)]  # fds taken before the cap

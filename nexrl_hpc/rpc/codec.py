@@ -67,7 +67,7 @@ class Encoder:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
             raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-            self.buffers.append(memoryview(raw).cast("B") if raw.size else memoryview(b""))
+            self.buffers.append(memoryview(raw).cast("B") if raw.size else memoryview(b""))  # type: ignore[arg-type]
             return msgpack.ExtType(
                 TENSOR,
                 self._pack([len(self.buffers) - 1, str(t.dtype).removeprefix("torch."), list(t.shape)]),
@@ -76,7 +76,7 @@ class Encoder:
             a = np.ascontiguousarray(obj)
             if a.dtype == object:
                 raise TypeError("numpy object arrays cannot be sent")
-            self.buffers.append(memoryview(a).cast("B") if a.size else memoryview(b""))
+            self.buffers.append(memoryview(a).cast("B") if a.size else memoryview(b""))  # type: ignore[arg-type]
             return msgpack.ExtType(NDARRAY, self._pack([len(self.buffers) - 1, a.dtype.str, list(a.shape)]))
         if isinstance(obj, np.generic):
             return obj.item()

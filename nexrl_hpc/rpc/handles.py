@@ -1,4 +1,4 @@
-"""Handles: how a module on another rank looks to its callers (seed 003's actor wrapper).
+"""Handles: how a module on another rank looks to its callers (what an actor handle is under Ray).
 
 A ``RemoteModuleHandle`` has one ``RemoteMethod`` per public method of the module's class, so
 ``execute(handle.put_trajectory, traj)`` reads the same as for a local object. A module passed as
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.rpc.endpoint import RPC_MODULE, RpcEndpoint
 
@@ -65,6 +65,10 @@ class RemoteModuleHandle:
             quick = bool(getattr(getattr(cls, method), "__nexrl_quick__", False))
             setattr(self, method, RemoteMethod(endpoint, rank, name, method, quick=quick))
         self.get_module_name = lambda: name  # answered locally: the name is the address
+
+    if TYPE_CHECKING:  # the module's public methods, set in __init__
+
+        def __getattr__(self, name: str) -> RemoteMethod: ...
 
     @property
     def rank(self) -> int:

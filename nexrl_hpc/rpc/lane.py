@@ -73,7 +73,7 @@ class LaneReader:
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         self._buf += data
-        messages = []
+        messages: list[list[bytes]] = []
         while True:
             message = self._next_message()
             if message is None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nexrl_hpc.rpc.bulk import DTYPES
+from nexrl_hpc.rpc.bulk.format import DTYPES
 
 
 class GroupComm:

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import zmq
 
-from nexrl_hpc.rpc.bulk import MAX_BODY_BYTES, BulkReceiver, BulkSender
+from nexrl_hpc.rpc.bulk.format import MAX_BODY_BYTES
+from nexrl_hpc.rpc.bulk.receiver import BulkReceiver
+from nexrl_hpc.rpc.bulk.sender import BulkSender
 
 BATCH_OPERATIONS = ("compute_log_prob", "update_actor")
 CALL_OPERATIONS = (

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import zmq
 
-from nexrl_hpc.rpc.endpoint import ConnectionWatch
+from nexrl_hpc.rpc.watch import ConnectionWatch
 from nexrl_hpc.train.group_comm import GroupComm
 from nexrl_hpc.train.policy_trainer import PolicyTrainer
 from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel

@@ -1,9 +1,7 @@
-"""Signed bulk messages: a dict of tensors plus a small header, streamed in verified chunks.
+"""Receiving bulk messages: reassembled from verified chunks into reused buffers.
 
-API (one ``BulkSender`` per sending thread, one ``BulkReceiver`` per receiving socket/thread)::
-
-    sender = BulkSender(key, sender_id, chunk_bytes=4 << 20)
-    seq = sender.send(socket, header: dict, tensors: dict[str, torch.Tensor], routing_id=None)
+API (one ``BulkReceiver`` per receiving socket/thread; the format is in
+``nexrl_hpc/rpc/bulk/format.py``, the sender in ``sender.py``)::
 
     receiver = BulkReceiver(key, max_bytes, chunk_timeout_s=30.0)
     msg = receiver.feed(socket.recv_multipart(copy=False))    # BulkMessage or None
@@ -12,42 +10,12 @@ API (one ``BulkSender`` per sending thread, one ``BulkReceiver`` per receiving s
     receiver.rejected                                          # messages dropped (any reason)
     receiver.expire()                                          # drop partials idle too long
 
-``socket`` is a DEALER (or PAIR/PUSH), or a ROUTER when ``routing_id`` is given; the receiver
-accepts both (a ROUTER puts the peer's routing id first, returned as ``msg.routing_id``).
-``header`` is plain msgpack data; tensors may have any dtype in ``DTYPES`` (bfloat16 included),
-any shape (empty too) and arrive with the same dtype, shape and bytes. No pickle anywhere.
-``sender_id`` must be unique per ``BulkSender`` in the job (its sequence numbers must increase).
-No frame exceeds ``max(chunk_bytes, MAX_BODY_BYTES)``: set ``zmq.MAXMSGSIZE`` on the receiving
-socket a little above that, so ZMQ refuses a giant frame before allocating it.
-
-Wire format. A message is a *head* ZMQ message ``[b"NXB1H", meta, body, tag, *data]`` followed,
-when the tensor bytes exceed ``chunk_bytes``, by ``n`` *chunk* messages
-``[b"NXB1C", meta, tag, *data]``. ``meta`` is a fixed struct (sender nonce, sequence number,
-chunk index and count) plus the sender id; ``body`` is msgpack: the user header, the tensor specs
-(name, dtype, shape, offset) and the stream layout (total bytes, chunk size). Tensors are laid end
-to end in one byte stream (each at a 64-byte aligned offset); chunk ``i`` carries bytes
-``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of it, as zero-copy slices of the sender's tensors.
-Chunks must arrive in order over the head's connection (ZMQ keeps a connection's order).
-
-Authentication. Every ZMQ message (head or chunk) carries a Poly1305 tag over all of its frames,
-each preceded by its length. Poly1305 is a one-time MAC (its key must never authenticate two
-messages) and runs at ~5-6 GB/s on one core, against ~1.4 GB/s for HMAC-SHA256, which would cap
-the whole transfer below the bare-socket speed. Each head/chunk therefore gets its own key:
-``HMAC-SHA256(bulk_key, kind || nonce || seq || index || sender_id)``, with ``bulk_key`` derived
-from the job key (domain-separated from the RPC layer's HMAC). HMAC-SHA256 is a PRF, so the keys
-are independent and unknown without the job key; ``(nonce, seq, index)`` never repeats for a
-sender (``seq`` is a per-sender counter, ``nonce`` is random per sender instance, so a restarted
-sender never reuses a key either). This is the key schedule of ChaCha20-Poly1305 with HMAC as the
-PRF. The head's tag covers the header and the tensor specs, the chunk tags cover every data byte
-and bind it to (sender, message, index, count): chunks cannot be moved between messages or
-positions, dropped or duplicated without detection, and the head's sequence number goes through
-a ``SequenceGuard`` (replays rejected).
-
-Why chunks. ZMQ hands a multipart message over only once all of it is in, so one big message
-would serialise MAC, transfer and verification. With chunks the sender's MAC of chunk ``i + 1``
-runs while ZMQ's IO thread sends chunk ``i``, and the receiver verifies chunk ``i`` while chunk
-``i + 1`` arrives. The receiver copies a chunk into the destination only after its tag checks
-out (nothing unverified is ever decoded), and returns the message only once every chunk did.
+The receiver accepts a DEALER's messages and a ROUTER's (a ROUTER puts the peer's routing id
+first, returned as ``msg.routing_id``). No frame exceeds ``max(chunk_bytes, MAX_BODY_BYTES)``: set
+``zmq.MAXMSGSIZE`` on the receiving socket a little above that, so ZMQ refuses a giant frame before
+allocating it. The receiver verifies chunk ``i`` while chunk ``i + 1`` arrives; it copies a chunk
+into the destination only after its tag checks out (nothing unverified is ever decoded), and
+returns the message only once every chunk did.
 
 Receiving. The destination is one buffer per message, from a ``BufferPool`` (buffers of earlier
 messages come back once their tensors are gone: no page faults; new ones are numpy arrays, for
@@ -56,20 +24,21 @@ memory is released with the last of them. Copying a verified chunk from ZMQ's bu
 the one copy on the receiving side (ZMQ's chunk-sized buffers are reused by malloc, so the kernel
 writes into warm memory). Anything malformed, forged, truncated, replayed, oversized, out of order or timed out is
 dropped, counted in ``rejected`` and logged once per message with the peer named.
+
+Threads and locks: a ``BulkReceiver`` belongs to one receiving thread (no lock); its
+``BufferPool`` has a lock of its own, because a buffer comes back from whatever thread drops the
+last tensor viewing it.
 """
 
 from __future__ import annotations
 
-import hmac
-import itertools
 import logging
 import math
-import secrets
 import struct
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -77,66 +46,24 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from nexrl_hpc.rpc.bulk.format import (
+    ALIGN,
+    CHUNK,
+    CHUNK_META,
+    DTYPES,
+    HEAD,
+    HEAD_META,
+    MAX_BODY_BYTES,
+    MAX_SENDER_ID_BYTES,
+    TAG_BYTES,
+    bulk_key,
+    one_time_key,
+    verify,
+)
 from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard
 
 logger = logging.getLogger(__name__)
-
-HEAD = b"NXB1H"
-CHUNK = b"NXB1C"
-TAG_BYTES = 16
-ALIGN = 64
-DEFAULT_CHUNK_BYTES = 4 << 20  # 1-8 MiB measured alike in bench/transfer.py; 4 MiB stays in L3
-MAX_SENDER_ID_BYTES = 255
-MAX_BODY_BYTES = 4 << 20
-_HEAD_META = struct.Struct(">16sQ")  # nonce, seq (+ sender id)
-_CHUNK_META = struct.Struct(">16sQII")  # nonce, seq, chunk index, chunk count (+ sender id)
-_KDF_INPUT = struct.Struct(">c16sQI")
-_LEN = struct.Struct(">Q")
-_KDF_CONTEXT = b"nexrl-bulk-v1/poly1305-keys"
-
-DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)}  # fmt: skip
-
-
-def bulk_key(job_key: bytes) -> bytes:
-    """The key bulk MAC keys derive from; separate from the RPC layer's use of the job key."""
-    return hmac.digest(job_key, _KDF_CONTEXT, "sha256")
-
-
-def _one_time_key(key: bytes, kind: bytes, nonce: bytes, seq: int, index: int, sender: bytes) -> bytes:
-    return hmac.digest(key, _KDF_INPUT.pack(kind, nonce, seq, index) + sender, "sha256")
-
-
-def _tag(key: bytes, frames: Sequence[Any]) -> bytes:
-    mac = Poly1305(key)
-    for frame in frames:
-        mac.update(_LEN.pack(memoryview(frame).nbytes))
-        mac.update(frame)
-    return mac.finalize()
-
-
-def _verify(key: bytes, frames: Sequence[Any], tag: bytes) -> None:
-    mac = Poly1305(key)
-    for frame in frames:
-        mac.update(_LEN.pack(frame.nbytes))
-        mac.update(frame)
-    try:
-        mac.verify(tag)
-    except InvalidSignature:
-        raise RejectedMessage("bad tag") from None
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (a contiguous CPU copy only if it is not one already)."""
-    t = t.detach().to("cpu").contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class BulkMessage(NamedTuple):
@@ -147,95 +74,6 @@ class BulkMessage(NamedTuple):
     tensors: dict[str, torch.Tensor]
     sender: str
     seq: int
-
-
-class BulkSender:
-    """Sends ``(header, tensors)`` as a signed head plus signed chunks (see the module docstring).
-
-    Not thread-safe (neither are ZMQ sockets): one sender per sending thread, or a lock around
-    ``send``. Tensors go out zero-copy: do not modify them in place until the peer acknowledged.
-    """
-
-    def __init__(self, key: bytes, sender_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        """``sender_id`` must be unique per sender object in the job (receivers check that its
-        sequence numbers increase), e.g. ``f"{rank}:{pid}:{n}"`` as the RPC endpoint does."""
-        self._key = bulk_key(key)
-        self._sender = sender_id.encode()
-        if not 0 < len(self._sender) <= MAX_SENDER_ID_BYTES:
-            raise ValueError(f"sender id must be 1-{MAX_SENDER_ID_BYTES} bytes")
-        if chunk_bytes < ALIGN:
-            raise ValueError(f"chunk_bytes must be >= {ALIGN}")
-        self.sender_id = sender_id
-        self.chunk_bytes = chunk_bytes
-        self._nonce = secrets.token_bytes(16)
-        # starts at the clock so that a restarted sender (same id) passes the receivers' replay guard
-        self._seq = itertools.count(time.time_ns())
-
-    def send(
-        self,
-        socket: zmq.Socket,
-        header: Any,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        routing_id: bytes | None = None,
-    ) -> int:
-        """Queue the message on ``socket``; returns its sequence number (to match an ACK)."""
-        seq = next(self._seq)
-        specs: list[list[Any]] = []
-        segments: list[tuple[int, memoryview]] = []  # (stream offset, bytes)
-        offset = 0
-        for name, tensor in (tensors or {}).items():
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}")
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise TypeError(f"tensor {name!r}: dtype {dtype} cannot be sent")
-            offset = -(-offset // ALIGN) * ALIGN
-            view = _byte_view(tensor)
-            specs.append([name, dtype, list(tensor.shape), offset])
-            segments.append((offset, view))
-            offset += view.nbytes
-        total = offset
-        n_chunks = 0 if total <= self.chunk_bytes else math.ceil(total / self.chunk_bytes)
-        body = msgpack.packb(
-            {"h": header, "t": specs, "n": total, "c": self.chunk_bytes, "k": n_chunks}, use_bin_type=True
-        )
-        if len(body) > MAX_BODY_BYTES:
-            raise ValueError(f"header and specs take {len(body)} bytes (max {MAX_BODY_BYTES})")
-        prefix = [routing_id] if routing_id is not None else []
-        meta = _HEAD_META.pack(self._nonce, seq) + self._sender
-        data = _cut(segments, 0, total) if n_chunks == 0 else []
-        key = _one_time_key(self._key, b"H", self._nonce, seq, 0, self._sender)
-        tag = _tag(key, [meta, body, *data])
-        socket.send_multipart([*prefix, HEAD, meta, body, tag, *data], copy=False)
-        for index in range(n_chunks):
-            start = index * self.chunk_bytes
-            data = _cut(segments, start, min(start + self.chunk_bytes, total))
-            meta = _CHUNK_META.pack(self._nonce, seq, index, n_chunks) + self._sender
-            key = _one_time_key(self._key, b"C", self._nonce, seq, index, self._sender)
-            tag = _tag(key, [meta, *data])
-            socket.send_multipart([*prefix, CHUNK, meta, tag, *data], copy=False)
-        return seq
-
-
-def _cut(segments: list[tuple[int, memoryview]], start: int, end: int) -> list[Any]:
-    """Frames for stream bytes [start, end): slices of the tensors, zeros for the alignment gaps."""
-    frames: list[Any] = []
-    pos = start
-    for offset, view in segments:
-        seg_end = offset + view.nbytes
-        if seg_end <= pos or view.nbytes == 0:
-            continue
-        if offset >= end:
-            break
-        if offset > pos:
-            frames.append(bytes(offset - pos))
-            pos = offset
-        stop = min(seg_end, end)
-        frames.append(view[pos - offset : stop - offset])
-        pos = stop
-    if pos < end:  # cannot happen: the stream ends with the last tensor
-        frames.append(bytes(end - pos))
-    return frames
 
 
 class BufferPool:
@@ -394,16 +232,16 @@ class BulkReceiver:
 
     def _head(self, routing_id: bytes | None, views: list[memoryview]) -> BulkMessage | None:
         meta, body, tag, data = views[1], views[2], views[3], views[4:]
-        nonce, seq, sender = _parse_meta(_HEAD_META, meta)[:3]
+        nonce, seq, sender = _parse_meta(HEAD_META, meta)[:3]
         msg_id = (sender, seq)
         if body.nbytes > MAX_BODY_BYTES or tag.nbytes != TAG_BYTES:
             raise _rejected(msg_id, "malformed head")
         inline = sum(v.nbytes for v in data)
         if inline > self.max_bytes:
             raise _rejected(msg_id, f"{inline} bytes exceeds the {self.max_bytes}-byte limit")
-        key = _one_time_key(self._key, b"H", nonce, seq, 0, sender.encode())
+        key = one_time_key(self._key, b"H", nonce, seq, 0, sender.encode())
         try:
-            _verify(key, [meta, body, *data], tag.tobytes())
+            verify(key, [meta, body, *data], tag.tobytes())
             self._guard.check(sender, seq)
         except RejectedMessage as exc:
             raise _rejected(msg_id, str(exc)) from None
@@ -435,7 +273,7 @@ class BulkReceiver:
 
     def _chunk(self, routing_id: bytes | None, views: list[memoryview]) -> BulkMessage | None:
         meta, tag, data = views[1], views[2], views[3:]
-        nonce, seq, sender, index, n_chunks = _parse_meta(_CHUNK_META, meta)
+        nonce, seq, sender, index, n_chunks = _parse_meta(CHUNK_META, meta)
         msg_id = (sender, seq)
         p = self._partials.get((routing_id, sender))  # chunks must come over the head's connection
         if p is None or p.seq != seq or p.nonce != nonce:
@@ -471,8 +309,8 @@ class BulkReceiver:
         got = sum(v.nbytes for v in data)
         if got != expected:
             raise RejectedMessage(f"{got} bytes, expected {expected}")
-        key = _one_time_key(self._key, b"C", p.nonce, p.seq, index, p.sender.encode())
-        _verify(key, [meta, *data], tag.tobytes())
+        key = one_time_key(self._key, b"C", p.nonce, p.seq, index, p.sender.encode())
+        verify(key, [meta, *data], tag.tobytes())
 
 
 def _rejected(msg_id: tuple[str, int], reason: str) -> RejectedMessage:
