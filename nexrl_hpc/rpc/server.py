@@ -244,7 +244,7 @@ class IoServer:
 
 def request_batch(payload: Any) -> list[tuple[int, str, str, bytes]]:
     """The (call id, module, method, payload) of a "reqs" message, checked for shape."""
-    return _checked_batch(payload, "request", (int, str, str, bytes))  # type: ignore[return-value]
+    return _checked_batch(payload, "request", (int, str, str, bytes))
 
 
 def reply_batch(payload: Any) -> list[tuple[int, bool, bytes]]:
