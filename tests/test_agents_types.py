@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from nexrl_hpc.agents.rollout_engine import model_output_from_result
 from nexrl_hpc.agents.types import Episode, ModelOutput, Step, TerminationReason, ToolCall, Trajectory
 from nexrl_hpc.inference.client import LLMServiceClient
 from tests.conftest import compose_config
@@ -49,7 +50,7 @@ def test_model_output_from_chat_result_keeps_engine_tokens_and_parses_tool_calls
     client = _client()
     choice = client._adapter.chat_choice(_chat_payload())
     result = client._chat_result([{"role": "user", "content": "3+4?"}], choice, None, {})
-    out = ModelOutput.from_client_result(result)
+    out = model_output_from_result(result)
     assert out.prompt_ids == [1, 5, 6, 7]
     assert out.completion_ids == [8, 9, 2]
     assert out.logprobs == [-0.5, -0.25, -0.125]
@@ -74,7 +75,7 @@ def test_model_output_from_completion_result() -> None:
     client = _client()
     (engine_choice,) = client._adapter.completion_choices({"choices": [choice]}, 1, 1)
     result = client._completion_result("m372=", engine_choice, 5, {})
-    out = ModelOutput.from_client_result(result)
+    out = model_output_from_result(result)
     assert (out.text, out.content, out.reasoning, out.tool_calls) == ("7", "7", "", [])
     assert (out.prompt_ids, out.completion_ids, out.logprobs) == ([1, 4], [11, 2], [-1.0, -0.5])
     assert (out.finish_reason, out.weight_version) == ("stop", 5)
@@ -83,14 +84,14 @@ def test_model_output_from_completion_result() -> None:
 def test_model_output_rejects_inconsistent_or_malformed_results() -> None:
     base = {"response": "x", "prompt_ids": [1], "response_ids": [5, 2], "logprobs": [-1.0, -2.0]}
     with pytest.raises(KeyError, match="response_ids"):
-        ModelOutput.from_client_result({k: v for k, v in base.items() if k != "response_ids"})
+        model_output_from_result({k: v for k, v in base.items() if k != "response_ids"})
     with pytest.raises(ValueError, match="1 logprobs for 2 completion tokens"):
-        ModelOutput.from_client_result({**base, "logprobs": [-1.0]})
+        model_output_from_result({**base, "logprobs": [-1.0]})
     bad_call = [{"id": "c9", "function": {"name": "calculator", "arguments": "{not json"}}]
     with pytest.raises(
         ValueError, match=r"tool_calls\[0\] \('calculator', id 'c9'\): arguments are not valid JSON"
     ):
-        ModelOutput.from_client_result({**base, "tool_calls": bad_call})
+        model_output_from_result({**base, "tool_calls": bad_call})
 
 
 def _episode() -> Episode:

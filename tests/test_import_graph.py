@@ -16,14 +16,6 @@ from pathlib import Path
 PACKAGE = "nexrl_hpc"
 ROOT = Path(__file__).resolve().parents[1]
 
-# Circles outside ``train/`` still to be taken apart: a circle found in the package must be one of
-# these (each as its set of files), and none may touch ``train/``. Remove an entry once it is gone.
-KNOWN_ELSEWHERE: list[frozenset[str]] = [
-    # agents.types parses tool calls with agents.tool_format (imported in a function), whose
-    # parsers build agents.types.ToolCall
-    frozenset({"nexrl_hpc.agents.tool_format", "nexrl_hpc.agents.types"}),
-]
-
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file of the package."""
@@ -151,12 +143,5 @@ def test_the_graph_sees_module_and_function_level_imports() -> None:
     assert cycles({"a": {"a"}, "b": set()}) == [frozenset({"a"})]
 
 
-def test_no_import_circle_touches_train() -> None:
-    train = f"{PACKAGE}.train"
-    touching = [sorted(c) for c in _package_cycles() if any(m.startswith(train) for m in c)]
-    assert touching == []
-
-
-def test_no_import_circle_in_the_package_beyond_the_known_ones() -> None:
-    unknown = [sorted(c) for c in _package_cycles() if c not in KNOWN_ELSEWHERE]
-    assert unknown == []
+def test_no_import_circle_in_the_package() -> None:
+    assert [sorted(c) for c in _package_cycles()] == []

@@ -67,43 +67,6 @@ class ModelOutput:
     def completion_length(self) -> int:
         return len(self.completion_ids)
 
-    @classmethod
-    def from_client_result(cls, result: dict[str, Any]) -> ModelOutput:
-        """Build from ``LLMServiceClient.completion``/``generate`` results (keys ``response``, ``response_ids``, ...).
-
-        Tool calls in the OpenAI shape (``{"function": {"name", "arguments": "<json>"}}``) are parsed
-        here; malformed ones raise ``ValueError`` naming the call — callers that must not crash use
-        ``nexrl_hpc.agents.tool_format.parse_openai_tool_calls`` to get error observations instead.
-        """
-        for key in ("response", "prompt_ids", "response_ids", "logprobs"):
-            if key not in result:
-                raise KeyError(f"inference result has no {key!r} (keys: {sorted(result)})")
-        completion_ids = [int(t) for t in result["response_ids"]]
-        logprobs = [float(x) for x in result["logprobs"]]
-        if len(logprobs) != len(completion_ids):
-            raise ValueError(
-                f"inference result has {len(logprobs)} logprobs for {len(completion_ids)} completion tokens"
-            )
-        from nexrl_hpc.agents.tool_format import parse_openai_tool_calls  # one parser for both paths
-
-        parsed = parse_openai_tool_calls(result.get("tool_calls") or [])
-        if parsed.errors:
-            raise ValueError("; ".join(e.message for e in parsed.errors))
-        content = result["response"] or ""
-        reasoning = result.get("reasoning") or ""
-        text = f"{reasoning}{content}" if reasoning else content
-        return cls(
-            text=text,
-            content=content,
-            reasoning=reasoning,
-            tool_calls=parsed.calls,
-            prompt_ids=[int(t) for t in result["prompt_ids"]],
-            completion_ids=completion_ids,
-            logprobs=logprobs,
-            finish_reason=result.get("finish_reason"),
-            weight_version=result.get("weight_version"),
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "text": self.text,
