@@ -22,7 +22,8 @@ import tempfile
 from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NUMBER = re.compile(r"^[~≈]?\s*(-?[\d,]*\.?\d+)\s*(µs|us|ms|s|x|%|/s|GB/s|MB/s)?$")
+# a number with an optional unit, optionally followed by a bracketed second figure ("2.41 (2.49)")
+_NUMBER = re.compile(r"^[~≈]?\s*(-?[\d,]*\.?\d+)\s*(µs|us|ms|s|x|%|/s|GB/s|MB/s)?(\s*\(.*\))?$")
 
 
 def table_numbers(output: str) -> dict[tuple[str, str], float]:
