@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.off_policy import importance_weights, select_rows, staleness, staleness_metrics
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
@@ -21,6 +21,11 @@ from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.train.service import TrainServiceClient
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.controller import sync_weight_dir
+
+if TYPE_CHECKING:
+    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
+    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +61,17 @@ class TrainWorker(NexRLModule):
         self._in_step = False
         self._last_step_end: float | None = None
         self._last_checkpoint_s: float | None = None
-        self._train_batch_pool: Any = None
-        self._weight_sync_controller: Any = None
-        self._dataloader: Any = None
+        # module references: the module itself in local mode, a handle with its methods elsewhere
+        self._train_batch_pool: TrainBatchPool | None = None
+        self._weight_sync_controller: WeightSyncController | None = None
+        self._dataloader: JsonlDataLoader | None = None
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
-        self, train_batch_pool: Any, weight_sync_controller: Any, dataloader: Any = None
+        self,
+        train_batch_pool: TrainBatchPool,
+        weight_sync_controller: WeightSyncController,
+        dataloader: JsonlDataLoader | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller
@@ -153,6 +162,7 @@ class TrainWorker(NexRLModule):
                 self._in_step = False
 
     def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
+        assert self._train_batch_pool is not None
         return execute(self._train_batch_pool.get_batch, self._model_tag, wait_s)
 
     def _release_tasks(self, keys: list[str]) -> None:
@@ -182,6 +192,7 @@ class TrainWorker(NexRLModule):
         t0 = time.monotonic()
         consumed = list(batch.metadata.get("task_keys", []))  # trained or dropped below
         kept, stale_metrics = self._apply_staleness_bound(batch, self._train_step + 1)
+        assert self._weight_sync_controller is not None
         if kept is None:
             self._release_tasks(consumed)
             execute(self._weight_sync_controller.trainer_dropped_batch, self._model_tag)
