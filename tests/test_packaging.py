@@ -75,52 +75,34 @@ def test_wheel_runs_from_another_directory(tmp_path: Path) -> None:
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-c",
-            "import nexrl_hpc, launch; print(nexrl_hpc.__file__, launch.__file__)",
-        ],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert all(p.startswith(str(venv)) for p in where), where  # not the checkout
+
+    def installed(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """A console script (or the python) of the venv, run from a directory with no checkout."""
+        return subprocess.run(
+            [str(venv / "bin" / command), *args],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    where = installed("python", "-c", "import nexrl_hpc, launch; print(nexrl_hpc.__file__, launch.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert all(p.startswith(str(venv)) for p in where.stdout.split()), where.stdout  # not the checkout
 
     run_dir = elsewhere / "D"
-    train = subprocess.run(
-        [str(venv / "bin" / "nexrl-train"), f"run_dir={run_dir}", "train_worker.total_train_steps=3"],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    train = installed("nexrl-train", f"run_dir={run_dir}", "train_worker.total_train_steps=3")
     assert train.returncode == 0, train.stderr[-3000:]
     steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"train/reward_mean"' in line]
     assert [row["step"] for row in steps] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "global_step_3" / "COMPLETE").exists()
     assert f"run_dir: {run_dir}" in (run_dir / "config.yaml").read_text()
 
-    status = subprocess.run(
-        [str(venv / "bin" / "nexrl-status"), str(run_dir)],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    status = installed("nexrl-status", str(run_dir))
     assert status.returncode == 0, status.stderr
     assert "step             3" in status.stdout
 
-    bad = subprocess.run(
-        [str(venv / "bin" / "nexrl-train"), f"run_dir={elsewhere / 'bad'}", "data.batch_size=0"],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad = installed("nexrl-train", f"run_dir={elsewhere / 'bad'}", "data.batch_size=0")
     assert bad.returncode == 2 and "data.batch_size" in bad.stderr
     assert not (elsewhere / "bad").exists()
