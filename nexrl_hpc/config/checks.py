@@ -216,6 +216,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
     )
     problems += _deepspeed_problems(cfg)
     problems += _inference_backend_problems(cfg)
+    problems += input_path_problems(cfg)
     if g_safe(cfg, "model.path") is None:
         check(
             lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,
@@ -284,7 +285,7 @@ def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
             with open(os.path.join(path, "config.json")) as f:
                 tied = json.load(f).get("tie_word_embeddings", False)
         except (OSError, ValueError):
-            tied = False  # a missing or unreadable model is reported where it is loaded
+            tied = False  # a missing model dir or config.json is reported by input_path_problems
         if tied:
             problems.append(
                 ConfigProblem(
@@ -294,6 +295,64 @@ def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
                 )
             )
     return problems
+
+
+def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """The files the run reads at start-up exist: ``model.path`` (an HF-layout directory with a
+    config.json; null builds the tiny model) and the jsonl files of ``data.data_files`` and
+    ``validate.data.data_files`` (read when data.type=jsonl, or validate.data.type=jsonl for the latter).
+    Checked here, on the login node before sbatch, instead of failing once the job runs. Only the file
+    system is asked: nothing is opened beyond a data file's first byte, no weights are loaded."""
+    problems: list[ConfigProblem] = []
+    model_path = g_safe(cfg, "model.path")
+    if isinstance(model_path, str):
+        if not os.path.exists(model_path):
+            why = "no such directory"
+        elif not os.path.isdir(model_path):
+            why = "not a directory"
+        elif not os.path.isfile(os.path.join(model_path, "config.json")):
+            why = "no config.json in it"
+        else:
+            why = ""
+        if why:
+            problems.append(
+                ConfigProblem(
+                    "model.path",
+                    f"{model_path!r}: {why} (expected an HF-layout model directory with config.json; "
+                    "null builds the tiny model of model.tiny)",
+                )
+            )
+    train_jsonl = g_safe(cfg, "data.type") == "jsonl"
+    for key, reads in (
+        ("data.data_files", train_jsonl),
+        ("validate.data.data_files", train_jsonl or g_safe(cfg, "validate.data.type") == "jsonl"),
+    ):
+        files = g_safe(cfg, key)
+        if not reads or not isinstance(files, list):
+            continue
+        for i, path in enumerate(files):
+            if not isinstance(path, str):
+                continue  # the schema check reports the type
+            why = _unreadable_file(path)
+            if why:
+                problems.append(ConfigProblem(f"{key}[{i}]", f"{path!r}: {why}"))
+    return problems
+
+
+def _unreadable_file(path: str) -> str:
+    """Why ``path`` cannot be read as a data file ('' if it can)."""
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        return "is a directory, not a file"
+    if not os.path.isfile(path):
+        return "not a regular file"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return ""
 
 
 # DeepSpeed keys the generated config owns (nexrl_hpc.train.deepspeed_strategy): a raw override
