@@ -45,6 +45,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return materialize_base_model(cfg["model"], str(tmp_path_factory.mktemp("model") / "base_model"))
 
 
+# The user's model the tests bring: Qwen2 architecture, tied embeddings, grouped-query attention
+# (4 heads, 2 kv heads), a byte-level BPE tokenizer trained on these texts, a ChatML template.
+CHATML_TEXTS = [
+    f"Question: what is {a} + {b}? Let's think. {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}. #### {a + b}"
+    for a in range(40)
+    for b in range(40)
+]
+
+
+@pytest.fixture(scope="session")
+def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from nexrl_hpc.models.chatml import build_chatml_model_dir
+
+    return build_chatml_model_dir(str(tmp_path_factory.mktemp("chatml") / "qwen2_tied"), CHATML_TEXTS, 512)
+
+
 def run_train(
     args: list[str], timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

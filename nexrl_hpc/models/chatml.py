@@ -1,0 +1,107 @@
+"""A small Qwen2-architecture model directory with a byte-level BPE tokenizer and a ChatML template.
+
+What a researcher brings (Qwen2.5-Instruct and relatives), built offline: the tokenizer is
+trained here with ``tokenizers`` on the given texts, the model is random-initialised from a
+``Qwen2Config`` (grouped-query attention, tied embeddings by default), and the directory is
+written with ``save_pretrained`` so ``AutoModelForCausalLM``/``AutoTokenizer`` load it like any
+downloaded checkpoint. Tests use it as the "user's model"; a shipped task can warm it up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# Qwen2.5's ChatML form, without its default system prompt and tool blocks
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on ``texts``, with ChatML special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_qwen2_model(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A random-init Qwen2 causal LM sized to ``tokenizer`` (GQA when kv heads < heads)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_dropout=0.0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def save_model_dir(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str) -> str:
+    """Write an HF directory: safetensors, config, tokenizer files with the chat template, generation config."""
+    os.makedirs(out_dir, exist_ok=True)
+    eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD_TOKEN)]
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_chatml_model_dir(
+    out_dir: str, texts: Iterable[str], vocab_size: int = 512, **model_kwargs: int | bool
+) -> str:
+    """Train the tokenizer on ``texts``, build the model and save both to ``out_dir``; returns ``out_dir``."""
+    tokenizer = train_chatml_tokenizer(texts, vocab_size)
+    model = build_qwen2_model(tokenizer, **model_kwargs)  # type: ignore[arg-type]
+    return save_model_dir(model, tokenizer, out_dir)
