@@ -55,7 +55,7 @@ def assert_matches_single(ref: Path, got: Path, base_model_dir: str, reload_in_p
     w_ref, w_got = read_safetensors_dir(str(ref / "weights")), read_safetensors_dir(str(got / "weights"))
     assert set(w_ref) == set(w_got)
     base = read_safetensors_dir(base_model_dir)
-    moved = max(float((w_ref[k] - base[k]).abs().max()) for k in w_ref)
+    moved = max(float((w_ref[k] - base[k]).abs().max()) for k in w_ref if k in base)
     assert moved > 1e-3  # the updates did change the weights
     worst = max(float((w_ref[k] - w_got[k]).abs().max()) for k in w_ref)
     assert worst <= 1e-5, worst
@@ -153,3 +153,36 @@ def test_deepspeed_in_one_process_matches_the_single_process_engine(
     _need_deepspeed()
     run_engine(tiny_model_dir, tmp_path / "zero3", "deepspeed", 1)
     assert_matches_single(single_run, tmp_path / "zero3", tiny_model_dir, reload_in_place=False)
+
+
+@pytest.fixture(scope="module")
+def tied_single_run(chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engines_tied") / "single"
+    run_engine(chatml_model_dir, out, "single", 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "engine,overrides", [("fsdp", ()), ("deepspeed", ("service.train_service.deepspeed.zero_stage=3",))]
+)
+def test_tied_model_on_two_ranks_matches_one_process_and_stays_tied(
+    chatml_model_dir: str, tied_single_run: Path, tmp_path: Path, engine: str, overrides: tuple[str, ...]
+) -> None:
+    """A tied GQA Qwen2 trains alike on one process, FSDP2 and ZeRO-3; every export and checkpoint
+    holds ``lm_head.weight`` equal to the embedding, and loads as the user's tied model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if engine == "deepspeed":
+        _need_deepspeed()
+    out = tmp_path / engine
+    run_engine(chatml_model_dir, out, engine, 2, overrides)
+    assert_matches_single(tied_single_run, out, chatml_model_dir, reload_in_place=engine == "fsdp")
+    for run in (tied_single_run, out):
+        for weights in (run / "weights", run / "ckpt" / "model"):
+            w = read_safetensors_dir(str(weights))
+            assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"]), weights
+        model = AutoModelForCausalLM.from_pretrained(str(run / "ckpt" / "model"))
+        assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 2
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        tok = AutoTokenizer.from_pretrained(str(run / "ckpt" / "model"))
+        assert tok.chat_template == AutoTokenizer.from_pretrained(chatml_model_dir).chat_template

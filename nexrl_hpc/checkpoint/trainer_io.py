@@ -61,6 +61,7 @@ class TrainerCheckpointIO:
         par = self.par
         state = par.full_state_dict(self.model)
         if par.rank == 0:
+            state = with_tied_entries(state, par.unwrap(self.model))
             write_hf_model_dir(state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync)
         par.barrier()
 
@@ -185,6 +186,36 @@ class TrainerCheckpointIO:
                 error = exc
         par.agree(error)
         par.load_full_state_dict(self.model, state)
+
+
+def tied_weight_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{tied name: the name it shares}`` (``lm_head.weight -> model.embed_tokens.weight``) when
+    the model's config ties them; empty otherwise."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        return {str(k): str(v) for k, v in tied.items()}
+    # older transformers list the tied names only: each shares the input embedding
+    embedding = model.get_input_embeddings().weight  # type: ignore[operator]
+    source = next((n for n, p in model.named_parameters() if p is embedding), None)
+    return {str(name): source for name in tied or ()} if source else {}
+
+
+def with_tied_entries(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tied weight under its own name too (``lm_head.weight`` beside the embedding).
+
+    Why: vLLM's in-place reload (``reload_weights``) re-materialises each module on its own, so
+    after the first reload a tied head no longer shares the embedding's memory and takes its
+    values only from an ``lm_head.weight`` entry. Without one it serves a head that is neither
+    the old nor the new policy (measured on vLLM 0.32). ``config.json`` still says tied, so
+    transformers loads the directory as the user's tied model."""
+    out = dict(state)
+    for name, source in tied_weight_names(model).items():
+        if name not in out and source in out:
+            out[name] = out[source]
+    return out
 
 
 def optimizer_file(local_path: str, rank: int) -> str:

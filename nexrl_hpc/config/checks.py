@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -245,8 +244,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
 
 def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
-    """vllm: the venv exists (unless a server is given) and reloaded models have an untied lm_head;
-    sglang: only an already running server (base_url) is supported."""
+    """vllm: the venv exists (unless a server is given); sglang: only an already running server (base_url) is supported."""
     backend = g_safe(cfg, "service.inference_service.backend")
     base_url = g_safe(cfg, "service.inference_service.base_url")
     problems: list[ConfigProblem] = []
@@ -269,31 +267,6 @@ def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
                 "(NEXRL_VLLM_VENV picks its location) or point this key at one",
             )
         )
-    # vLLM keeps the old lm_head when a model with tied embeddings is reloaded (no error, stale weights)
-    path = g_safe(cfg, "model.path")
-    if path is None:
-        if g_safe(cfg, "model.tiny.tie_word_embeddings") is True:
-            problems.append(
-                ConfigProblem(
-                    "model.tiny.tie_word_embeddings",
-                    "must be false with backend=vllm: vLLM silently keeps the old lm_head when it reloads "
-                    "a model with tied embeddings",
-                )
-            )
-    elif isinstance(path, str):
-        try:
-            with open(os.path.join(path, "config.json")) as f:
-                tied = json.load(f).get("tie_word_embeddings", False)
-        except (OSError, ValueError):
-            tied = False  # a missing model dir or config.json is reported by input_path_problems
-        if tied:
-            problems.append(
-                ConfigProblem(
-                    "model.path",
-                    f"{path}/config.json has tie_word_embeddings: true; backend=vllm needs an untied lm_head "
-                    "(vLLM silently keeps the old one on reload): save the model with untied embeddings",
-                )
-            )
     return problems
 
 

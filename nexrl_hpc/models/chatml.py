@@ -56,8 +56,8 @@ def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTr
 
 def build_qwen2_model(
     tokenizer: PreTrainedTokenizerFast,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
@@ -65,7 +65,9 @@ def build_qwen2_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
-    """A random-init Qwen2 causal LM sized to ``tokenizer`` (GQA when kv heads < heads)."""
+    """A random-init Qwen2 causal LM sized to ``tokenizer`` (GQA when kv heads < heads).
+
+    head_dim is hidden_size / num_attention_heads: vLLM's CPU attention needs at least 32."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
