@@ -112,15 +112,20 @@ def test_grpo_processor_builds_the_training_batch() -> None:
     trajs = []
     for g, rewards in (("a", [1.0, 0.0]), ("b", [0.0, 0.0])):
         for r in rewards:
+            cut = g == "a" and r == 0.0  # one response ran into max_response_length
             trajs.append(
-                {"group_id": g, "uid": g, "epoch": 0, "reward": r, "prompt_ids": [1, 4], "response_ids": [5, 2],
-                 "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1], "weight_version": 3}
+                {"group_id": g, "uid": g, "epoch": 0, "reward": r, "prompt_ids": [1, 4],
+                 "response_ids": [5, 6, 7] if cut else [5, 2], "behaviour_log_probs": [-1.0] * (3 if cut else 2),
+                 "loss_mask": [1] * (3 if cut else 2), "weight_version": 3, "finish_reason": "length" if cut else "stop"}
             )  # fmt: skip
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert torch.allclose(
-        out.values["advantages"], torch.tensor([[a, a], [-a, -a], [0, 0], [0, 0]]), atol=1e-5
+        out.values["advantages"], torch.tensor([[a, a, 0], [-a, -a, -a], [0, 0, 0], [0, 0, 0]]), atol=1e-5
     )
+    metrics = out.metadata["metrics"]
+    assert metrics["train/response_clip_ratio"] == 0.25
+    assert metrics["train/response_length_mean"] == 2.25 and metrics["train/response_length_max"] == 3
     assert out.values["weight_version"].tolist() == [3, 3, 3, 3]
     assert out.metadata["metrics"]["train/reward_mean"] == 0.25
     assert out.metadata["uid"] == ["a", "a", "b", "b"] and out.metadata["model_tag"] == "default"

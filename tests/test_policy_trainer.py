@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -13,7 +14,7 @@ from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.checkpoint.state_file import load_state_file
 from nexrl_hpc.train.loss_sums import LossSums
 from nexrl_hpc.train.parallel import SingleProcess
-from nexrl_hpc.train.policy_trainer import PolicyTrainer, lr_factor
+from nexrl_hpc.train.policy_trainer import PolicyTrainer, lr_factor, response_log_probs
 from nexrl_hpc.train.worker import TrainWorker
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
@@ -275,15 +276,33 @@ def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
 
 def test_loss_sums_give_the_losses_per_optimizer_step_and_the_ratios_per_token() -> None:
     sums = LossSums()
-    sums.add(pg_loss=1.0, kl_loss=0.25, clipfrac=2.0, ppo_kl=0.5, tokens=4.0)
-    sums.add(pg_loss=3.0, kl_loss=0.25, clipfrac=0.0, ppo_kl=1.5, tokens=4.0)
+    sums.add(pg_loss=1.0, kl_loss=0.25, clipfrac=2.0, ppo_kl=0.5, entropy=6.0, tokens=4.0)
+    sums.add(pg_loss=3.0, kl_loss=0.25, clipfrac=0.0, ppo_kl=1.5, entropy=2.0, tokens=4.0)
     reduced = sums.all_reduced(SingleProcess())  # one rank: the sums themselves
-    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, clipfrac=2.0, ppo_kl=2.0, tokens=8.0)
+    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, clipfrac=2.0, ppo_kl=2.0, entropy=8.0, tokens=8.0)
     assert reduced.metrics(optimizer_steps=2, kl_loss_coef=0.5) == {
         "actor/pg_loss": 2.0,
         "actor/kl_loss": 0.25,
         "actor/loss": 2.125,
         "actor/pg_clipfrac": 0.25,
         "actor/ppo_kl": 0.25,
+        "actor/entropy": 1.0,
     }
     assert LossSums(clipfrac=3.0).metrics(1, 0.0)["actor/pg_clipfrac"] == 3.0  # no tokens: divided by 1
+
+
+def test_entropy_metric_is_the_policys_mean_entropy_over_response_tokens(tiny_model_dir: str) -> None:
+    """actor/entropy equals -sum p log p of the model before the update, averaged over the
+    batch's response tokens (one epoch, one optimizer step: the forward is the pre-update model)."""
+    from nexrl_hpc.train.policy_trainer import response_log_probs_and_entropy
+
+    eng = trainer(tiny_model_dir, ["service.train_service.actor.ppo_mini_batch_size=16"])
+    batch = make_batch(16, seed=4)
+    with torch.no_grad():
+        logp, entropy = response_log_probs_and_entropy(eng.model, batch)
+        assert torch.allclose(logp, response_log_probs(eng.model, batch))
+    mask = batch["response_mask"]
+    expected = float((entropy * mask).sum() / mask.sum())
+    assert 0.0 < expected <= math.log(eng.model.config.vocab_size) + 1e-6
+    metrics = eng.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
+    assert metrics["actor/entropy"] == pytest.approx(expected, rel=1e-5)

@@ -58,7 +58,10 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "train/reward_min": float(rewards.min()),
             "train/advantage_mean": float(adv.mean()),
             "train/advantage_abs_mean": float(adv.abs().mean()),
-            "train/response_length_mean": float(resp_len.mean()),
+            "train/response_length_mean": float(resp_len.float().mean()),
+            "train/response_length_max": float(resp_len.max()),
+            # responses cut off by max_response_length (the engine's finish_reason "length")
+            "train/response_clip_ratio": _clip_ratio(batch.values.get("finish_reason")),
             "train/num_groups": int(groups.max()) + 1,
             "train/zero_std_group_frac": adv_stats["zero_std_group_frac"],
         }
@@ -87,6 +90,12 @@ def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> di
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
     return {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
+
+
+def _clip_ratio(finish_reasons: list[str | None] | None) -> float:
+    if not finish_reasons:
+        return 0.0
+    return sum(reason == "length" for reason in finish_reasons) / len(finish_reasons)
 
 
 def _column(batch: Batch[list[Any]], name: str) -> list[Any]:

@@ -34,10 +34,9 @@ from nexrl_hpc.train.strategy_factory import create_parallel_strategy
 logger = logging.getLogger(__name__)
 
 
-def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log pi(response token | prefix) for every response position, [B, R], in fp32."""
-    responses = micro["responses"]
-    r = responses.shape[1]
+def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log pi(. | prefix) over the vocabulary at every response position, [B, R, V], in fp32."""
+    r = micro["responses"].shape[1]
     out = model(
         input_ids=micro["input_ids"],
         attention_mask=micro["attention_mask"],
@@ -45,8 +44,24 @@ def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tens
         use_cache=False,
         logits_to_keep=r + 1,
     )
-    logits = out.logits[:, :-1, :].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(out.logits[:, :-1, :].float(), dim=-1)
+
+
+def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log pi(response token | prefix) for every response position, [B, R], in fp32."""
+    log_p = _response_log_softmax(model, micro)
+    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def response_log_probs_and_entropy(
+    model: Any, micro: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_log_probs`` and the policy's entropy at each response position (no gradient:
+    it is logged, not trained on), both [B, R]."""
+    log_p = _response_log_softmax(model, micro)
+    with torch.no_grad():
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
 
 
 def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
@@ -271,7 +286,7 @@ class PolicyTrainer(TrainServiceClient):
                 for i in range(passes):
                     part, real = self._micro(shard, lo, hi, i, micro)
                     weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
-                    logp = response_log_probs(self.model, part)
+                    logp, entropy = response_log_probs_and_entropy(self.model, part)
                     mask = part["response_mask"]
                     if has_behaviour and steps_done == 0 and real:
                         diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
@@ -304,6 +319,7 @@ class PolicyTrainer(TrainServiceClient):
                             kl_loss=float(kl.detach()) if kl is not None else 0.0,
                             clipfrac=float(stats["clipfrac_sum"]),
                             ppo_kl=float(stats["ppo_kl_sum"]),
+                            entropy=float((entropy * mask).sum()),
                             tokens=float(stats["tokens"]),
                         )
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
