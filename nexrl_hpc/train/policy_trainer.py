@@ -111,6 +111,9 @@ class PolicyTrainer(TrainServiceClient):
             attn_implementation=cfg["attn_implementation"],
         )
         self.model.train()
+        if cfg["gradient_checkpointing"]:
+            # non-reentrant: works with FSDP2/DeepSpeed and with inputs that need no grad
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
