@@ -381,7 +381,9 @@ class LauncherConfig(TypedDict):
     nodes: Annotated[int, Ge(1)] | None  # a one-component job: --nodes (null: Slurm packs the tasks)
     gres: str | None  # a one-component job: --gres, e.g. "gpu:8" (sites that count GPUs as gres)
     gpus_per_node: Annotated[int, Ge(1)] | None  # a one-component job: --gpus-per-node
-    cpus_per_gpu: Annotated[int, Ge(1)] | None  # a one-component job: --cpus-per-gpu instead of --cpus-per-task
+    cpus_per_gpu: (
+        Annotated[int, Ge(1)] | None
+    )  # a one-component job: --cpus-per-gpu instead of --cpus-per-task
 
 
 class RLTrainConfig(TypedDict):

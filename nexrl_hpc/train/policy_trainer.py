@@ -49,6 +49,17 @@ def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tens
     return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """``model.gradient_checkpointing``: every decoder layer recomputes its activations in backward.
+    Non-reentrant (works under FSDP2/DeepSpeed and with inputs that need no grad). transformers 5
+    renamed the method; 4.x has only the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
     """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
     if warmup > 0 and step < warmup:
@@ -112,8 +123,7 @@ class PolicyTrainer(TrainServiceClient):
         )
         self.model.train()
         if cfg["gradient_checkpointing"]:
-            # non-reentrant: works with FSDP2/DeepSpeed and with inputs that need no grad
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
