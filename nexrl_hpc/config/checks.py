@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigProblem
 from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.runtime.placement import placement_problems
@@ -214,6 +215,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
     )
     problems += _deepspeed_problems(cfg)
+    problems += hardware_problems(cfg)
     problems += _inference_backend_problems(cfg)
     problems += input_path_problems(cfg)
     if g_safe(cfg, "model.path") is None:

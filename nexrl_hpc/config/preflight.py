@@ -132,6 +132,10 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         from nexrl_hpc.launcher.slurm import check_slurm_job
 
         problems += check_slurm_job(config)
+    elif config["launch_mode"] == "local":  # the run is this process, on this machine: CUDA is here or not
+        from nexrl_hpc.config.hardware import local_device_problems
+
+        problems += local_device_problems(config)
     return problems
 
 

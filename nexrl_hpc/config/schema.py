@@ -34,6 +34,7 @@ class TinyModelConfig(TypedDict):
 class ModelConfig(TypedDict):
     path: str | None  # HF-layout model directory; null builds the tiny model below
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"]
+    gradient_checkpointing: bool  # the trainer recomputes activations in backward (less memory)
     tiny: TinyModelConfig
 
 
@@ -211,6 +212,7 @@ class TrainServiceConfig(TypedDict):
     num_threads: Annotated[int, Ge(1)]
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16"]
+    dist_backend: Literal["gloo", "nccl"]  # torch.distributed backend of the trainer group
     export_max_shard_mb: Annotated[int, Ge(1)]
     actor: ActorConfig
 
@@ -239,6 +241,9 @@ class VLLMInferenceConfig(TypedDict):
     dtype: Literal["float32", "bfloat16", "float16", "auto"]
     max_model_len: Annotated[int, Ge(1)] | None  # null: the model's max_position_embeddings
     pause_mode: Literal["wait", "keep"]  # weight reload: finish in-flight requests first | keep them
+    device: Literal["cpu", "cuda"]  # vLLM's platform (the server's VLLM_TARGET_DEVICE)
+    gpu_memory_utilization: Annotated[float, Gt(0.0), Le(1.0)] | None  # cuda only; null: vLLM's default
+    tensor_parallel_size: Annotated[int, Ge(1)]
     extra_args: list[str]  # appended to the api_server command line
     env: dict[str, Any]  # added to the server's environment (values as strings)
 
@@ -373,6 +378,12 @@ class LauncherConfig(TypedDict):
     rollout_ranks: Annotated[int, Ge(1)]
     setup: list[str]
     sbatch: dict[str, Any]
+    nodes: Annotated[int, Ge(1)] | None  # a one-component job: --nodes (null: Slurm packs the tasks)
+    gres: str | None  # a one-component job: --gres, e.g. "gpu:8" (sites that count GPUs as gres)
+    gpus_per_node: Annotated[int, Ge(1)] | None  # a one-component job: --gpus-per-node
+    cpus_per_gpu: (
+        Annotated[int, Ge(1)] | None
+    )  # a one-component job: --cpus-per-gpu instead of --cpus-per-task
 
 
 class RLTrainConfig(TypedDict):

@@ -91,7 +91,24 @@ class VLLMServer:
         ]  # fmt: skip
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]
+        if cfg["tensor_parallel_size"] != 1:
+            cmd += ["--tensor-parallel-size", str(cfg["tensor_parallel_size"])]
+        if cfg["gpu_memory_utilization"] is not None:  # the config check allows it only with device=cuda
+            cmd += ["--gpu-memory-utilization", str(cfg["gpu_memory_utilization"])]
         return cmd + [str(a) for a in cfg["extra_args"]]
+
+    def environment(self, base: dict[str, str]) -> dict[str, str]:
+        """The server's environment: ``base``, the configured ``env``, the platform from ``device``
+        (vLLM picks CPU or CUDA by VLLM_TARGET_DEVICE at run time), and the run's own settings."""
+        env = dict(base)
+        env.update({k: str(v) for k, v in self.config["env"].items()})
+        env.update(
+            VLLM_TARGET_DEVICE=self.config["device"],
+            VLLM_API_KEY=self.api_key,
+            VLLM_SERVER_DEV_MODE="1",  # /pause, /collective_rpc, /reset_prefix_cache, /resume
+            HF_HUB_OFFLINE="1",  # never download: the model is a local directory
+        )
+        return env
 
     def start(self) -> str:
         """Launch, wait until it serves the model, return its base URL."""
@@ -110,13 +127,7 @@ class VLLMServer:
         port = self.config["port"] or free_port(host)
         url_host = f"[{host}]" if ":" in host else host
         self.base_url = f"http://{url_host}:{port}"
-        env = dict(os.environ)
-        env.update({k: str(v) for k, v in self.config["env"].items()})
-        env.update(
-            VLLM_API_KEY=self.api_key,
-            VLLM_SERVER_DEV_MODE="1",  # /pause, /collective_rpc, /reset_prefix_cache, /resume
-            HF_HUB_OFFLINE="1",  # never download: the model is a local directory
-        )
+        env = self.environment(dict(os.environ))
         cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
         cmd += self.command(port)
         with open(self.log_path, "ab") as log:

@@ -109,9 +109,16 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
     _SIZING = ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --cpus-per-task=",
                "#SBATCH --gpus-per-task=", "#SBATCH --gpus-per-node=")  # fmt: skip
 
-    def __init__(self, folder: str | Path, components: list[Component], **parameters: Any):
+    def __init__(
+        self,
+        folder: str | Path,
+        components: list[Component],
+        job_sizing: dict[str, int] | None = None,
+        **parameters: Any,
+    ):
         super().__init__(folder=folder, max_num_timeout=1000)
         self._components = components
+        self._job_sizing = job_sizing or {}  # one-component jobs: nodes, gpus_per_node, cpus_per_gpu
         self.update_parameters(**parameters)
 
     def _num_tasks(self) -> int:
@@ -130,9 +137,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         for k, comp in enumerate(self._components):
             if k:
                 sizing += ["#SBATCH hetjob", *repeated]
-            sizing += [f"#SBATCH --ntasks={comp.ntasks}", f"#SBATCH --cpus-per-task={comp.cpus_per_task}"]
-            if comp.gpus_per_task:
-                sizing.append(f"#SBATCH --gpus-per-task={comp.gpus_per_task}")
+            sizing += _component_sizing(comp, self._job_sizing if len(self._components) == 1 else {})
         last_flag = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
         lines[last_flag + 1 : last_flag + 1] = sizing
         # srun would expand %j per component (component k's log path would not exist): use the job id
@@ -142,6 +147,29 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
             line = line.replace("srun ", f"srun --het-group=0-{len(self._components) - 1} ", 1)
         lines[srun] = line
         return "\n".join(lines) + "\n"
+
+
+def _component_sizing(comp: Component, job: dict[str, int]) -> list[str]:
+    """The #SBATCH lines sizing one component; ``job`` (launcher.nodes / gpus_per_node /
+    cpus_per_gpu) only for a job of one component. --cpus-per-gpu replaces --cpus-per-task
+    (Slurm refuses both)."""
+    lines = [f"#SBATCH --ntasks={comp.ntasks}"]
+    if job.get("nodes"):
+        lines.append(f"#SBATCH --nodes={job['nodes']}")
+    if job.get("cpus_per_gpu"):
+        lines.append(f"#SBATCH --cpus-per-gpu={job['cpus_per_gpu']}")
+    else:
+        lines.append(f"#SBATCH --cpus-per-task={comp.cpus_per_task}")
+    if comp.gpus_per_task:
+        lines.append(f"#SBATCH --gpus-per-task={comp.gpus_per_task}")
+    if job.get("gpus_per_node"):
+        lines.append(f"#SBATCH --gpus-per-node={job['gpus_per_node']}")
+    return lines
+
+
+def job_sizing(launcher: dict[str, Any]) -> dict[str, int]:
+    """The set ones of launcher.nodes, gpus_per_node, cpus_per_gpu."""
+    return {k: int(launcher[k]) for k in ("nodes", "gpus_per_node", "cpus_per_gpu") if launcher.get(k)}
 
 
 class SlurmRun:
@@ -204,12 +232,23 @@ def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
         return err.problems
     lc = config["launcher"]
     het = len(components) > 1
+    if het:
+        job_level = [k for k in ("nodes", "gres", "gpus_per_node", "cpus_per_gpu") if lc.get(k)]
+        if job_level:
+            groups = "; ".join(f"component {k}: {', '.join(c.groups)}" for k, c in enumerate(components))
+            return [ConfigProblem(f"launcher.{key}", f"applies to a job of one component, but the placement "
+                                  f"makes a heterogeneous job ({groups}): size it per group with "
+                                  "placement.resources.<group>.{cpus_per_rank,gpus_per_rank}, or give every "
+                                  "group the same resources") for key in job_level]  # fmt: skip
     demands = [
         Demand(
             label=f"component {k} ({', '.join(c.groups)})" if het else f"the job ({', '.join(c.groups)})",
             tasks=c.ntasks,
             cpus_per_task=c.cpus_per_task,
             gpus_per_task=c.gpus_per_task,
+            # launcher.nodes: Slurm spreads the tasks evenly (block distribution)
+            tasks_per_node=-(-c.ntasks // lc["nodes"]) if lc["nodes"] and not het else None,
+            gpus_per_node=(lc["gpus_per_node"] or 0) if not het else 0,
             cpus_key=", ".join(f"placement.resources.{g}.cpus_per_rank" for g in c.groups),
             gpus_key=", ".join(f"placement.resources.{g}.gpus_per_rank" for g in c.groups),
         )
@@ -313,10 +352,13 @@ def submit(config: RLTrainConfig) -> tuple[Any, dict[str, Any]]:
         "time": lc["time_min"],
         "signal_delay_s": lc["signal_grace_s"],
         "setup": list(lc["setup"]),
+        "gres": lc["gres"],
         "srun_args": ["--mpi=pmi2", "--kill-on-bad-exit=0"],
         "additional_parameters": {**lc["sbatch"], "requeue": True},
     }
-    executor = HetSlurmExecutor(folder, components, **{k: v for k, v in parameters.items() if v is not None})
+    executor = HetSlurmExecutor(
+        folder, components, job_sizing(dict(lc)), **{k: v for k, v in parameters.items() if v is not None}
+    )
     job = executor.submit(SlurmRun(run_config))
     info = {
         "job_id": str(job.job_id),

@@ -156,9 +156,14 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
     if ts["device"] == "cuda":
-        torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"service.train_service.device=cuda but trainer rank {grank} sees no CUDA device "
+                "(placement.resources.trainer.gpus_per_rank under Slurm)"
+            )
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        "nccl" if ts["device"] == "cuda" else "gloo",
+        ts["dist_backend"],
         store=store,
         rank=grank,
         world_size=size,

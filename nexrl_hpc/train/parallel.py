@@ -180,15 +180,14 @@ class FSDP2(ParallelStrategy):
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._device = device
-        self._param_dtype = getattr(torch, param_dtype)
-        self._reduce_dtype = getattr(torch, reduce_dtype)
+        self._param_dtype, self._reduce_dtype = param_dtype, reduce_dtype
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(self._device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype)
+        mp = mixed_precision_policy(self._param_dtype, self._reduce_dtype)
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -273,12 +272,21 @@ def dp_slices(n: int, world_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def init_trainer_process_group(device: str) -> None:
-    """torch.distributed from the launcher's environment (torchrun / the MPI runtime): NCCL on GPU,
-    gloo on CPU."""
+def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> Any:
+    """FSDP2's policy from ``service.train_service.fsdp``: parameters all-gathered (and computed) in
+    ``param_dtype``, gradients reduce-scattered in ``reduce_dtype`` (bf16 / fp32 on GPUs)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype)
+    )
+
+
+def init_trainer_process_group(backend: str) -> None:
+    """torch.distributed from the launcher's environment (torchrun / the MPI runtime) with
+    ``service.train_service.dist_backend`` (gloo on CPU, NCCL on GPU)."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
     )

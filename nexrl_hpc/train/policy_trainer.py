@@ -64,6 +64,17 @@ def response_log_probs_and_entropy(
     return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """``model.gradient_checkpointing``: every decoder layer recomputes its activations in backward.
+    Non-reentrant (works under FSDP2/DeepSpeed and with inputs that need no grad). transformers 5
+    renamed the method; 4.x has only the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
     """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
     if warmup > 0 and step < warmup:
@@ -126,6 +137,8 @@ class PolicyTrainer(TrainServiceClient):
             attn_implementation=cfg["attn_implementation"],
         )
         self.model.train()
+        if cfg["gradient_checkpointing"]:
+            enable_activation_checkpointing(self.model)
         if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():

@@ -22,13 +22,13 @@ def create_parallel_strategy(
     if engine == "fsdp":
         if not dist.is_initialized() and world_size == 1:
             # one trainer rank (local mode, or one trainer rank in an MPI job): a 1-rank group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(cfg["dist_backend"], store=dist.HashStore(), rank=0, world_size=1)
         fsdp = cfg["fsdp"]
         return FSDP2(device, fsdp["param_dtype"], fsdp["reduce_dtype"])
     if engine == "deepspeed":
         from nexrl_hpc.train.deepspeed_strategy import DeepSpeedZeRO
 
         if not dist.is_initialized() and world_size == 1:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(cfg["dist_backend"], store=dist.HashStore(), rank=0, world_size=1)
         return DeepSpeedZeRO(cfg)
     raise ValueError(f"service.train_service.engine={engine!r} is not available")

@@ -88,9 +88,11 @@ class TrainWorker(NexRLModule):
             "deepspeed": ts["deepspeed"],
             "device": ts["device"],
             "dtype": ts["dtype"],
+            "dist_backend": ts["dist_backend"],
             "num_threads": ts["num_threads"],
             "export_max_shard_mb": ts["export_max_shard_mb"],
             "attn_implementation": self._config["model"]["attn_implementation"],
+            "gradient_checkpointing": self._config["model"]["gradient_checkpointing"],
             "total_training_steps": self._total_steps,
         }
 

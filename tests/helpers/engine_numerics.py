@@ -31,7 +31,7 @@ def main() -> None:
     from tests.test_policy_trainer import make_batch
 
     if world_size > 1:
-        init_trainer_process_group("cpu")
+        init_trainer_process_group("gloo")
     overrides = [
         f"service.train_service.engine={engine_name}",
         "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
