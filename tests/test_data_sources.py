@@ -341,3 +341,23 @@ def test_verl_parquet_run_trains_on_the_chat_template_ids(tmp_path: Path, chatml
     )
     copy = [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")]
     assert copy == [{"prompt": val_rows[i]["prompt"], "answer": str(i + 1)} for i in range(3)]
+
+
+def test_hf_dataset_dict_folder_reads_the_configured_split(tmp_path: Path) -> None:
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(verl_rows(3)), "test": datasets.Dataset.from_list(verl_rows(1))}
+    ).save_to_disk(str(folder))
+    cfg = compose_config(
+        ["data.type=hf", f"data.data_files=[{folder}]", f"validate.data.data_files=[{folder}]",
+         "validate.data.split=test", "data.answer_key=reward_model.ground_truth",
+         "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'"]
+    )  # fmt: skip
+    assert DatasetLoader(cfg["data"], data_files=[str(folder)]).num_rows == 3
+    assert DatasetLoader(cfg["validate"]["data"], is_validate=True, data_files=[str(folder)]).num_rows == 1
+    found = problems_of(
+        ["data.type=hf", f"data.data_files=[{folder}]", f"validate.data.data_files=[{folder}]",
+         "data.answer_key=reward_model.ground_truth", "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'"]
+    )  # fmt: skip
+    assert set(found) == {"validate.data.data_files[0]"}  # validate.data.split defaults to "validation"
+    assert "no split 'validation' (it has train, test)" in found["validate.data.data_files[0]"]

@@ -44,7 +44,7 @@ def chat_template_problem(tokenizer: Any, model_path: str | None, key_prefix: st
         else f"the tokenizer of model.path={model_path!r} has no chat template"
     )
     return (
-        f"prompts of {key_prefix}.prompt_key are chat messages (or {key_prefix}.apply_chat_template is true), "
+        f"the prompts are chat messages (or {key_prefix}.apply_chat_template is true), "
         f"but {where}; or use string prompts with {key_prefix}.apply_chat_template=false"
     )
 
