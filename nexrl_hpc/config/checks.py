@@ -116,14 +116,14 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "needs 3 values: gen0, gen1, gen2",
     )
     check(
-        lambda: g("data.type") != "jsonl" or len(g("data.data_files")) > 0,
+        lambda: g("data.type") == "task" or len(g("data.data_files")) > 0,
         "data.data_files",
-        "data.type=jsonl needs at least one file",
+        f"data.type={g_safe(cfg, 'data.type')} needs at least one file",
     )
     check(
-        lambda: g("validate.data.type") != "jsonl" or len(g("validate.data.data_files")) > 0,
+        lambda: g("validate.data.type") == "task" or len(g("validate.data.data_files")) > 0,
         "validate.data.data_files",
-        "validate.data.type=jsonl needs at least one file",
+        f"validate.data.type={g_safe(cfg, 'validate.data.type')} needs at least one file",
     )
     check(
         lambda: g("resume.mode") != "from_path" or bool(g("resume.resume_path")),
@@ -274,10 +274,10 @@ def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
 
 def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
     """The files the run reads at start-up exist: ``model.path`` (an HF-layout directory with a
-    config.json; null builds the tiny model) and the jsonl files of ``data.data_files`` and
-    ``validate.data.data_files`` (read when data.type=jsonl, or validate.data.type=jsonl for the latter).
-    Checked here, on the login node before sbatch, instead of failing once the job runs. Only the file
-    system is asked: nothing is opened beyond a data file's first byte, no weights are loaded."""
+    config.json; null builds the tiny model) and the files of ``data.data_files`` and
+    ``validate.data.data_files`` (read when data.type is jsonl, parquet or hf, or validate.data.type for
+    the latter), whose first rows must have the configured keys (nexrl_hpc/data/checks.py). Checked
+    here, on the login node before sbatch, instead of failing once the job runs. No weights are loaded."""
     problems: list[ConfigProblem] = []
     model_path = g_safe(cfg, "model.path")
     if isinstance(model_path, str):
@@ -297,28 +297,42 @@ def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
                     "null builds the tiny model of model.tiny)",
                 )
             )
-    train_jsonl = g_safe(cfg, "data.type") == "jsonl"
+    file_types = ("jsonl", "parquet", "hf")  # data.type values read from data_files
+    train_files = g_safe(cfg, "data.type") in file_types
     for key, reads in (
-        ("data.data_files", train_jsonl),
-        ("validate.data.data_files", train_jsonl or g_safe(cfg, "validate.data.type") == "jsonl"),
+        ("data.data_files", train_files),
+        ("validate.data.data_files", train_files or g_safe(cfg, "validate.data.type") in file_types),
     ):
         files = g_safe(cfg, key)
         if not reads or not isinstance(files, list):
             continue
+        prefix = key.rsplit(".", 1)[0]
+        readable: list[tuple[int, str]] = []
         for i, path in enumerate(files):
             if not isinstance(path, str):
                 continue  # the schema check reports the type
-            why = _unreadable_file(path)
+            why = _unreadable_file(path, allow_dir=g_safe(cfg, f"{prefix}.type") == "hf")
             if why:
                 problems.append(ConfigProblem(f"{key}[{i}]", f"{path!r}: {why}"))
+            else:
+                readable.append((i, path))
+        if readable:  # their first rows have the configured keys, some prompt fits
+            from nexrl_hpc.data.checks import data_file_problems
+
+            try:
+                problems += data_file_problems(cfg, prefix, key, readable)
+            except (KeyError, TypeError, AttributeError):
+                pass  # the schema check reports the shape problem
     return problems
 
 
-def _unreadable_file(path: str) -> str:
-    """Why ``path`` cannot be read as a data file ('' if it can)."""
+def _unreadable_file(path: str, allow_dir: bool = False) -> str:
+    """Why ``path`` cannot be read as a data file ('' if it can); ``allow_dir``: a datasets.save_to_disk folder."""
     if not os.path.exists(path):
         return "no such file"
     if os.path.isdir(path):
+        if allow_dir:
+            return "" if os.access(path, os.R_OK | os.X_OK) else "cannot be read (permission denied)"
         return "is a directory, not a file"
     if not os.path.isfile(path):
         return "not a regular file"

@@ -47,12 +47,15 @@ class TaskConfig(TypedDict):
 
 
 class DataConfig(TypedDict):
-    type: Literal["task", "jsonl"]
-    split: Literal["train", "validation"]
+    type: Literal["task", "jsonl", "parquet", "hf"]
+    split: str  # the split of an HF DatasetDict folder (type=hf)
     data_files: list[str]
-    prompt_key: str
-    answer_key: str
+    hf_builder: str | None  # type=hf data files: the datasets builder; null: from the file extension
+    prompt_key: str  # dotted paths into nested rows
+    answer_key: str | None  # null: rows carry no ground truth
     id_key: str | None
+    apply_chat_template: bool  # string prompts too go through the chat template (as one user message)
+    add_generation_prompt: bool
     batch_size: Annotated[int, Ge(1)]
     rollout_repeat_n: Annotated[int, Ge(1)]
     shuffle: bool

@@ -1,4 +1,4 @@
-"""Data loaders: rows from jsonl files, handed out one rollout task at a time.
+"""Data loaders: dataset rows (jsonl, parquet, HF ``datasets``), handed out one rollout task at a time.
 
 Each dataset row becomes ``rollout_repeat_n`` consecutive tasks sharing a ``group_id`` (one GRPO
 group). Every task carries the row's stable ``uid``, its ``epoch`` and ``sample_index`` so a sample
@@ -9,7 +9,6 @@ fresh tasks go out per policy version (sync mode: exactly one training batch).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 from nexrl_hpc.config.schema import DataConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.data.rows import load_rows
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +67,43 @@ class BaseDataLoader(NexRLModule):
         raise NotImplementedError
 
 
-class JsonlDataLoader(BaseDataLoader):
-    """Rows from jsonl files; bad rows (undecodable, not JSON, no prompt) are skipped and counted."""
+class DatasetLoader(BaseDataLoader):
+    """Rows of ``data.data_files`` (jsonl, parquet or HF ``datasets``; see data/readers.py), normalised
+    to tasks (data/rows.py). Bad rows are skipped and counted; with a ``tokenizer`` and
+    ``max_prompt_length``, prompts longer than that (after templating) are filtered and counted."""
 
-    def __init__(self, config: DataConfig, is_validate: bool = False, data_files: list[str] | None = None):
+    def __init__(
+        self,
+        config: DataConfig,
+        is_validate: bool = False,
+        data_files: list[str] | None = None,
+        tokenizer: Any = None,
+        max_prompt_length: int | None = None,
+        model_path: str | None = None,
+    ):
         super().__init__(config, is_validate)
-        self._prompt_key = config["prompt_key"]
-        self._id_key = config["id_key"]
         self._repeat = config["rollout_repeat_n"]
         self._shuffle = config["shuffle"]
         self._seed = config["seed"]
         self._max_epochs = config["max_epochs"]
         self._split = "validation" if is_validate else "train"
-        self.skipped_rows = 0
-        self._rows = self._read(data_files if data_files is not None else config["data_files"])
+        files = data_files if data_files is not None else config["data_files"]
+        loaded = load_rows(
+            config,
+            files,
+            self._split,
+            tokenizer,
+            max_prompt_length,
+            key_prefix="validate.data" if is_validate else "data",
+            model_path=model_path,
+        )
+        self.skipped_rows = loaded.skipped
+        self.filtered_long_prompts = loaded.filtered_long
+        self._rows = loaded.tasks
         if not self._rows:
             raise ValueError(
-                f"no usable rows in {data_files or config['data_files']} ({self.skipped_rows} skipped)"
+                f"no usable rows in {files} ({self.skipped_rows} skipped, {self.filtered_long_prompts} "
+                f"longer than rollout_worker.max_prompt_length={max_prompt_length} tokens)"
             )
         self._lock = threading.Condition()
         self._returned: deque[dict[str, Any]] = deque()
@@ -100,49 +120,6 @@ class JsonlDataLoader(BaseDataLoader):
         self._repeat_index = 0  # next sample_index of the current row
         self._issued_fresh = 0
         self._start_epoch(0)
-
-    # --- reading --------------------------------------------------------------------------------
-    def _read(self, files: list[str]) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        for path in files:
-            with open(path, "rb") as f:
-                for line_no, raw in enumerate(f, start=1):
-                    if not raw.strip():
-                        continue
-                    row = self._parse(raw, path, line_no)
-                    if row is None:
-                        self.skipped_rows += 1
-                        continue
-                    uid = (
-                        row[self._id_key]
-                        if self._id_key and self._id_key in row
-                        else f"{self._split}-{len(rows)}"
-                    )
-                    row["uid"] = str(uid)
-                    rows.append(row)
-        if self.skipped_rows:
-            logger.warning("%s data: skipped %d bad row(s) in %s", self._split, self.skipped_rows, files)
-        return rows
-
-    def _parse(self, raw: bytes, path: str, line_no: int) -> dict[str, Any] | None:
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            logger.warning("%s:%d: not valid UTF-8; row skipped", path, line_no)
-            return None
-        except json.JSONDecodeError as exc:
-            logger.warning("%s:%d: not valid JSON (%s); row skipped", path, line_no, exc)
-            return None
-        if not isinstance(row, dict):
-            logger.warning("%s:%d: not a JSON object; row skipped", path, line_no)
-            return None
-        prompt = row.get(self._prompt_key)
-        if not isinstance(prompt, str) or not prompt:
-            logger.warning("%s:%d: no %r string; row skipped", path, line_no, self._prompt_key)
-            return None
-        if self._prompt_key != "prompt":
-            row["prompt"] = prompt
-        return row
 
     # --- epochs ---------------------------------------------------------------------------------
     def _start_epoch(self, epoch: int) -> None:
@@ -340,6 +317,11 @@ class JsonlDataLoader(BaseDataLoader):
     def get_skipped_rows(self) -> int:
         return self.skipped_rows
 
+    @quick
+    def get_filtered_long_prompts(self) -> int:
+        """Prompts left out at load time for being longer than rollout_worker.max_prompt_length."""
+        return self.filtered_long_prompts
+
     # --- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -368,3 +350,6 @@ class JsonlDataLoader(BaseDataLoader):
             self._issued_fresh = int(state["issued_fresh"])
             self._returned = deque(state["returned"])
             self._extra = deque(state["extra"])
+
+
+JsonlDataLoader = DatasetLoader  # the former name (it read jsonl only): type hints elsewhere still use it

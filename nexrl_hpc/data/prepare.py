@@ -1,8 +1,9 @@
 """Materialise the run's datasets as jsonl under ``<run_dir>/data/`` before any module is built.
 
 ``data.type=task`` writes the task generator's splits (``train.jsonl``, ``validation.jsonl``);
-``data.type=jsonl`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
-ends up holding the validation set the run uses, with ``prompt`` and ``answer`` fields.
+``data.type=jsonl|parquet|hf`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
+ends up holding the validation set the run uses (after the loader's long-prompt filter), with
+``prompt`` (a string or chat messages) and ``answer`` (the ground truth of ``answer_key``) fields.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.data.rows import load_rows, prompt_length_filter
 
 
 def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
@@ -40,17 +42,16 @@ def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], li
     train_files = list(config["data"]["data_files"])
     val_files = list(config["validate"]["data"]["data_files"])
     if val_files and [os.path.abspath(f) for f in val_files] != [os.path.abspath(val_copy)]:
-        prompt_key = config["validate"]["data"]["prompt_key"]
-        answer_key = config["validate"]["data"]["answer_key"]
-        rows = []
-        for path in val_files:
-            with open(path, "rb") as f:
-                for raw in f:
-                    try:
-                        row = json.loads(raw.decode("utf-8"))
-                    except (UnicodeDecodeError, json.JSONDecodeError):
-                        continue
-                    if isinstance(row, dict) and isinstance(row.get(prompt_key), str) and row[prompt_key]:
-                        rows.append({"prompt": row[prompt_key], "answer": row.get(answer_key)})
-        _write_jsonl(val_copy, rows)
+        # the validation loader's own reading: same rows, same long-prompt filter
+        tokenizer, max_prompt_length = prompt_length_filter(config)
+        loaded = load_rows(
+            config["validate"]["data"],
+            val_files,
+            "validation",
+            tokenizer,
+            max_prompt_length,
+            key_prefix="validate.data",
+            model_path=config["model"]["path"],
+        )
+        _write_jsonl(val_copy, [{"prompt": t["prompt"], "answer": t["answer"]} for t in loaded.tasks])
     return train_files, val_files

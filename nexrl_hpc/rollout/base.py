@@ -23,7 +23,9 @@ from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import aexecute, execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
+from nexrl_hpc.data.prompts import engine_prompt, needs_chat_template
 from nexrl_hpc.inference.factory import create_llm_client
+from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.types import Trajectory
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ class BaseRolloutWorker(NexRLModule):
         self._validate_dataloader: JsonlDataLoader | None = None
         self._validator: Validator | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
+        self._tokenizer: Any = None  # the run's tokenizer, loaded when a prompt first needs its chat template
         self.num_completed = 0
         self.num_failed = 0
         self._inflight = 0
@@ -247,6 +250,21 @@ class BaseRolloutWorker(NexRLModule):
     def step(self, task: dict[str, Any]) -> str | None | Awaitable[str | None]:
         """Roll out one task; return "success" | "fail" | "re-rollout" | None (may be ``async def``)."""
         raise NotImplementedError
+
+    def _engine_prompt(self, task: dict[str, Any]) -> str | list[int] | None:
+        """What to send for ``task``'s prompt: chat-template token ids (chat messages, or a string with
+        ``data.apply_chat_template``), the raw string, or None when the task has no usable prompt."""
+        prompt = task.get("prompt")
+        if not prompt or not isinstance(prompt, (str, list)):
+            return None
+        data = self._config["validate"]["data"] if _IS_VALIDATE.get() else self._config["data"]
+        if not needs_chat_template(prompt, data["apply_chat_template"]):
+            return prompt
+        if self._tokenizer is None:
+            self._tokenizer = load_run_tokenizer(self._config["model"])
+        return engine_prompt(
+            self._tokenizer, prompt, data["apply_chat_template"], data["add_generation_prompt"]
+        )
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(self._val_sampling if _IS_VALIDATE.get() else self._train_sampling)

@@ -9,8 +9,8 @@ from nexrl_hpc.rollout.base import BaseRolloutWorker
 
 class SimpleRolloutWorker(BaseRolloutWorker):
     async def step(self, task: dict[str, Any]) -> str | None:
-        prompt = task.get("prompt")
-        if not prompt:
+        prompt = self._engine_prompt(task)  # chat messages: the chat template's token ids
+        if prompt is None:
             return None
         assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())

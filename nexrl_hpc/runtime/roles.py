@@ -39,9 +39,9 @@ def local_role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
 def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
     """The class a role is built from (also what a remote handle mirrors)."""
     if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
-        from nexrl_hpc.data.loader import JsonlDataLoader
+        from nexrl_hpc.data.loader import DatasetLoader
 
-        return JsonlDataLoader
+        return DatasetLoader
     if role == NexRLRole.TRAJECTORY_POOL:
         from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
@@ -82,10 +82,19 @@ def build_module(
 ) -> Any:
     """``trainer_group``: (address of trainer rank 0, job key) when the job runs its own trainer ranks."""
     cls = role_class(role, config)
-    if role == NexRLRole.DATA_LOADER:
-        return cls(config["data"], is_validate=False, data_files=ctx.train_files)
-    if role == NexRLRole.VALIDATE_DATALOADER:
-        return cls(config["validate"]["data"], is_validate=True, data_files=ctx.validation_files)
+    if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
+        from nexrl_hpc.data.rows import prompt_length_filter
+
+        is_validate = role == NexRLRole.VALIDATE_DATALOADER
+        tokenizer, max_prompt_length = prompt_length_filter(config)  # long prompts: filtered at load time
+        return cls(
+            config["validate"]["data"] if is_validate else config["data"],
+            is_validate=is_validate,
+            data_files=ctx.validation_files if is_validate else ctx.train_files,
+            tokenizer=tokenizer,
+            max_prompt_length=max_prompt_length,
+            model_path=config["model"]["path"],
+        )
     if role == NexRLRole.ALGORITHM_PROCESSOR:
         return cls(config, pad_token_id=ctx.pad_token_id)
     if role == NexRLRole.TRAIN_WORKER:

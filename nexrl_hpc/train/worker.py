@@ -252,6 +252,7 @@ class TrainWorker(NexRLModule):
         self._release_tasks(consumed)  # before the checkpoint: a resume does not hand them out again
         if self._dataloader is not None:
             metrics["data/skipped_rows"] = execute(self._dataloader.get_skipped_rows)
+            metrics["data/filtered_long_prompts"] = execute(self._dataloader.get_filtered_long_prompts)
         now = time.monotonic()
         metrics["timing/step_s"] = now - (self._last_step_end or t0)
         metrics["timing/old_log_prob_s"] = t1 - t0

@@ -78,6 +78,10 @@ class Validator(NexRLModule):
                     counts[key] = counts.get(key, 0) + 1
         metrics = {f"val/{k}": sums[k] / counts[k] for k in sums}
         metrics["val/num_samples"] = len(trajectories)
+        if self._validate_dataloader is not None:  # too long prompts are left out, and counted
+            metrics["val/filtered_long_prompts"] = execute(
+                self._validate_dataloader.get_filtered_long_prompts
+            )
         return metrics
 
     def compute_and_log_metrics(self, step: int | None = None) -> dict[str, float]:
