@@ -32,7 +32,11 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
 def test_math_reward_fn_runs_in_the_single_turn_worker(tmp_path: Path) -> None:
     run_dir = tmp_path / "math"
     proc = run_train(
-        [f"run_dir={run_dir}", "rollout_worker.reward_fn=nexrl_hpc.agents.rewards.math:math_reward_fn", *SMALL]
+        [
+            f"run_dir={run_dir}",
+            "rollout_worker.reward_fn=nexrl_hpc.agents.rewards.math:math_reward_fn",
+            *SMALL,
+        ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = train_rows(run_dir)
