@@ -37,7 +37,8 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     def stop(self) -> None:
         super().stop()
         if self._rewards is not None:
-            self._rewards.close()
+            self._rewards.close()  # hung calls are left to their daemon threads
+            self._rewards = None  # a later run starts a fresh pool
 
     async def step(self, task: dict[str, Any]) -> str | None:
         prompt = task.get("prompt")
