@@ -114,7 +114,7 @@ def test_extract_code_takes_the_last_block() -> None:
     assert extract_code("print(3)") == "print(3)"
 
 
-def reward_with_wrong_signature(task: dict[str, Any], response: str) -> RewardOutput:
+def reward_with_wrong_signature(task: dict[str, Any]) -> RewardOutput:
     return RewardOutput(0.0)
 
 
@@ -122,8 +122,11 @@ NOT_CALLABLE = 3
 
 
 def test_load_reward_fn_by_import_path() -> None:
-    assert load_reward_fn("nexrl_hpc.agents.rewards:math_reward_fn") is math_reward_fn
-    assert load_reward_fn("nexrl_hpc.agents.rewards.types:zero_reward") is zero_reward
+    loaded = load_reward_fn("nexrl_hpc.agents.rewards:math_reward_fn")
+    assert loaded({"answer": "3"}, "\\boxed{3}") == math_reward_fn({"answer": "3"}, "\\boxed{3}")
+    assert load_reward_fn("nexrl_hpc.agents.rewards.types:zero_reward")({}, "x") == RewardOutput(
+        0.0, {}, None
+    )
     assert zero_reward({}, "x") == RewardOutput(0.0, {}, None)
 
 
@@ -142,7 +145,8 @@ def test_load_reward_fn_by_import_path() -> None:
         ),
         (
             "tests.test_agents_rewards:reward_with_wrong_signature",
-            "env.reward_fn: 'tests.test_agents_rewards:reward_with_wrong_signature' must accept (task_info, action)",
+            "env.reward_fn: 'tests.test_agents_rewards:reward_with_wrong_signature' has the signature (task: "
+            "'dict[str, Any]') -> 'RewardOutput'; a reward function takes",
         ),
     ],
 )

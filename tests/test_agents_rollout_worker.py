@@ -175,7 +175,7 @@ def test_validation_goes_to_the_validator_with_greedy_sampling() -> None:
         ),
         ("rollout_worker.agent.tools=[no_such_tool]", "rollout_worker.agent.tools[0]"),
         (
-            "+rollout_worker.agent.env_args.reward_fn=nexrl_hpc.tasks.rewards:prefix_match",
+            "+rollout_worker.agent.env_args.reward_fn=os:getcwd",  # fits no reward signature
             "rollout_worker.agent.env_args.reward_fn",
         ),
         ("model.tiny.tokenizer.chat_template=null", "model.tiny.tokenizer.chat_template"),

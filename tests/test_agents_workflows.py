@@ -108,10 +108,12 @@ def test_single_turn_env_from_dict_and_reward_type_errors() -> None:
         env.step("7")
     with pytest.raises(ConfigError, match="env_args.reward_fn"):
         SingleTurnEnvironment(reward_fn="no.such.module:fn")
-    floaty = SingleTurnEnvironment(TASK, reward_fn=lambda task_info, action: 1.0)
+    # any signature of the one reward API; a float result is the reward
+    floaty = SingleTurnEnvironment(TASK, reward_fn=lambda task, response: 1.0)
     floaty.reset()
-    with pytest.raises(TypeError, match="returned float, not RewardOutput"):
-        floaty.step("7")
+    assert floaty.step("7")[1:3] == (1.0, True)
+    with pytest.raises(ConfigError, match="env_args.reward_fn"):
+        SingleTurnEnvironment(reward_fn=lambda: 1.0)
 
 
 # --- workflows --------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Environments of the agent model: BaseEnv, MultiTurnEnvironment, SingleTurnEnvironment, ToolEnvironment.
 
 The Gym interface with a task: ``reset(task) -> (observation, info)``, ``step(action) ->
-(observation, reward, done, info)``. Rewards come from a reward function
-(``fn(task_info, action) -> RewardOutput``); ``info`` carries ``is_correct`` and its metadata so
+(observation, reward, done, info)``. Rewards come from a reward function (any signature
+nexrl_hpc.rewards accepts, used as ``fn(task_info, action) -> RewardOutput``); ``info`` carries ``is_correct`` and its metadata so
 workflows can report correctness without re-scoring.
 """
 
@@ -17,6 +17,7 @@ from nexrl_hpc.agents.rewards.types import RewardFunction, RewardOutput, load_re
 from nexrl_hpc.agents.tools.base import Tool, ToolOutput
 from nexrl_hpc.agents.tools.multi_tool import MultiTool
 from nexrl_hpc.agents.types import ToolCall
+from nexrl_hpc.rewards.loader import as_reward
 
 
 class BaseEnv(ABC):
@@ -52,7 +53,7 @@ def _reward_fn(spec: RewardFunction | str | None, key: str) -> RewardFunction:
         return load_reward_fn(spec, key=key)
     if not callable(spec):
         raise TypeError(f"{key} must be a callable or an import path, got {type(spec).__name__}")
-    return spec
+    return as_reward(spec, key).as_reward_output_fn()  # any accepted signature, as a RewardOutput fn
 
 
 def _score(reward_fn: RewardFunction, task: Any, action: Any) -> tuple[float, dict[str, Any]]:

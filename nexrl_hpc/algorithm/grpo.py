@@ -80,16 +80,22 @@ class GRPOProcessor(BaseAlgorithmProcessor):
 
 def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> dict[str, float]:
     """Each numeric ``scores`` entry (per-episode numbers a rollout worker attached: accuracy,
-    turns, tool calls, termination reasons) averaged over the trajectories that carry it."""
+    turns, tool calls, termination reasons) averaged over the trajectories that carry it; the
+    reward runner's failure counts (``reward/errors``, ``reward/timeouts``) summed, unprefixed."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    totals: dict[str, float] = {}
     for row in scores or []:
         for key, value in (row or {}).items():
             if key == "reward" or not isinstance(value, (int, float)):
                 continue  # reward has its own metrics
+            if key.startswith("reward/"):
+                totals[key] = totals.get(key, 0.0) + float(value)
+                continue
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
-    return {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
+    means = {f"{prefix}{key}": sums[key] / counts[key] for key in sorted(sums)}
+    return {**means, **{key: int(totals[key]) for key in sorted(totals)}}
 
 
 def _clip_ratio(finish_reasons: list[str | None] | None) -> float:

@@ -80,8 +80,16 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
     g = lambda p: _get(cfg, p)  # noqa: E731
 
-    _check_callable(cfg, "rollout_worker.reward_fn", 2, problems)
-    _check_callable(cfg, "task.reward_fn", 2, problems)
+    from nexrl_hpc.rewards.loader import reward_problems  # imports config.validate: not at module level
+
+    problems += reward_problems(cfg, "rollout_worker.reward_fn")
+    if g_safe(cfg, "task.reward_fn") != g_safe(cfg, "rollout_worker.reward_fn"):
+        problems += reward_problems(cfg, "task.reward_fn")
+    if g_safe(cfg, "data.type") == "reasoning_gym":  # both splits are generated (data.prepare)
+        from nexrl_hpc.tasks.reasoning_gym import reasoning_gym_problems  # only when configured
+
+        for key in ("data.reasoning_gym", "validate.data.reasoning_gym"):
+            problems += [ConfigProblem(*p) for p in reasoning_gym_problems(g_safe(cfg, key), key)]
     if g_safe(cfg, "model.path") is None:
         warmup_args = g_safe(cfg, "model.tiny.warmup_args")
         kwargs = warmup_args if isinstance(warmup_args, Mapping) else None

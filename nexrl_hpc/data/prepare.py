@@ -1,7 +1,8 @@
 """Materialise the run's datasets as jsonl under ``<run_dir>/data/`` before any module is built.
 
 ``data.type=task`` writes the task generator's splits (``train.jsonl``, ``validation.jsonl``);
-``data.type=jsonl|parquet|hf`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
+``data.type=reasoning_gym`` writes the rows the reasoning-gym package generates (validation rows
+repeating a training prompt left out); ``data.type=jsonl|parquet|hf`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
 ends up holding the validation set the run uses (after the loader's long-prompt filter), with
 ``prompt`` (a string or chat messages) and ``answer`` (the ground truth of ``answer_key``) fields.
 """
@@ -38,6 +39,15 @@ def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], li
         train_path = os.path.join(data_dir, "train.jsonl")
         _write_jsonl(train_path, splits["train"])
         _write_jsonl(val_copy, splits["validation"])
+        return [train_path], [val_copy]
+    if config["data"]["type"] == "reasoning_gym":
+        from nexrl_hpc.tasks.reasoning_gym import reasoning_gym_rows, without_overlap
+
+        train_rows = reasoning_gym_rows(config["data"]["reasoning_gym"])
+        train_path = os.path.join(data_dir, "train.jsonl")
+        _write_jsonl(train_path, train_rows)
+        val_rows = reasoning_gym_rows(config["validate"]["data"]["reasoning_gym"])
+        _write_jsonl(val_copy, without_overlap(val_rows, train_rows))
         return [train_path], [val_copy]
     train_files = list(config["data"]["data_files"])
     val_files = list(config["validate"]["data"]["data_files"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.data.prompts import chat_template_problem, is_messages, needs_chat_template, prompt_length
-from nexrl_hpc.data.readers import iter_rows
+from nexrl_hpc.data.readers import FILE_TYPES, iter_rows
 
 if TYPE_CHECKING:
     from nexrl_hpc.config.schema import DataConfig, RLTrainConfig
@@ -92,8 +92,9 @@ def prompt_length_filter(config: RLTrainConfig) -> tuple[Any, int | None]:
 
 
 def reader_type(cfg: DataConfig) -> str:
-    """The file reader of ``cfg``: task data is materialised as jsonl (data/prepare.py)."""
-    return "jsonl" if cfg["type"] == "task" else cfg["type"]
+    """The file reader of ``cfg``: generated data (task, reasoning_gym) is materialised as jsonl
+    (data/prepare.py)."""
+    return cfg["type"] if cfg["type"] in FILE_TYPES else "jsonl"
 
 
 def load_rows(

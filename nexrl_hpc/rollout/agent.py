@@ -20,7 +20,7 @@ from typing import Any, cast
 from nexrl_hpc.agents.agent import BaseAgent
 from nexrl_hpc.agents.engines import AgentWorkflowEngine
 from nexrl_hpc.agents.environments import BaseEnv
-from nexrl_hpc.agents.rewards.types import RewardOutput, load_reward_fn
+from nexrl_hpc.agents.rewards.types import load_reward_fn
 from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine, RolloutEngine
 from nexrl_hpc.agents.sequence import trajectory_to_sequence
 from nexrl_hpc.agents.tools.base import Tool
@@ -31,7 +31,6 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.rollout.base import BaseRolloutWorker
-from nexrl_hpc.rollout.single_turn import normalize_scores
 from nexrl_hpc.types import Trajectory
 
 KEY = "rollout_worker.agent"
@@ -59,24 +58,6 @@ def _tool_map(specs: Mapping[str, Any]) -> dict[str, type[Tool]]:
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
     params = inspect.signature(fn).parameters
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def task_reward_adapter(spec: str) -> Callable[[dict[str, Any], Any], RewardOutput]:
-    """The task's ``reward_fn(task_row, response) -> float | dict`` as an environment reward function.
-
-    Why: ``task=<name> rollout_worker.type=agent`` then scores episodes exactly like the
-    single-turn worker scores completions (an ``accuracy`` / ``is_correct`` entry gives correctness).
-    """
-    fn = load_object(spec)
-
-    def reward_fn(task_info: dict[str, Any], action: Any) -> RewardOutput:
-        scores = normalize_scores(fn(task_info, str(action)), spec)
-        verdict = scores.get("is_correct", scores.get("accuracy"))
-        return RewardOutput(
-            reward=scores["reward"], metadata=scores, is_correct=None if verdict is None else verdict > 0
-        )
-
-    return reward_fn
 
 
 def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str, Any]]:
@@ -107,7 +88,8 @@ def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str
     if isinstance(reward_spec, str):
         env_args["reward_fn"] = load_reward_fn(reward_spec, key=f"{KEY}.env_args.reward_fn")
     elif reward_spec is None and _accepts(env_cls.__init__, "reward_fn"):
-        env_args["reward_fn"] = task_reward_adapter(rw["reward_fn"])
+        # the one reward API: any accepted signature, scored as the single-turn worker scores
+        env_args["reward_fn"] = load_reward_fn(rw["reward_fn"], key="rollout_worker.reward_fn")
     workflow_args: dict[str, Any] = {
         "agent_cls": agent_cls,
         "env_cls": env_cls,

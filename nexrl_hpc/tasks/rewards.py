@@ -1,11 +1,5 @@
-"""Reward functions shared by tasks. Signature: ``(task_row, response_text) -> {"reward": float, ...}``."""
+"""The tasks' reward functions, kept importable under their old path (they live in nexrl_hpc.rewards)."""
 
-from __future__ import annotations
+from nexrl_hpc.rewards.match import exact_match, prefix_match
 
-from typing import Any
-
-
-def prefix_match(task: dict[str, Any], response: str) -> dict[str, float]:
-    """1.0 when the stripped response starts with the row's ``answer``; reported as reward and accuracy."""
-    correct = float(response.strip().startswith(str(task["answer"])))
-    return {"reward": correct, "accuracy": correct}
+__all__ = ["exact_match", "prefix_match"]

@@ -1,0 +1,230 @@
+"""RewardRunner: score off the caller's thread, with a timeout, never raising.
+
+Why threads and what a timeout means: a Python function cannot be stopped from outside, so a reward
+runs on one of ``num_threads`` daemon threads and the caller stops *waiting* for it after
+``timeout_s`` (counted from when the call started running, not from when it was queued). The
+timed-out thread is then abandoned: it is replaced so the pool keeps its size, and it exits when
+the call returns (if ever). At most ``4 * num_threads`` threads may be abandoned at once; beyond
+that the function is not called any more (each score is a timeout at once) until one of them
+returns. Daemon threads never hold up the process's exit. A reward that busy-loops holds the GIL in
+turns and slows the worker down: untrusted code belongs in a sandbox (nexrl_hpc.agents.sandbox).
+
+Every failure is a score of 0 with a count: ``reward/errors`` (raised, or returned no reward) and
+``reward/timeouts``, both present in every score dict so per-step sums are counts. A warning names
+the function and the exception, at most once per ``WARN_EVERY_S`` per kind.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from nexrl_hpc.rewards.loader import Reward
+
+logger = logging.getLogger(__name__)
+
+WARN_EVERY_S = 30.0  # one warning per kind of failure per this long (the rest are counted in it)
+ABANDONED_PER_THREAD = 4  # hung calls tolerated per pool thread before the function is not called
+
+ERRORS = "reward/errors"
+TIMEOUTS = "reward/timeouts"
+
+
+@dataclass
+class _Job:
+    task: Any
+    response: str
+    future: Future
+    deadline: float = 0.0
+
+
+@dataclass
+class _Worker:
+    thread: threading.Thread | None = None
+    job: _Job | None = None
+    abandoned: bool = False
+
+
+@dataclass
+class _Warnings:
+    last: dict[str, float] = field(default_factory=dict)
+    suppressed: dict[str, int] = field(default_factory=dict)
+
+
+class RewardRunner:
+    """``submit(task, response) -> Future[dict]``: the score dict, always with ``reward/errors`` and
+    ``reward/timeouts`` (0 or 1). Call ``close`` when done (it does not wait for hung calls)."""
+
+    def __init__(self, reward: Reward, timeout_s: float, num_threads: int, name: str = "reward") -> None:
+        self.reward = reward
+        self.timeout_s = timeout_s
+        self.num_threads = num_threads
+        self.name = name
+        self.num_errors = 0
+        self.num_timeouts = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._live: list[_Worker] = []
+        self._abandoned: list[_Worker] = []
+        self._deadlines: list[tuple[float, int, _Worker]] = []  # heap of running calls
+        self._order = itertools.count()
+        self._warnings = _Warnings()
+        self._closed = False
+        for _ in range(num_threads):
+            self._spawn()
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # --- the caller's side ------------------------------------------------------------------------
+    def submit(self, task: Any, response: str) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the reward runner is closed")
+            saturated = not self._live
+            if not saturated:  # queued under the lock: the watchdog's drain sees it if all threads hang
+                self._queue.put(_Job(task, response, future))
+        if saturated:  # every thread hung: do not queue behind them
+            self._resolve_failure(
+                future,
+                TIMEOUTS,
+                f"{len(self._abandoned)} calls are still running past {self.timeout_s} s; not called "
+                "until one returns",
+            )
+        return future
+
+    def score(self, task: Any, response: str) -> dict[str, float]:
+        """``submit`` and wait (for callers on a thread of their own, e.g. an environment's step)."""
+        return self.submit(task, response).result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers = len(self._live)
+            self._wake.notify_all()
+        for _ in range(workers):
+            self._queue.put(None)
+
+    # --- pool threads ------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        """A new pool thread (the lock is held or the runner is being built)."""
+        worker = _Worker()
+        worker.thread = threading.Thread(
+            target=self._serve, args=(worker,), name=f"{self.name}-{next(self._order)}", daemon=True
+        )
+        self._live.append(worker)
+        worker.thread.start()
+
+    def _serve(self, worker: _Worker) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                job.deadline = time.monotonic() + self.timeout_s
+                worker.job = job
+                heapq.heappush(self._deadlines, (job.deadline, next(self._order), worker))
+                self._wake.notify()
+            try:
+                scores: dict[str, float] | None = self.reward(job.task, job.response)
+                failure = ""
+            except Exception as exc:
+                scores, failure = None, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                timed_out = worker.abandoned  # then the watchdog answered for this call
+                worker.job = None
+                if worker.abandoned:
+                    self._abandoned.remove(worker)
+                    if self._closed or len(self._live) >= self.num_threads:
+                        return
+                    worker.abandoned = False  # back in the pool: a hung call returned
+                    self._live.append(worker)
+            if timed_out:
+                continue
+            if scores is None:
+                self._resolve_failure(job.future, ERRORS, failure)
+            else:
+                job.future.set_result({**scores, ERRORS: 0.0, TIMEOUTS: 0.0})
+
+    def _watch(self) -> None:
+        """Answer calls past their deadline with a timeout and replace their threads."""
+        while True:
+            expired: list[_Job] = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    deadline, _, worker = heapq.heappop(self._deadlines)
+                    job = worker.job
+                    if job is None or job.deadline != deadline or worker.abandoned:
+                        continue  # that call finished in time
+                    worker.abandoned = True
+                    self._live.remove(worker)
+                    self._abandoned.append(worker)
+                    if len(self._abandoned) <= ABANDONED_PER_THREAD * self.num_threads:
+                        self._spawn()
+                    expired.append(job)
+                # deadlines are checked at most every 50 ms: calls finishing in time leave stale entries
+                wait = max(self._deadlines[0][0] - now, 0.05) if self._deadlines else None
+                if not expired:
+                    self._wake.wait(wait)
+            for job in expired:
+                self._resolve_failure(
+                    job.future,
+                    TIMEOUTS,
+                    f"still running after rollout_worker.reward_timeout_s={self.timeout_s}",
+                )
+            if expired:
+                self._drain_if_saturated()
+
+    def _drain_if_saturated(self) -> None:
+        """With no live thread left, queued calls would wait forever: answer them as timeouts."""
+        with self._lock:
+            if self._live:
+                return
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                self._resolve_failure(job.future, TIMEOUTS, "every reward thread is hung")
+
+    # --- failures ----------------------------------------------------------------------------------
+    def _resolve_failure(self, future: Future, kind: str, message: str) -> None:
+        with self._lock:
+            if kind == ERRORS:
+                self.num_errors += 1
+            else:
+                self.num_timeouts += 1
+            now = time.monotonic()
+            due = now - self._warnings.last.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S
+            suppressed = self._warnings.suppressed.get(kind, 0)
+            if due:
+                self._warnings.last[kind] = now
+                self._warnings.suppressed[kind] = 0
+            else:
+                self._warnings.suppressed[kind] = suppressed + 1
+        if due:
+            what = "raised or returned no reward" if kind == ERRORS else "timed out"
+            more = f" ({suppressed} more since the last warning)" if suppressed else ""
+            logger.warning(
+                "reward function %s %s; scored 0: %s%s", self.reward.spec, what, message[:500], more
+            )
+        try:
+            future.set_result(
+                {"reward": 0.0, ERRORS: float(kind == ERRORS), TIMEOUTS: float(kind == TIMEOUTS)}
+            )
+        except InvalidStateError:
+            pass  # the caller cancelled the call meanwhile
