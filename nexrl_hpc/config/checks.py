@@ -124,12 +124,14 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "needs 3 values: gen0, gen1, gen2",
     )
     check(
-        lambda: g("data.type") == "task" or len(g("data.data_files")) > 0,
+        lambda: g("data.type") in ("task", "reasoning_gym") or len(g("data.data_files")) > 0,
         "data.data_files",
         f"data.type={g_safe(cfg, 'data.type')} needs at least one file",
     )
     check(
-        lambda: g("validate.data.type") == "task" or len(g("validate.data.data_files")) > 0,
+        lambda: (
+            g("validate.data.type") in ("task", "reasoning_gym") or len(g("validate.data.data_files")) > 0
+        ),
         "validate.data.data_files",
         f"validate.data.type={g_safe(cfg, 'validate.data.type')} needs at least one file",
     )
