@@ -354,7 +354,7 @@ def _unreadable_file(path: str, allow_dir: bool = False) -> str:
     return ""
 
 
-# DeepSpeed keys the generated config owns (nexrl_hpc.train.deepspeed_strategy): a raw override
+# DeepSpeed keys the generated config owns (nexrl_hpc.trainer.deepspeed_strategy): a raw override
 # of one would desynchronise DeepSpeed from the engine's own accumulation, clipping and dtype
 _DEEPSPEED_OWNED = {
     "zero_optimization.stage": "service.train_service.deepspeed.zero_stage",
