@@ -160,3 +160,27 @@ def test_the_issue_command_with_a_missing_input_exits_2_naming_the_key(
     assert key in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 60
     assert not run_dir.exists()  # nothing started
+
+
+def test_long_variable_length_responses_train_and_are_counted(
+    chatml_model_dir: str, inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    """The untrained model rarely samples an end token: responses of a few to 384 tokens, the longest
+    cut off. They train (the engine's log-probs still the trainer's over hundreds of positions), and
+    the cut-off share and the lengths are logged."""
+    run_dir = tmp_path / "D"
+    args = issue_command(chatml_model_dir, inputs["train"], inputs["val"], inputs["reward"], run_dir)
+    args = [a for a in args if not a.startswith(("rollout_worker.max_response_length", "train_worker.total"))]
+    proc = launch(
+        [*args, "rollout_worker.max_response_length=384", "train_worker.total_train_steps=2",
+         "validate.eval.validate_freq=0", "logger.backend=[]"],
+        inputs["dir"],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "train/reward_mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["train/response_length_max"] == 384 and 0.0 < r["train/response_clip_ratio"] < 1.0, r
+        assert r["train/response_length_mean"] < 384 and r["actor/entropy"] > 0.0
+        assert r["train/logprob_mismatch_max"] <= 1e-4
