@@ -123,7 +123,7 @@ def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
     cmd = server.command(8000)
     assert cmd[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
                        "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "8000",
-                       "--dtype", "float32", "--enforce-eager"]  # fmt: skip
+                       "--dtype", "float32", "--generation-config", "vllm", "--enforce-eager"]  # fmt: skip
     assert server.environment({})["VLLM_TARGET_DEVICE"] == "cpu"
 
 

@@ -324,10 +324,20 @@ def test_reloads_of_a_tied_model_serve_the_trained_head(
     The trainer's state holds the embedding; ``with_tied_entries`` adds ``lm_head.weight`` (vLLM's
     in-place reload takes the head only from that entry). Each version moves the embedding alone,
     so a stale head would show in every log-prob."""
+    import json
+    import shutil
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nexrl_hpc.checkpoint.trainer_io import with_tied_entries
 
+    # an instruct model's sampling defaults, extreme: if vLLM applied them, samples would not vary
+    model_dir = tmp_path / "model"
+    shutil.copytree(chatml_model_dir, model_dir)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation.update(top_k=1, repetition_penalty=1.5, temperature=0.05)
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    chatml_model_dir = str(model_dir)
     svc = cfg["service"]["inference_service"]
     srv = VLLMServer(chatml_model_dir, svc["vllm"], str(tmp_path / "logs"), svc["model"])
     srv.start()
@@ -344,6 +354,11 @@ def test_reloads_of_a_tied_model_serve_the_trained_head(
             for a in range(4)
         ]
         prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+        # the run's sampling (temperature 1, nothing else), not the model's generation_config: the
+        # untrained model's near-uniform next-token distribution gives 8 different samples
+        client = LLMServiceClient(svc, base_url=srv.base_url, api_key=srv.api_key)  # type: ignore[arg-type]
+        (group,) = _gather(client, prompts[:1], max_tokens=6, temperature=1.0, top_p=1.0, n=8)
+        assert len({tuple(r["response_ids"]) for r in group}) >= 6
         for version in (1, 2):
             with torch.no_grad():
                 model.model.embed_tokens.weight.add_(0.2 * torch.randn_like(model.model.embed_tokens.weight))
