@@ -64,8 +64,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
 from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
 from nexrl_hpc.models.tiny import materialize_base_model  # noqa: E402
-from nexrl_hpc.train.policy_trainer import PolicyTrainer  # noqa: E402
-from nexrl_hpc.train.worker import TrainWorker  # noqa: E402
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer  # noqa: E402
+from nexrl_hpc.trainer.worker import TrainWorker  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9

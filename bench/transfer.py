@@ -42,7 +42,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nexrl_hpc.train.protocol import SignedChannel  # noqa: E402
+from nexrl_hpc.trainer.protocol import SignedChannel  # noqa: E402
 
 PATHS = ("bulk", "pickle", "bare", "bare_chunks")
 _TIMEOUT_S = 120.0

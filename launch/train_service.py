@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
     import uvicorn
 
-    from nexrl_hpc.train.api_server import create_app
+    from nexrl_hpc.trainer.api_server import create_app
 
     app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

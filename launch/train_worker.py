@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from nexrl_hpc.train.policy_trainer import PolicyTrainer
-    from nexrl_hpc.train.protocol import key_from_token
-    from nexrl_hpc.train.trainer_rank import TrainerRank
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.protocol import key_from_token
+    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

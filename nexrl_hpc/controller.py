@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
     from nexrl_hpc.rollout.base import BaseRolloutWorker
-    from nexrl_hpc.train.worker import TrainWorker
+    from nexrl_hpc.trainer.worker import TrainWorker
     from nexrl_hpc.validate.validator import Validator
     from nexrl_hpc.weight_sync.controller import WeightSyncController
 

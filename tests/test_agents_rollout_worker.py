@@ -16,6 +16,7 @@ import pytest
 
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.models.tokenizer import build_char_tokenizer
+from nexrl_hpc.rewards.types import RewardOutput
 from nexrl_hpc.rollout.agent import AgentRolloutWorker
 from nexrl_hpc.rollout.base import _IS_VALIDATE
 from nexrl_hpc.rollout.factory import rollout_worker_class
@@ -195,3 +196,59 @@ def test_unknown_workflow_argument_is_a_config_error() -> None:
         compose_config(["task=tool_lookup", "+rollout_worker.agent.workflow_args.bogus=1"])
     assert [p.path for p in info.value.problems] == ["rollout_worker.agent"]
     assert "bogus" in str(info.value)
+
+
+def raising_reward(task: dict[str, Any], response: str) -> float:
+    raise ZeroDivisionError("a broken scorer")
+
+
+def slow_reward(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    import time
+
+    time.sleep(2.0)
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "reward,counted", [("raising_reward", "reward/errors"), ("slow_reward", "reward/timeouts")]
+)
+def test_an_episode_whose_reward_fails_scores_zero_and_counts_it(reward: str, counted: str) -> None:
+    """The environment's reward (rollout_worker.reward_fn) runs as the single-turn worker's does:
+    raising or past reward_timeout_s, the episode still ends normally with reward 0, counted."""
+    overrides = (
+        f"rollout_worker.reward_fn=tests.test_agents_rollout_worker:{reward}",
+        "rollout_worker.reward_timeout_s=0.3",
+        "rollout_worker.agent.env_cls=nexrl_hpc.agents.environments:SingleTurnEnvironment",
+        "rollout_worker.agent.env_args={}",
+        "rollout_worker.agent.tool_map={}",
+        "rollout_worker.agent.max_turns=1",
+        "algorithm.advantage_granularity=episode",
+    )
+    worker, _, pool, _, _ = make_worker(["3"], overrides)
+    assert asyncio.run(worker.step(dict(TASK))) == "success"
+    (traj,) = pool.items
+    assert traj["reward"] == 0.0 and traj["termination_reason"] == "env_done"
+    other = "reward/timeouts" if counted == "reward/errors" else "reward/errors"
+    assert traj["scores"][counted] == 1.0 and traj["scores"][other] == 0.0
+
+
+def lookup_answer_reward(task_info: dict[str, Any], action: Any) -> RewardOutput:
+    """The agent stack's form: the LookupAgent's action is a dict; its text is the answer."""
+    correct = str(action["text"]).strip() == task_info["answer"]
+    return RewardOutput(float(correct), {"checked": "text"}, correct)
+
+
+def test_an_episode_whose_reward_works_counts_no_failures() -> None:
+    overrides = (
+        "rollout_worker.reward_fn=tests.test_agents_rollout_worker:lookup_answer_reward",
+        "rollout_worker.agent.env_cls=nexrl_hpc.agents.environments:SingleTurnEnvironment",
+        "rollout_worker.agent.env_args={}",
+        "rollout_worker.agent.tool_map={}",
+        "rollout_worker.agent.max_turns=1",
+        "algorithm.advantage_granularity=episode",
+    )
+    worker, _, pool, _, _ = make_worker(["3"], overrides)
+    asyncio.run(worker.step(dict(TASK)))
+    (traj,) = pool.items
+    assert traj["reward"] == 1.0 and traj["scores"]["is_correct"] == 1.0
+    assert traj["scores"]["reward/errors"] == 0.0 and traj["scores"]["reward/timeouts"] == 0.0

@@ -175,8 +175,8 @@ def test_staleness_histogram_and_row_selection() -> None:
     ("mode", "policy"), [("fully-async", "drop"), ("fully-async", "keep"), ("sync", "drop")]
 )
 def test_trainer_applies_the_staleness_bound_by_policy(tmp_path: Path, mode: str, policy: str) -> None:
-    from nexrl_hpc.train.noop import NoopTrainService
-    from nexrl_hpc.train.worker import TrainWorker
+    from nexrl_hpc.trainer.noop import NoopTrainService
+    from nexrl_hpc.trainer.worker import TrainWorker
 
     cfg = compose_config(
         [

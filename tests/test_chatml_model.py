@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 
 def test_chatml_model_dir_loads_as_a_tied_gqa_qwen2_with_its_chat_template(chatml_model_dir: str) -> None:
@@ -20,3 +20,16 @@ def test_chatml_model_dir_loads_as_a_tied_gqa_qwen2_with_its_chat_template(chatm
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     assert len(tokenizer("what is 12 + 7?")["input_ids"]) < len("what is 12 + 7?")  # merges were learnt
+    # the tokenizer.json alone (what vLLM and the tokenizers library read) encodes as AutoTokenizer does
+    raw = PreTrainedTokenizerFast(tokenizer_file=f"{chatml_model_dir}/tokenizer.json")
+    for probe in ("Let's think: 13 + 4 = 17.", "  spaced \n\n out", text):
+        assert raw(probe)["input_ids"] == tokenizer(probe)["input_ids"], probe
+
+
+def test_the_local_engine_stops_at_every_eos_of_the_generation_config(chatml_model_dir: str) -> None:
+    """An instruct model ends a turn with <|im_end|> and may end text with <|endoftext|>: both stop."""
+    from nexrl_hpc.models.tiny import load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(chatml_model_dir)
+    ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    assert stop_token_ids(chatml_model_dir, tokenizer) == tuple(ids)

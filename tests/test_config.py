@@ -163,7 +163,7 @@ def test_deepspeed_section_problems_name_their_key() -> None:
 
 
 def test_deepspeed_config_is_generated_from_the_section_with_raw_keys_merged() -> None:
-    from nexrl_hpc.train.deepspeed_strategy import deepspeed_config
+    from nexrl_hpc.trainer.deepspeed_strategy import deepspeed_config
 
     cfg = compose_config(
         [

@@ -39,6 +39,34 @@ def test_model_path_must_be_a_directory_holding_config_json(tmp_path: Path) -> N
     assert problems_of([f"model.path={a_file}"])["model.path"].startswith(f"'{a_file}': not a directory")
 
 
+def test_a_model_dir_must_load_its_config_tokenizer_and_hold_weights(
+    chatml_model_dir: str, tmp_path: Path
+) -> None:
+    """Each part of the user's model directory that the run needs, removed or broken in a copy."""
+    import shutil
+
+    def broken(name: str, change: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(chatml_model_dir, d)
+        if change == "no weights":
+            (d / "model.safetensors").unlink()
+        elif change == "bad tokenizer":
+            (d / "tokenizer.json").write_text("{not json")
+        elif change == "unknown architecture":
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+        return d
+
+    assert "no weights in it" in problems_of([f"model.path={broken('w', 'no weights')}"])["model.path"]
+    assert (
+        "its tokenizer does not load"
+        in problems_of([f"model.path={broken('t', 'bad tokenizer')}"])["model.path"]
+    )
+    why = problems_of([f"model.path={broken('a', 'unknown architecture')}"])["model.path"]
+    assert "its config.json does not load" in why and "no_such_arch" in why
+    preflight(CONFIG_DIR, "rl_train", [f"model.path={chatml_model_dir}"])  # the intact one passes
+
+
 def test_a_real_model_dir_passes(tiny_model_dir: str) -> None:
     assert os.path.isfile(os.path.join(tiny_model_dir, "config.json"))
     preflight(CONFIG_DIR, "rl_train", [f"model.path={tiny_model_dir}"])  # no error

@@ -22,9 +22,9 @@ from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.inference.vllm_server import VLLMServer
 from nexrl_hpc.launcher.slurm import check_slurm_job
-from nexrl_hpc.train.parallel import mixed_precision_policy
-from nexrl_hpc.train.policy_trainer import PolicyTrainer
-from nexrl_hpc.train.worker import TrainWorker
+from nexrl_hpc.trainer.parallel import mixed_precision_policy
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+from nexrl_hpc.trainer.worker import TrainWorker
 from tests.conftest import compose_config, compose_raw
 from tests.test_policy_trainer import make_batch
 
@@ -123,7 +123,7 @@ def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
     cmd = server.command(8000)
     assert cmd[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
                        "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "8000",
-                       "--dtype", "float32", "--enforce-eager"]  # fmt: skip
+                       "--dtype", "float32", "--generation-config", "vllm", "--enforce-eager"]  # fmt: skip
     assert server.environment({})["VLLM_TARGET_DEVICE"] == "cpu"
 
 

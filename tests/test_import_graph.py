@@ -135,10 +135,10 @@ def test_the_graph_sees_module_and_function_level_imports() -> None:
     graph = import_graph(files)
     # a module-level import, one inside a function (the factories import on demand), and one only
     # for the type checker (not an arrow)
-    assert "nexrl_hpc.train.parallel" in graph["nexrl_hpc.train.policy_trainer"]
-    assert "nexrl_hpc.train.deepspeed_strategy" in graph["nexrl_hpc.train.strategy_factory"]
-    assert "nexrl_hpc.train.policy_trainer" in graph["nexrl_hpc.train.factory"]
-    assert "nexrl_hpc.train.parallel" not in graph["nexrl_hpc.train.loss_sums"]
+    assert "nexrl_hpc.trainer.parallel" in graph["nexrl_hpc.trainer.policy_trainer"]
+    assert "nexrl_hpc.trainer.deepspeed_strategy" in graph["nexrl_hpc.trainer.strategy_factory"]
+    assert "nexrl_hpc.trainer.policy_trainer" in graph["nexrl_hpc.trainer.factory"]
+    assert "nexrl_hpc.trainer.parallel" not in graph["nexrl_hpc.trainer.loss_sums"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset({"a", "b", "c"})]
     assert cycles({"a": {"a"}, "b": set()}) == [frozenset({"a"})]
 

@@ -86,8 +86,8 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
 ) -> None:
     """A single-process engine loads a 2-rank checkpoint's weights, and refuses its optimizer state
     naming both layouts."""
-    from nexrl_hpc.train.policy_trainer import PolicyTrainer
-    from nexrl_hpc.train.worker import TrainWorker
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.worker import TrainWorker
     from tests.conftest import compose_config
 
     assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [

@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
-from nexrl_hpc.train.group_client import ApiServerControl, TrainGroupClient
-from nexrl_hpc.train.policy_trainer import PolicyTrainer
-from nexrl_hpc.train.protocol import TrainerRankError, key_from_token
-from nexrl_hpc.train.worker import TrainWorker
+from nexrl_hpc.trainer.group_client import ApiServerControl, TrainGroupClient
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+from nexrl_hpc.trainer.protocol import TrainerRankError, key_from_token
+from nexrl_hpc.trainer.worker import TrainWorker
 from tests.conftest import REPO, compose_config
 from tests.test_policy_trainer import make_batch
 

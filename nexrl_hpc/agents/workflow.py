@@ -152,6 +152,10 @@ class Workflow(ABC):
         for key in ("num_tool_calls", "num_tool_errors"):
             if key in last_info:
                 metrics[key] = last_info[key]
+        for key in ("reward/errors", "reward/timeouts"):  # failed reward calls of every step (scored 0)
+            counts = [s.info.get("reward_metadata", {}).get(key) for s in steps if isinstance(s.info, dict)]
+            if any(c is not None for c in counts):
+                metrics[key] = sum(float(c or 0.0) for c in counts)
         for t in episode.trajectories:
             metrics[f"{t.name}/reward"] = t.reward
         return metrics

@@ -23,7 +23,7 @@ from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safet
 from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
 
 if TYPE_CHECKING:
-    from nexrl_hpc.train.parallel import ParallelStrategy
+    from nexrl_hpc.trainer.parallel import ParallelStrategy
 
 
 @dataclass(frozen=True)

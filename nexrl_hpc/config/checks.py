@@ -283,22 +283,17 @@ def _inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
 
 
 def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
-    """The files the run reads at start-up exist: ``model.path`` (an HF-layout directory with a
-    config.json; null builds the tiny model) and the files of ``data.data_files`` and
+    """The files the run reads at start-up exist: ``model.path`` (an HF-layout directory whose config
+    and tokenizer load and that holds weights; null builds the tiny model) and the files of ``data.data_files`` and
     ``validate.data.data_files`` (read when data.type is jsonl, parquet or hf, or validate.data.type for
     the latter), whose first rows must have the configured keys (nexrl_hpc/data/checks.py). Checked
-    here, on the login node before sbatch, instead of failing once the job runs. No weights are loaded."""
+    here, on the login node before sbatch, instead of failing once the job runs. No weights are read."""
     problems: list[ConfigProblem] = []
     model_path = g_safe(cfg, "model.path")
     if isinstance(model_path, str):
-        if not os.path.exists(model_path):
-            why = "no such directory"
-        elif not os.path.isdir(model_path):
-            why = "not a directory"
-        elif not os.path.isfile(os.path.join(model_path, "config.json")):
-            why = "no config.json in it"
-        else:
-            why = ""
+        from nexrl_hpc.models.checks import model_dir_problem
+
+        why = model_dir_problem(model_path)
         if why:
             problems.append(
                 ConfigProblem(
@@ -326,7 +321,8 @@ def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
                 problems.append(ConfigProblem(f"{key}[{i}]", f"{path!r}: {why}"))
             else:
                 readable.append((i, path))
-        if readable:  # their first rows have the configured keys, some prompt fits
+        model_loads = not any(p.path == "model.path" for p in problems)  # the length check tokenizes
+        if readable and model_loads:  # their first rows have the configured keys, some prompt fits
             from nexrl_hpc.data.checks import data_file_problems
 
             try:
@@ -354,7 +350,7 @@ def _unreadable_file(path: str, allow_dir: bool = False) -> str:
     return ""
 
 
-# DeepSpeed keys the generated config owns (nexrl_hpc.train.deepspeed_strategy): a raw override
+# DeepSpeed keys the generated config owns (nexrl_hpc.trainer.deepspeed_strategy): a raw override
 # of one would desynchronise DeepSpeed from the engine's own accumulation, clipping and dtype
 _DEEPSPEED_OWNED = {
     "zero_optimization.stage": "service.train_service.deepspeed.zero_stage",

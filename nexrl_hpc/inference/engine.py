@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
-from nexrl_hpc.models.tiny import load_model, load_tokenizer
+from nexrl_hpc.models.tiny import load_model, load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class HFEngine:
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.default_stop_ids = stop_token_ids(model_dir, self.tokenizer)  # a request without its own
         self.pad_token_id = self.tokenizer.pad_token_id
         self.weight_version = 0
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -184,7 +185,7 @@ class HFEngine:
                     temps.append(p.temperature)
                     top_ps.append(p.top_p)
                     max_new.append(p.max_tokens)
-                    stops.append(p.stop_token_ids or (self.eos_token_id,))
+                    stops.append(p.stop_token_ids or self.default_stop_ids)
         rows = len(prompts)
         # prefix sharing: each distinct prompt is prefilled once, its KV cache is then copied to its rows
         unique: dict[tuple[int, ...], int] = {}
@@ -221,7 +222,9 @@ class HFEngine:
         top_p = torch.tensor(top_ps, dtype=torch.float32, device=self.device)
         limit = torch.tensor(max_new, device=self.device)
         stop_sets = [set(s) for s in stops]
-        uniform_stop = all(s == {self.eos_token_id} for s in stop_sets)
+        default_stops = set(self.default_stop_ids)
+        uniform_stop = all(s == default_stops for s in stop_sets)
+        default_stop_tensor = torch.tensor(self.default_stop_ids, device=self.device)
 
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
@@ -238,7 +241,7 @@ class HFEngine:
             active = ~done
             lengths += active.long()
             if uniform_stop:
-                hit = chosen == self.eos_token_id
+                hit = torch.isin(chosen, default_stop_tensor)
             else:
                 hit = torch.tensor(
                     [int(t) in s for t, s in zip(chosen.tolist(), stop_sets)], device=self.device

@@ -88,6 +88,10 @@ class VLLMServer:
             "--host", cfg["host"],
             "--port", str(port),
             "--dtype", cfg["dtype"],
+            # vLLM's neutral sampling defaults, not the model's generation_config.json (an instruct
+            # model's top_k, repetition_penalty, ...): samples come from the policy the trainer
+            # scores, with only the run's own sampling settings; its EOS tokens still stop a response
+            "--generation-config", "vllm",
         ]  # fmt: skip
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]

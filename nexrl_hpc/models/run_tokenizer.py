@@ -20,9 +20,6 @@ def load_run_tokenizer(model_cfg: ModelConfig) -> Any:
 
         tiny = model_cfg["tiny"]["tokenizer"]
         return build_char_tokenizer(tiny["alphabet"], tiny.get("chat_template"))
-    from transformers import AutoTokenizer
+    from nexrl_hpc.models.tiny import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_cfg["path"])
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load_tokenizer(model_cfg["path"])

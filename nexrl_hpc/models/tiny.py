@@ -10,6 +10,8 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -73,11 +75,28 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
     return out_dir
 
 
-def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's own tokenizer (``AutoTokenizer``: its class, chat template and special tokens),
+    with its EOS as the pad token when it defines none. Every part of a run that turns text into
+    ids (inference server, data loader, rollout workers) loads it this way, so they agree."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def stop_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
+    """Where a response ends by default: the tokenizer's EOS and every ``eos_token_id`` of the
+    model's ``generation_config.json`` (an instruct model's end-of-turn token and its base EOS,
+    as vLLM stops by default)."""
+    ids = [tokenizer.eos_token_id]
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json
+        generation = None
+    extra = getattr(generation, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def load_model(

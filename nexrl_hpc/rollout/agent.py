@@ -20,7 +20,6 @@ from typing import Any, cast
 from nexrl_hpc.agents.agent import BaseAgent
 from nexrl_hpc.agents.engines import AgentWorkflowEngine
 from nexrl_hpc.agents.environments import BaseEnv
-from nexrl_hpc.agents.rewards.types import load_reward_fn
 from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine, RolloutEngine
 from nexrl_hpc.agents.sequence import trajectory_to_sequence
 from nexrl_hpc.agents.tools.base import Tool
@@ -30,6 +29,9 @@ from nexrl_hpc.agents.workflow import Workflow
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.rewards.guard import GuardedReward
+from nexrl_hpc.rewards.loader import load_reward
+from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS
 from nexrl_hpc.rollout.base import BaseRolloutWorker
 from nexrl_hpc.types import Trajectory
 
@@ -84,12 +86,15 @@ def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str
             args.setdefault("tools", tools)
         if accepts and tool_map:
             args.setdefault("tool_map", tool_map)
+    # the one reward API: any accepted signature, scored as the single-turn worker scores (a reward
+    # that raises or runs past reward_timeout_s scores 0 and is counted, the episode goes on)
     reward_spec = env_args.get("reward_fn")
     if isinstance(reward_spec, str):
-        env_args["reward_fn"] = load_reward_fn(reward_spec, key=f"{KEY}.env_args.reward_fn")
+        reward = load_reward(reward_spec, f"{KEY}.env_args.reward_fn")
+        env_args["reward_fn"] = GuardedReward(reward, rw["reward_timeout_s"], rw["reward_threads"])
     elif reward_spec is None and _accepts(env_cls.__init__, "reward_fn"):
-        # the one reward API: any accepted signature, scored as the single-turn worker scores
-        env_args["reward_fn"] = load_reward_fn(rw["reward_fn"], key="rollout_worker.reward_fn")
+        reward = load_reward(rw["reward_fn"], "rollout_worker.reward_fn")
+        env_args["reward_fn"] = GuardedReward(reward, rw["reward_timeout_s"], rw["reward_threads"])
     workflow_args: dict[str, Any] = {
         "agent_cls": agent_cls,
         "env_cls": env_cls,
@@ -157,6 +162,8 @@ def episode_scores(episode: Episode, reward: float) -> dict[str, float]:
         "num_turns": float(metrics.get("num_steps", 0)),
         "num_tool_calls": float(metrics.get("num_tool_calls", 0)),
         "num_tool_errors": float(metrics.get("num_tool_errors", 0)),
+        ERRORS: float(metrics.get(ERRORS, 0)),  # reward calls that failed or timed out (scored 0)
+        TIMEOUTS: float(metrics.get(TIMEOUTS, 0)),
     }
     reason = episode.termination_reason
     for r in TerminationReason:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from mpi4py.MPI import Comm, Intracomm
 
     from nexrl_hpc.core.module import NexRLModule
-    from nexrl_hpc.train.trainer_rank import TrainerRank
+    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
 TRACKER = "activity_tracker"  # the registry name of rank 0's ActivityTracker
 
@@ -137,8 +137,8 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
     import torch
     import torch.distributed as dist
 
-    from nexrl_hpc.train.policy_trainer import PolicyTrainer
-    from nexrl_hpc.train.trainer_rank import TrainerRank
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
     ts = config["service"]["train_service"]
     grank, size = group_comm.Get_rank(), group_comm.Get_size()

@@ -29,7 +29,7 @@ from nexrl_hpc.runtime.roles import RunContext
 
 if TYPE_CHECKING:
     from nexrl_hpc.core.module import NexRLModule
-    from nexrl_hpc.train.trainer_rank import TrainerRank
+    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
 
         return TrainBatchPool
     if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.train.worker import TrainWorker
+        from nexrl_hpc.trainer.worker import TrainWorker
 
         return TrainWorker
     if role == NexRLRole.WEIGHT_SYNC_CONTROLLER:
@@ -98,7 +98,7 @@ def build_module(
     if role == NexRLRole.ALGORITHM_PROCESSOR:
         return cls(config, pad_token_id=ctx.pad_token_id)
     if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.train.factory import create_train_service_client
+        from nexrl_hpc.trainer.factory import create_train_service_client
 
         address, key = trainer_group if trainer_group is not None else (None, None)
         return cls(config, create_train_service_client(config, ctx.base_model_dir, address, key))

@@ -24,9 +24,9 @@ def main() -> None:
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     from nexrl_hpc.checkpoint.state_file import load_state_file
-    from nexrl_hpc.train.parallel import init_trainer_process_group
-    from nexrl_hpc.train.policy_trainer import PolicyTrainer
-    from nexrl_hpc.train.worker import TrainWorker
+    from nexrl_hpc.trainer.parallel import init_trainer_process_group
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.worker import TrainWorker
     from tests.conftest import compose_config
     from tests.test_policy_trainer import make_batch
 

@@ -10,7 +10,7 @@ from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nexrl_hpc.train.parallel import ParallelStrategy
+    from nexrl_hpc.trainer.parallel import ParallelStrategy
 
 
 @dataclass

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.train.batch_contract import REQUIRED_KEYS, check_training_batch
-from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.trainer.service import TrainServiceClient
 
 
 class NoopTrainService(TrainServiceClient):

@@ -22,9 +22,9 @@ import torch
 import zmq
 
 from nexrl_hpc.rpc.watch import ConnectionWatch
-from nexrl_hpc.train.group_comm import GroupComm
-from nexrl_hpc.train.policy_trainer import PolicyTrainer
-from nexrl_hpc.train.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
+from nexrl_hpc.trainer.group_comm import GroupComm
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+from nexrl_hpc.trainer.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
 
 logger = logging.getLogger(__name__)
 _STOPPED: dict[str, Any] = {"ok": True, "error": None}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nexrl_hpc.train.parallel import ParallelStrategy
+from nexrl_hpc.trainer.parallel import ParallelStrategy
 
 # DeepSpeed 0.19 calls a collective torch 2.13 deprecates, once per step per rank: noise in every log
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)

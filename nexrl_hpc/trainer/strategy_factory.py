@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nexrl_hpc.train.parallel import FSDP2, ParallelStrategy, SingleProcess
+from nexrl_hpc.trainer.parallel import FSDP2, ParallelStrategy, SingleProcess
 
 
 def create_parallel_strategy(
@@ -26,7 +26,7 @@ def create_parallel_strategy(
         fsdp = cfg["fsdp"]
         return FSDP2(device, fsdp["param_dtype"], fsdp["reduce_dtype"])
     if engine == "deepspeed":
-        from nexrl_hpc.train.deepspeed_strategy import DeepSpeedZeRO
+        from nexrl_hpc.trainer.deepspeed_strategy import DeepSpeedZeRO
 
         if not dist.is_initialized() and world_size == 1:
             dist.init_process_group(cfg["dist_backend"], store=dist.HashStore(), rank=0, world_size=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.trainer.service import TrainServiceClient
 
 
 def create_train_service_client(
@@ -23,15 +23,15 @@ def create_train_service_client(
     ts = config["service"]["train_service"]
     backend = ts["backend"]
     if backend == "noop":
-        from nexrl_hpc.train.noop import NoopTrainService
+        from nexrl_hpc.trainer.noop import NoopTrainService
 
         return NoopTrainService()
     if backend == "local" and trainer_address is None:
-        from nexrl_hpc.train.policy_trainer import PolicyTrainer
+        from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 
         return PolicyTrainer(base_model_dir)
-    from nexrl_hpc.train.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
-    from nexrl_hpc.train.protocol import key_from_token
+    from nexrl_hpc.trainer.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
+    from nexrl_hpc.trainer.protocol import key_from_token
 
     address: str
     control: Control

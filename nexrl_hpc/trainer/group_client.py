@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import zmq
 
-from nexrl_hpc.train.batch_contract import check_batch
-from nexrl_hpc.train.protocol import SignedChannel, TrainerRankError
-from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.trainer.batch_contract import check_batch
+from nexrl_hpc.trainer.protocol import SignedChannel, TrainerRankError
+from nexrl_hpc.trainer.service import TrainServiceClient
 
 _LIVENESS_CHECK_S = 1.0
 

@@ -18,7 +18,7 @@ from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
-from nexrl_hpc.train.service import TrainServiceClient
+from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.controller import sync_weight_dir
 

@@ -25,11 +25,11 @@ import torch
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
-from nexrl_hpc.train.batch_contract import REQUIRED_KEYS, check_training_batch
-from nexrl_hpc.train.loss_sums import LossSums
-from nexrl_hpc.train.parallel import ParallelStrategy, dp_slices
-from nexrl_hpc.train.service import TrainServiceClient
-from nexrl_hpc.train.strategy_factory import create_parallel_strategy
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.trainer.loss_sums import LossSums
+from nexrl_hpc.trainer.parallel import ParallelStrategy, dp_slices
+from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
 
 logger = logging.getLogger(__name__)
 

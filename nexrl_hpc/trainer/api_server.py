@@ -20,7 +20,7 @@ import zmq
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
-from nexrl_hpc.train.protocol import SignedChannel, key_from_token
+from nexrl_hpc.trainer.protocol import SignedChannel, key_from_token
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,187 @@
+"""``nexrl_hpc.train(...)``: the same run as ``python -m launch.train``, from a script or notebook.
+
+Python objects become config overrides: datasets (rows, a ``datasets.Dataset``, or file paths) are
+written as jsonl under ``<run_dir>/inputs/`` and named by ``data.data_files``; a reward function
+or workflow class is named by its import path (``module:qualname``), or, when it has none (defined
+in ``__main__`` or inside a function), registered here for this process. The composed config goes
+through the command line's checks (exit-2 problems raise ``ConfigError``) and then the controller,
+in local mode. A run named by a registered object cannot be resumed from the command line: its
+``config.yaml`` points into this process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.config.location import CONFIG_NAME, config_dir
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+
+registered = SimpleNamespace()
+"""Objects handed to ``train`` that have no import path; the config names them ``nexrl_hpc.api:registered.<name>``."""
+
+Dataset = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Iterable[Mapping[str, Any]]
+
+
+@dataclass
+class TrainResult:
+    """How a ``train`` call ended: the exit code the command line would give, and where to look."""
+
+    exit_code: int  # 0 finished, 1 failed, 3 stopped at a checkpoint (preempted), 130 interrupted
+    run_dir: str
+    final_validation: dict[str, float] = field(default_factory=dict)  # the last val/* metrics
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.run_dir, "metrics.jsonl")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every line of ``metrics.jsonl`` (one per training step and validation)."""
+        with open(self.metrics_path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def object_spec(obj: Any, name: str) -> str:
+    """``module:qualname`` when that imports back to ``obj``; else a registered name."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qualname and module != "__main__" and "<locals>" not in qualname:
+        try:
+            found: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is obj:
+            return f"{module}:{qualname}"
+    setattr(registered, name, obj)
+    return f"{__name__}:registered.{name}"
+
+
+def _quoted(path: str) -> str:
+    """A path as a Hydra override value (quoted: commas, brackets, spaces, '=' are syntax)."""
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _dataset_files(dataset: Dataset, out_path: str, key: str) -> list[str]:
+    """File paths as given; rows (mappings, a ``datasets.Dataset``) written as jsonl to ``out_path``."""
+    if isinstance(dataset, (str, os.PathLike)):
+        return [os.fspath(dataset)]
+    if isinstance(dataset, Sequence) and dataset and all(isinstance(d, (str, os.PathLike)) for d in dataset):
+        return [os.fspath(d) for d in dataset]
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    count = 0
+    with open(out_path, "w") as f:
+        for i, row in enumerate(dataset):
+            if not isinstance(row, Mapping):
+                raise ConfigError([ConfigProblem(key, f"row {i} is a {type(row).__name__}, not a mapping")])
+            try:
+                f.write(json.dumps(dict(row)) + "\n")
+            except TypeError as exc:
+                raise ConfigError([ConfigProblem(key, f"row {i} cannot be written as JSON: {exc}")]) from exc
+            count += 1
+    if count == 0:
+        raise ConfigError([ConfigProblem(key, "the dataset has no rows")])
+    return [out_path]
+
+
+def _compose(overrides: list[str]) -> RLTrainConfig:
+    """The validated config for ``overrides``, after the same checks ``launch.train`` makes."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nexrl_hpc.config.preflight import preflight
+
+    register_resolvers()
+    preflight(config_dir(), CONFIG_NAME, overrides)  # raises ConfigError listing every problem
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="nexrl_api"):
+        cfg = compose(CONFIG_NAME, overrides=overrides)
+    GlobalHydra.instance().clear()
+    return validate_config(cfg)
+
+
+def train(
+    overrides: Sequence[str] = (),
+    *,
+    train_dataset: Dataset | None = None,
+    val_dataset: Dataset | None = None,
+    reward_fn: Any = None,
+    workflow: Any = None,
+    run_dir: str | os.PathLike[str] | None = None,
+) -> TrainResult:
+    """Run GRPO training in this process (local mode) and return how it ended.
+
+    ``overrides`` are command-line overrides (``["model.path=/m", "data.batch_size=8"]``).
+    ``train_dataset`` / ``val_dataset``: file paths (read as ``data.type``, jsonl unless overridden)
+    or rows (mappings with the configured prompt/answer keys). ``reward_fn``: any accepted reward
+    signature (verl's ``compute_score``, ``(task, response)``, a RewardOutput function).
+    ``workflow``: an agent workflow class (sets ``rollout_worker.type=agent``). Raises
+    ``ConfigError`` for a bad config, before anything runs.
+    """
+    args = list(overrides)
+    if run_dir is not None:
+        args.append(f"run_dir={_quoted(os.path.abspath(os.fspath(run_dir)))}")
+    config = _compose(args)  # first pass: the resolved run dir (its default holds the time)
+    if config["launch_mode"] != "local" or config["launcher"]["name"] != "local":
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "launch_mode", "the Python API runs local mode: use python -m launch.train for mpi/slurm"
+                )
+            ]
+        )
+    resolved_run_dir = os.path.abspath(config["run_dir"])
+    args.append(f"run_dir={_quoted(resolved_run_dir)}")
+    inputs = os.path.join(resolved_run_dir, "inputs")
+    data_type_given = any(a.split("=")[0].lstrip("+~") in ("data.type",) for a in overrides)
+    if train_dataset is not None:
+        files = _dataset_files(train_dataset, os.path.join(inputs, "train.jsonl"), "train_dataset")
+        if not data_type_given:
+            args.append("data.type=jsonl")
+        args.append("data.data_files=[" + ",".join(_quoted(f) for f in files) + "]")
+    if val_dataset is not None:
+        files = _dataset_files(val_dataset, os.path.join(inputs, "validation.jsonl"), "val_dataset")
+        if train_dataset is None and not data_type_given:
+            args.append("validate.data.type=jsonl")
+        args.append("validate.data.data_files=[" + ",".join(_quoted(f) for f in files) + "]")
+    if reward_fn is not None:
+        args.append(f"rollout_worker.reward_fn={_quoted(object_spec(reward_fn, 'reward_fn'))}")
+    if workflow is not None:
+        args.append("rollout_worker.type=agent")
+        args.append(f"rollout_worker.agent.workflow={_quoted(object_spec(workflow, 'workflow'))}")
+    config = _compose(args)
+    return _run(config)
+
+
+def _run(config: RLTrainConfig) -> TrainResult:
+    from nexrl_hpc.controller import run_controller
+
+    run_dir = os.path.abspath(config["run_dir"])
+    os.makedirs(run_dir, exist_ok=True)
+    root = logging.getLogger()
+    handler = logging.FileHandler(os.path.join(run_dir, "train.log"))
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        code = run_controller(config)
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(level)
+    result = TrainResult(code, run_dir)
+    if os.path.exists(result.metrics_path):
+        val = [row for row in result.metrics() if any(k.startswith("val/") for k in row)]
+        if val:
+            result.final_validation = {k: v for k, v in val[-1].items() if k.startswith("val/")}
+    return result

@@ -1,0 +1,41 @@
+"""Pre-flight of ``model.path``: the directory loads as an HF causal LM would, without its weights.
+
+Why up front: a model directory without weights, with a broken tokenizer or an architecture
+transformers does not know would otherwise fail after the run (or the Slurm job) has started.
+"""
+
+from __future__ import annotations
+
+import os
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def model_dir_problem(path: str) -> str:
+    """Why ``path`` is not a usable model directory ("" when it is)."""
+    if not os.path.exists(path):
+        return "no such directory"
+    if not os.path.isdir(path):
+        return "not a directory"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "no config.json in it"
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as exc:  # ValueError (unknown model_type), OSError, JSON errors
+        return f"its config.json does not load ({type(exc).__name__}: {str(exc)[:300]})"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
+        return f"no weights in it (none of {', '.join(WEIGHT_FILES)})"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        return f"its tokenizer does not load ({type(exc).__name__}: {str(exc)[:300]})"
+    if tokenizer.eos_token_id is None:
+        return "its tokenizer has no EOS token (responses could not end)"
+    return ""

@@ -1,0 +1,102 @@
+"""``nexrl_hpc.train(...)``: a run from a Python script, with rows, a reward function and a model in hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import nexrl_hpc
+from nexrl_hpc.api import _dataset_files, object_spec, registered
+from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.rewards.match import exact_match
+from tests.conftest import REPO
+
+
+def test_a_function_with_an_import_path_is_named_by_it_and_others_are_registered() -> None:
+    assert object_spec(exact_match, "reward_fn") == "nexrl_hpc.rewards.match:exact_match"
+
+    def local_reward(task: dict, response: str) -> float:
+        return 1.0
+
+    spec = object_spec(local_reward, "reward_fn")
+    assert spec == "nexrl_hpc.api:registered.reward_fn" and registered.reward_fn is local_reward
+
+
+def test_rows_are_written_as_jsonl_and_paths_pass_through(tmp_path: Path) -> None:
+    rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}]
+    (path,) = _dataset_files(rows, str(tmp_path / "in" / "train.jsonl"), "train_dataset")
+    assert [json.loads(line) for line in open(path)] == rows
+    assert _dataset_files("/data/x.parquet", "unused", "k") == ["/data/x.parquet"]
+    assert _dataset_files(["/a.jsonl", Path("/b.jsonl")], "unused", "k") == ["/a.jsonl", "/b.jsonl"]
+    with pytest.raises(ConfigError, match="train_dataset.*row 1 is a str"):
+        _dataset_files([{"prompt": "a"}, "b"], str(tmp_path / "t.jsonl"), "train_dataset")
+    with pytest.raises(ConfigError, match="val_dataset.*no rows"):
+        _dataset_files([], str(tmp_path / "v.jsonl"), "val_dataset")
+
+
+def test_a_bad_config_raises_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        nexrl_hpc.train(["model.path=/nonexistent/model"], run_dir=tmp_path / "run")
+    assert "model.path" in str(err.value) and err.value.exit_code == 2
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="launch_mode"):
+        nexrl_hpc.train(["launch_mode=mpi"], run_dir=tmp_path / "run")
+
+
+SCRIPT = """
+import json, sys
+import nexrl_hpc
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):  # verl's signature
+    return {"score": float(solution_str.strip().startswith(str(ground_truth))), "seen": 1.0}
+
+rows = [
+    {"data_source": "toy", "prompt": [{"role": "user", "content": f"what is {a} + {b}?"}],
+     "reward_model": {"ground_truth": str(a + b)}}
+    for a in range(10) for b in range(10)
+]
+result = nexrl_hpc.train(
+    ["model.path=" + sys.argv[1], "data.answer_key=reward_model.ground_truth",
+     "rollout_worker.max_prompt_length=64", "rollout_worker.max_response_length=4",
+     "data.batch_size=8", "data.rollout_repeat_n=4", "train_worker.total_train_steps=3",
+     "validate.eval.validate_freq=3", "logger.backend=[]", "seed=3"],
+    train_dataset=rows[:80], val_dataset=rows[80:], reward_fn=compute_score, run_dir=sys.argv[2],
+)
+print(json.dumps({"exit_code": result.exit_code, "run_dir": result.run_dir,
+                  "final_validation": result.final_validation}))
+"""
+
+
+@pytest.mark.e2e
+def test_a_script_trains_a_chat_model_on_its_rows_with_its_own_reward(
+    chatml_model_dir: str, tmp_path: Path
+) -> None:
+    """The script's reward lives in ``__main__`` (no import path): registered, called with verl's
+    arguments; rows with chat-message prompts and a nested answer; the user's tied Qwen2."""
+    script = tmp_path / "my_run.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(script), chatml_model_dir, str(run_dir)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["exit_code"] == 0 and result["run_dir"] == str(run_dir)
+    assert result["final_validation"]["val/num_samples"] == 20
+    assert result["final_validation"]["val/seen"] == 1.0  # the verl dict's extra score, averaged
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3]
+    assert all(r["train/seen"] == 1.0 and r["reward/errors"] == 0 for r in rows if "train/reward_mean" in r)
+    assert len((run_dir / "inputs" / "train.jsonl").read_text().splitlines()) == 80
+    assert (run_dir / "train.log").read_text().count("training finished at step 3") == 1
+    assert (run_dir / "checkpoints").is_dir()
