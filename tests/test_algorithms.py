@@ -64,6 +64,100 @@ def test_ppo_clip_loss_hand_computed() -> None:
     assert masked.item() == pytest.approx((-1.2 - 0.9) / 2)
 
 
+def _rails_tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Five tokens (log ratio, advantage): (2, -1) ratio e^2 against a negative advantage,
+    (ln 2.5, -1) below the dual bound, (2, +1) clipped above, (ln 0.5, -1) clipped below,
+    (ln 0.9, +1) unclipped."""
+    logp = torch.tensor([[2.0, math.log(2.5), 2.0, math.log(0.5), math.log(0.9)]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0, 1.0]])
+    return logp, torch.zeros(1, 5), adv, torch.ones(1, 5)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_hand_computed() -> None:
+    logp, old, adv, mask = _rails_tokens()
+    plain, plain_stats = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token-mean")
+    # tokens: max(e^2, 1.2) = e^2 ; max(2.5, 1.2) = 2.5 ; max(-e^2, -1.2) = -1.2 ; max(0.5, 0.8) = 0.8 ; -0.9
+    assert plain.item() == pytest.approx((math.exp(2) + 2.5 - 1.2 + 0.8 - 0.9) / 5)  # 1.7178
+    assert plain_stats["clipfrac_dual_sum"].item() == 0
+    dual, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token-mean", clip_ratio_c=3.0)
+    # the ratio-e^2 token is bounded at -A * c = 3; ratio 2.5 < c and positive advantages are untouched
+    assert dual.item() == pytest.approx((3.0 + 2.5 - 1.2 + 0.8 - 0.9) / 5)  # 0.84
+    assert stats["clipfrac_sum"].item() == 2
+    assert stats["clipfrac_lower_sum"].item() == 1 and stats["clipfrac_upper_sum"].item() == 1
+    assert stats["clipfrac_dual_sum"].item() == 1
+    dual.backward()
+    # d/dlogp of -A r = r / 5 where unclipped; the dual- and PPO-clipped tokens get no gradient
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 2.5 / 5, 0.0, 0.0, -0.9 / 5])
+
+
+def test_log_ratio_clamp_keeps_an_extreme_ratio_finite() -> None:
+    """A token with log ratio 100 (exp overflows float32): without the clamp its gradient is NaN
+    and the whole step would be skipped; clamped at 20 the loss and gradients are finite."""
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3)
+
+    def run(clamp: float | None, c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.tensor([[100.0, 100.0, math.log(0.9)]], requires_grad=True)
+        loss, _ = ppo_clip_loss(
+            logp, old, adv, mask, 0.2, 0.2, "token-mean", clip_ratio_c=c, log_ratio_clamp=clamp
+        )
+        loss.backward()
+        assert logp.grad is not None
+        return loss.detach(), logp.grad
+
+    loss, grad = run(None, 3.0)
+    assert not torch.isfinite(grad).all()
+    loss, grad = run(20.0, 3.0)
+    # -1.2 (clipped above), min(e^20, 3) = 3 (dual clip), -0.9
+    assert loss.item() == pytest.approx((-1.2 + 3.0 - 0.9) / 3)
+    assert grad[0].tolist() == pytest.approx([0.0, 0.0, -0.9 / 3])
+    loss, grad = run(20.0, None)  # without the dual clip the negative-advantage token is e^20, finite
+    assert loss.item() == pytest.approx((-1.2 + math.exp(20) - 0.9) / 3, rel=1e-6)
+    assert torch.isfinite(grad).all()
+
+
+def test_entropy_bonus_gradient_matches_the_closed_form() -> None:
+    """d(-coeff * token-mean H)/dz = coeff / n * p (log p + H) per masked position, H = -sum p log p."""
+    from nexrl_hpc.trainer.policy_trainer import entropy_from_log_probs
+
+    logits = torch.tensor([[[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0]])
+    coeff = 0.1
+    entropy = entropy_from_log_probs(torch.log_softmax(logits, dim=-1))
+    (-coeff * aggregate(entropy, mask, "token-mean")).backward()
+    p = torch.softmax(logits.detach()[0, 0], dim=-1)
+    h = float(-(p * p.log()).sum())
+    assert entropy[0, 0].item() == pytest.approx(h)
+    expected = coeff * p * (p.log() + h)
+    assert logits.grad is not None
+    assert torch.allclose(logits.grad[0, 0], expected, atol=1e-7)
+    assert logits.grad[0, 1].abs().max().item() == 0.0  # masked position
+
+
+def test_grpo_groups_by_every_key_of_a_hierarchical_key_list() -> None:
+    """Leaves [1, 1] and [0, 0] under one first key are two groups of identical rewards: advantage
+    0, not the +-0.87 of one group [1, 1, 0, 0]."""
+    cfg = compose_config(["trajectory_pool.key_list=[group_id,leaf]"])
+    proc = GRPOProcessor(cfg, pad_token_id=0)
+    trajs = [
+        {"group_id": "q", "leaf": leaf, "uid": "q", "epoch": 0, "reward": r, "prompt_ids": [1, 4],
+         "response_ids": [5, 2], "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1]}
+        for leaf, r in (("x", 1.0), ("x", 1.0), ("y", 0.0), ("y", 0.0))
+    ]  # fmt: skip
+    out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
+    assert out.values["advantages"].abs().max().item() == 0.0
+    assert out.metadata["metrics"]["train/num_groups"] == 2
+    one_key = GRPOProcessor(compose_config(), pad_token_id=0).compute(Batch.from_trajectories(trajs, {}))
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # 0.866: what grouping by the first key alone gives
+    assert one_key.values["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, -a], abs=1e-5)
+
+
+def test_adv_epsilon_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm.adv_epsilon.*must be > 0.0, got 0"):
+        compose_config(["algorithm.adv_epsilon=0"])
+
+
 def test_loss_gradient_ignores_masked_tokens() -> None:
     logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
     loss, _ = ppo_clip_loss(

@@ -276,19 +276,56 @@ def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
 
 def test_loss_sums_give_the_losses_per_optimizer_step_and_the_ratios_per_token() -> None:
     sums = LossSums()
-    sums.add(pg_loss=1.0, kl_loss=0.25, clipfrac=2.0, ppo_kl=0.5, entropy=6.0, tokens=4.0)
-    sums.add(pg_loss=3.0, kl_loss=0.25, clipfrac=0.0, ppo_kl=1.5, entropy=2.0, tokens=4.0)
+    sums.add(LossSums(pg_loss=1.0, kl_loss=0.25, entropy_loss=0.5, clipfrac=2.0, clipfrac_lower=0.0,
+                      clipfrac_upper=2.0, clipfrac_dual=1.0, ppo_kl=0.5, entropy=6.0, tokens=4.0))  # fmt: skip
+    sums.add(
+        LossSums(
+            pg_loss=3.0, kl_loss=0.25, entropy_loss=1.5, clipfrac=0.0, ppo_kl=1.5, entropy=2.0, tokens=4.0
+        )
+    )
     reduced = sums.all_reduced(SingleProcess())  # one rank: the sums themselves
-    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, clipfrac=2.0, ppo_kl=2.0, entropy=8.0, tokens=8.0)
-    assert reduced.metrics(optimizer_steps=2, kl_loss_coef=0.5) == {
+    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, entropy_loss=2.0, clipfrac=2.0, clipfrac_upper=2.0,
+                               clipfrac_dual=1.0, ppo_kl=2.0, entropy=8.0, tokens=8.0)  # fmt: skip
+    assert reduced.metrics(optimizer_steps=2, kl_loss_coef=0.5, entropy_coeff=0.1) == {
         "actor/pg_loss": 2.0,
         "actor/kl_loss": 0.25,
-        "actor/loss": 2.125,
+        "actor/entropy_loss": 1.0,
+        "actor/loss": pytest.approx((4.0 + 0.5 * 0.5 - 0.1 * 2.0) / 2),
         "actor/pg_clipfrac": 0.25,
+        "actor/pg_clipfrac_lower": 0.0,
+        "actor/pg_clipfrac_upper": 0.25,
+        "actor/pg_clipfrac_dual": 0.125,
         "actor/ppo_kl": 0.25,
         "actor/entropy": 1.0,
     }
-    assert LossSums(clipfrac=3.0).metrics(1, 0.0)["actor/pg_clipfrac"] == 3.0  # no tokens: divided by 1
+    assert LossSums(clipfrac=3.0).metrics(1, 0.0, 0.0)["actor/pg_clipfrac"] == 3.0  # no tokens: divided by 1
+
+
+def test_entropy_carries_gradient_only_for_the_bonus(tiny_model_dir: str) -> None:
+    """With zero advantages the pg loss has no gradient: an update with entropy_coeff > 0 is pure
+    entropy ascent (the batch's entropy rises); with 0 the entropy is built without a graph."""
+    from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
+
+    batch = make_batch(8, seed=5)
+    batch["advantages"] = torch.zeros_like(batch["advantages"])
+    # a small step: Adam's first step moves every weight by lr, which overshoots at the default 1e-3
+    eng = trainer(
+        tiny_model_dir,
+        ["service.train_service.actor.entropy_coeff=1.0", "service.train_service.actor.optim.lr=1e-5"],
+    )
+    mask = batch["response_mask"]
+
+    def mean_entropy() -> float:
+        with torch.no_grad():
+            return float((response_log_probs_and_entropy(eng.model, batch)[1] * mask).sum() / mask.sum())
+
+    assert not response_log_probs_and_entropy(eng.model, batch)[1].requires_grad
+    assert response_log_probs_and_entropy(eng.model, batch, entropy_grad=True)[1].requires_grad
+    before = mean_entropy()
+    metrics = eng.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
+    assert metrics["actor/entropy_loss"] == pytest.approx(before, rel=1e-5)  # token-mean entropy
+    assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"] - before, rel=1e-5)
+    assert metrics["actor/grad_norm"] > 0 and mean_entropy() > before
 
 
 def test_entropy_metric_is_the_policys_mean_entropy_over_response_tokens(tiny_model_dir: str) -> None:

@@ -120,24 +120,49 @@ def ppo_clip_loss(
     agg_mode: str,
     normalizer: float | None = None,
     token_weights: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO-clip surrogate: -min(r A, clip(r, 1-lo, 1+hi) A), aggregated by ``agg_mode``.
 
     ``token_weights`` (constant per token, e.g. importance weights pi_prox / pi_behaviour of
-    decoupled PPO or truncated IS) scale each token's surrogate."""
+    decoupled PPO or truncated IS) scale each token's surrogate.
+
+    Safety rails (None: off). ``log_ratio_clamp`` bounds log r before ``exp``, so an extreme ratio
+    is clipped instead of overflowing to an inf loss / NaN gradient that skips the whole step.
+    ``clip_ratio_c`` (dual-clip, > 1): for A < 0 the token loss is at most -A * c, since the plain
+    PPO objective is unbounded there when r is large (stale behaviour log-probs in async modes).
+    The stats count clipped tokens per side (lower: r < 1-lo with A < 0; upper: r > 1+hi with
+    A > 0; their sum is ``clipfrac_sum``) and the dual-clipped ones.
+    """
     log_ratio = log_prob - old_log_prob
+    raw_log_ratio = log_ratio
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(min=-log_ratio_clamp, max=log_ratio_clamp)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.maximum(unclipped, clipped)
+    dual_bound = None
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        token_loss = torch.where(advantages < 0, torch.minimum(token_loss, dual_bound), token_loss)
     if token_weights is not None:
         token_loss = token_loss * token_weights
     loss = aggregate(token_loss, mask, agg_mode, normalizer)
     with torch.no_grad():
         m = mask.to(torch.float32)
+        ppo_clipped = (clipped > unclipped).float() * m
+        if dual_bound is not None:
+            dual = ((advantages < 0) & (dual_bound < torch.maximum(unclipped, clipped))).float() * m
+        else:
+            dual = torch.zeros_like(m)
         stats = {
-            "clipfrac_sum": ((clipped > unclipped).float() * m).sum(),
-            "ppo_kl_sum": (-log_ratio * m).sum(),
+            "clipfrac_sum": ppo_clipped.sum(),
+            "clipfrac_lower_sum": (ppo_clipped * (ratio < 1.0).float()).sum(),
+            "clipfrac_upper_sum": (ppo_clipped * (ratio > 1.0).float()).sum(),
+            "clipfrac_dual_sum": dual.sum(),
+            "ppo_kl_sum": (-raw_log_ratio * m).sum(),
             "tokens": m.sum(),
         }
     return loss, stats

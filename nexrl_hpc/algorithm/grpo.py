@@ -21,14 +21,14 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         self._norm_by_std = algo["norm_adv_by_std"]
         self._epsilon = algo["adv_epsilon"]
         self._per_step = algo["advantage_granularity"] == "step"
-        self._group_key = (config["trajectory_pool"]["key_list"] or ["group_id"])[0]
+        # the pool releases groups keyed on every key of key_list: the baseline groups the same way
+        self._group_keys = list(config["trajectory_pool"]["key_list"] or ["group_id"])
         self._pad_token_id = pad_token_id
 
     def compute(self, batch: Batch[list[Any]]) -> Batch[torch.Tensor]:
         """The training batch for ``batch`` of trajectories (exposed for tests and benchmarks)."""
         rewards = torch.tensor([float(r) for r in batch.values["reward"]], dtype=torch.float32)
-        keys = batch.values.get(self._group_key) or list(range(len(batch)))
-        groups = group_index(keys)
+        groups = group_index(release_groups(batch, self._group_keys))
         tensors = pack_trajectories(batch, self._pad_token_id)
         mask = tensors["response_mask"]
         if self._per_step:
@@ -76,6 +76,16 @@ class GRPOProcessor(BaseAlgorithmProcessor):
 
     def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
         self._put_batch(self.compute(batch), update_fn)
+
+
+def release_groups(batch: Batch[list[Any]], keys: list[str]) -> list[Any]:
+    """Each row's group: the tuple of its ``keys`` values (hierarchical key_list: the leaf the pool
+    released, not the first key's subtree). A batch without one of the keys: every row alone."""
+    columns = [batch.values.get(k) for k in keys]
+    present = [c for c in columns if c is not None]
+    if len(present) < len(columns):
+        return list(range(len(batch)))
+    return list(zip(*present))
 
 
 def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> dict[str, float]:

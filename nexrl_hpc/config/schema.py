@@ -128,7 +128,7 @@ class TrajectoryPoolConfig(TypedDict):
 class AlgorithmConfig(TypedDict):
     type: Literal["grpo"]
     norm_adv_by_std: bool
-    adv_epsilon: Annotated[float, Ge(0.0)]
+    adv_epsilon: Annotated[float, Gt(0.0)]  # 0 would make every identical-reward group NaN
     advantage_granularity: Literal["episode", "step"]  # step: per-turn returns (agent rollouts)
     recompute_old_log_prob: bool
     off_policy_correction: Literal["none", "decoupled", "tis"]
@@ -190,6 +190,9 @@ class ActorConfig(TypedDict):
     grad_clip: Annotated[float, Gt(0.0)]
     clip_ratio_low: Annotated[float, Ge(0.0), Le(1.0)]
     clip_ratio_high: Annotated[float, Ge(0.0)]
+    clip_ratio_c: Annotated[float, Gt(1.0)] | None  # dual clip: A < 0 token loss <= -A * c; null: off
+    log_ratio_clamp: Annotated[float, Gt(0.0)] | None  # |log ratio| bound before exp; null: off
+    entropy_coeff: Annotated[float, Ge(0.0)]  # loss -= coeff * entropy; 0: no entropy gradient
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
     optim: OptimConfig
 

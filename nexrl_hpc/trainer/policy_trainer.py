@@ -3,9 +3,10 @@
 Behind ``service.train_service.backend=local`` in this process, and on each rank of a trainer group
 (an MPI job's trainer ranks, a standalone service's torchrun workers).
 
-Token-level PPO-clip loss, optional KL to a frozen reference, mini-batches (one optimizer step
-each) split into micro-batches whose gradients accumulate with a mini-batch-wide normaliser,
-grad-norm clipping, AdamW, linear LR warm-up then constant or cosine. A non-finite loss or
+Token-level PPO-clip loss (with the dual clip and a log-ratio clamp), an optional entropy bonus,
+optional KL to a frozen reference, mini-batches (one optimizer step each) split into micro-batches
+whose gradients accumulate with a mini-batch-wide normaliser, grad-norm clipping, AdamW, linear LR
+warm-up then constant or cosine. A non-finite loss or
 gradient skips that optimizer step and is reported in the metrics (``actor/nan_skipped``).
 The parallelism (one process, FSDP2 or DeepSpeed ZeRO over the trainer ranks) is a ``ParallelStrategy``: every
 rank runs this same code on its slice of each mini-batch, with the same number of forward/backward
@@ -54,14 +55,20 @@ def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def response_log_probs_and_entropy(
-    model: Any, micro: dict[str, torch.Tensor]
+    model: Any, micro: dict[str, torch.Tensor], entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``response_log_probs`` and the policy's entropy at each response position (no gradient:
-    it is logged, not trained on), both [B, R]."""
+    """``response_log_probs`` and the policy's entropy at each response position, both [B, R].
+    The entropy carries gradient only with ``entropy_grad`` (an entropy bonus trains on it;
+    otherwise it is only logged and its graph would cost memory for nothing)."""
     log_p = _response_log_softmax(model, micro)
-    with torch.no_grad():
-        entropy = -(log_p.exp() * log_p).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_log_probs(log_p)
     return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
+
+
+def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p over the last (vocabulary) axis."""
+    return -(log_p.exp() * log_p).sum(-1)
 
 
 def enable_activation_checkpointing(model: Any) -> None:
@@ -285,6 +292,7 @@ class PolicyTrainer(TrainServiceClient):
         has_behaviour = "behaviour_log_probs" in shard
         micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
+        entropy_coeff = actor["entropy_coeff"]
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
         grad_norms: list[float] = []
@@ -299,7 +307,9 @@ class PolicyTrainer(TrainServiceClient):
                 for i in range(passes):
                     part, real = self._micro(shard, lo, hi, i, micro)
                     weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
-                    logp, entropy = response_log_probs_and_entropy(self.model, part)
+                    logp, entropy = response_log_probs_and_entropy(
+                        self.model, part, entropy_grad=entropy_coeff > 0
+                    )
                     mask = part["response_mask"]
                     if has_behaviour and steps_done == 0 and real:
                         diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
@@ -314,8 +324,13 @@ class PolicyTrainer(TrainServiceClient):
                         agg,
                         normalizer,
                         token_weights=part.get("is_weights"),
+                        clip_ratio_c=actor["clip_ratio_c"],
+                        log_ratio_clamp=actor["log_ratio_clamp"],
                     )
                     pg_value = float(loss.detach())
+                    entropy_agg = aggregate(entropy, mask, agg, normalizer)
+                    if entropy_coeff > 0:  # the bonus: higher entropy, lower loss
+                        loss = loss - entropy_coeff * entropy_agg
                     kl = None
                     if self.ref_model is not None:
                         with torch.no_grad():
@@ -328,12 +343,18 @@ class PolicyTrainer(TrainServiceClient):
                     par.backward(self.model, loss * weight, last_in_step=i == passes - 1)
                     if real:
                         sums.add(
-                            pg_loss=pg_value,
-                            kl_loss=float(kl.detach()) if kl is not None else 0.0,
-                            clipfrac=float(stats["clipfrac_sum"]),
-                            ppo_kl=float(stats["ppo_kl_sum"]),
-                            entropy=float((entropy * mask).sum()),
-                            tokens=float(stats["tokens"]),
+                            LossSums(
+                                pg_loss=pg_value,
+                                kl_loss=float(kl.detach()) if kl is not None else 0.0,
+                                entropy_loss=float(entropy_agg.detach()),
+                                clipfrac=float(stats["clipfrac_sum"]),
+                                clipfrac_lower=float(stats["clipfrac_lower_sum"]),
+                                clipfrac_upper=float(stats["clipfrac_upper_sum"]),
+                                clipfrac_dual=float(stats["clipfrac_dual_sum"]),
+                                ppo_kl=float(stats["ppo_kl_sum"]),
+                                entropy=float((entropy.detach() * mask).sum()),
+                                tokens=float(stats["tokens"]),
+                            )
                         )
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
                 if not stepped:
@@ -349,7 +370,7 @@ class PolicyTrainer(TrainServiceClient):
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
         metrics: dict[str, Any] = {
-            **sums.all_reduced(par).metrics(steps_done, algo["kl_loss_coef"]),
+            **sums.all_reduced(par).metrics(steps_done, algo["kl_loss_coef"], entropy_coeff),
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
             "actor/lr": lr,
             "actor/nan_skipped": nan_skipped,
