@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
-from nexrl_hpc.algorithm.core_algos import aggregate, group_index, grpo_advantages, kl_penalty, ppo_clip_loss
+from nexrl_hpc.algorithm.core_algos import (
+    aggregate,
+    group_index,
+    grpo_advantages,
+    kl_penalty,
+    outcome_advantages,
+    ppo_clip_loss,
+    rloo_advantages,
+)
 from nexrl_hpc.algorithm.grpo import GRPOProcessor
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.types import Batch
@@ -262,3 +270,84 @@ def test_stepwise_advantages_need_agent_rollouts() -> None:
     with pytest.raises(ConfigError) as info:
         compose_config(["algorithm.advantage_granularity=step"])
     assert [p.path for p in info.value.problems] == ["algorithm.advantage_granularity"]
+
+
+def test_rloo_subtracts_the_mean_of_the_groups_other_samples() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 5.0, 2.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 1, 2, 2])
+    adv, stats = rloo_advantages(rewards, groups)
+    # group 0: 1 - (0+0)/2, 0 - (1+0)/2 twice; group 1 alone: no baseline; group 2: 2-4, 4-2
+    assert adv.tolist() == [1.0, -0.5, -0.5, 0.0, -2.0, 2.0]
+    assert stats["zero_std_group_frac"] == pytest.approx(1 / 3)
+
+
+def test_reinforce_pp_whitens_the_rewards_over_the_batchs_tokens() -> None:
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    adv, _ = outcome_advantages(
+        "reinforce_pp", torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask, True, 0.0
+    )
+    # token-weighted: mean (1*1 + 0*3)/4 = 0.25, var (0.75^2 + 3 * 0.25^2)/3 = 0.25, std 0.5
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5]))
+
+
+def test_reinforce_pp_baseline_takes_the_group_mean_off_then_whitens() -> None:
+    mask = torch.tensor([[1, 0], [1, 0], [1, 1]])
+    rewards, groups = torch.tensor([1.0, 0.0, 7.0]), torch.tensor([0, 0, 1])
+    adv, _ = outcome_advantages("reinforce_pp_baseline", rewards, groups, mask, True, 0.0)
+    # centred [0.5, -0.5, 0]; weights [1, 1, 2]: mean 0, var (0.25 + 0.25)/3, std sqrt(1/6)
+    std = math.sqrt(1 / 6)
+    assert torch.allclose(adv, torch.tensor([0.5 / std, -0.5 / std, 0.0]))
+
+
+def test_outcome_advantages_grpo_is_grpo_and_unknown_estimators_are_named() -> None:
+    rewards, groups, mask = torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.ones(2, 1)
+    adv, _ = outcome_advantages("grpo", rewards, groups, mask, True, 1e-6)
+    assert torch.allclose(adv, grpo_advantages(rewards, groups, True, 1e-6)[0])
+    with pytest.raises(ValueError, match="adv_estimator 'ppo'"):
+        outcome_advantages("ppo", rewards, groups, mask, True, 1e-6)
+
+
+def test_dr_grpo_aggregation_divides_token_sums_by_a_constant_budget() -> None:
+    values = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # per-sequence sums 3 and 3 (masked tokens out); no normaliser: sequences x padded width
+    assert float(aggregate(values, mask, "seq-mean-token-sum-norm")) == pytest.approx(6 / (2 * 3))
+    # the trainer's normaliser: sequences in the mini-batch x actor.loss_norm_tokens
+    assert float(aggregate(values, mask, "seq-mean-token-sum-norm", normalizer=2 * 10)) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    "preset,estimator,by_std,agg",
+    [
+        ("grpo", "grpo", True, "token-mean"),
+        ("dr_grpo", "grpo", False, "seq-mean-token-sum-norm"),
+        ("rloo", "rloo", True, "token-mean"),
+        ("reinforce_pp", "reinforce_pp", True, "token-mean"),
+        ("reinforce_pp_baseline", "reinforce_pp_baseline", True, "token-mean"),
+    ],
+)
+def test_algorithm_presets_set_their_keys(preset: str, estimator: str, by_std: bool, agg: str) -> None:
+    cfg = compose_config([f"algorithm={preset}"])
+    assert cfg["algorithm"]["name"] == preset and cfg["algorithm"]["adv_estimator"] == estimator
+    assert cfg["algorithm"]["norm_adv_by_std"] is by_std
+    actor = cfg["service"]["train_service"]["actor"]
+    assert (
+        actor["loss_agg_mode"] == agg
+        and actor["loss_norm_tokens"] == cfg["rollout_worker"]["max_response_length"]
+    )
+
+
+def test_per_turn_advantages_need_the_grpo_estimator() -> None:
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: rloo gives one advantage per sequence"):
+        compose_config(["task=tool_lookup", "algorithm=rloo"])
+
+
+def test_the_processor_uses_the_configured_estimator() -> None:
+    proc = GRPOProcessor(compose_config(["algorithm=rloo"]), pad_token_id=0)
+    trajs = [
+        {"group_id": "a", "uid": "a", "epoch": 0, "reward": r, "prompt_ids": [1, 4], "response_ids": [5, 2],
+         "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1], "weight_version": 0}
+        for r in (1.0, 0.0, 0.0)
+    ]  # fmt: skip
+    out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
+    assert out.values["advantages"][:, 0].tolist() == [1.0, -0.5, -0.5]

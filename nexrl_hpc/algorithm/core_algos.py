@@ -40,6 +40,58 @@ def grpo_advantages(
     return adv, stats
 
 
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE leave-one-out: r_i minus the mean reward of the group's other samples,
+    i.e. n/(n-1) (r_i - mean_group). A group of one has no baseline: advantage 0."""
+    rewards = rewards.to(torch.float32)
+    n_groups = int(groups.max()) + 1 if groups.numel() else 0
+    counts = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(rewards))
+    sums = torch.zeros(n_groups).index_add_(0, groups, rewards)
+    n = counts[groups]
+    others_mean = (sums[groups] - rewards) / (n - 1).clamp(min=1)
+    adv = torch.where(n > 1, rewards - others_mean, torch.zeros_like(rewards))
+    same = torch.zeros(n_groups).index_add_(0, groups, (adv != 0).float()) == 0
+    return adv, {"zero_std_group_frac": float(same.float().mean()) if n_groups else 0.0}
+
+
+def batch_whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Per-sequence values standardised over the batch's response tokens (each sequence weighs
+    by its length, as REINFORCE++ whitens token-level returns)."""
+    weights = mask.to(torch.float32).sum(-1)
+    total = weights.sum().clamp(min=1.0)
+    mean = (values * weights).sum() / total
+    var = ((values - mean).square() * weights).sum() / (total - 1).clamp(min=1.0)
+    return (values - mean) / (var.sqrt() + epsilon)
+
+
+def outcome_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    groups: torch.Tensor,
+    mask: torch.Tensor,
+    norm_by_std: bool,
+    epsilon: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One advantage per sequence from its outcome reward, by ``algorithm.adv_estimator``:
+    grpo (group-normalised; without std: Dr. GRPO), rloo (leave-one-out), reinforce_pp (the
+    rewards whitened over the batch, no group baseline) or reinforce_pp_baseline (group mean
+    subtracted, then whitened over the batch)."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards, groups, norm_by_std, epsilon)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, groups)
+    if estimator == "reinforce_pp":
+        adv = batch_whiten(rewards.to(torch.float32), mask, epsilon)
+        return adv, {"zero_std_group_frac": 0.0}
+    if estimator == "reinforce_pp_baseline":
+        centered, stats = grpo_advantages(rewards, groups, False, epsilon)
+        return batch_whiten(centered, mask, epsilon), stats
+    raise ValueError(f"unknown algorithm.adv_estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
+
+
 def stepwise_grpo_advantages(
     step_returns: list[list[float]],
     step_spans: list[list[list[int]]],
@@ -96,6 +148,8 @@ def aggregate(
     when gradients are accumulated over micro-batches, so every token weighs the same).
     seq-mean-token-sum / seq-mean-token-mean: per-sequence sum or mean, then mean over sequences
     (``normalizer`` = number of sequences in the mini-batch).
+    seq-mean-token-sum-norm (Dr. GRPO): per-sequence sums over sequences x a constant token budget
+    (``normalizer``; without one, the padded width), so a long response's tokens weigh no less.
     """
     mask = mask.to(token_values.dtype)
     if mode == "token-mean":
@@ -104,6 +158,9 @@ def aggregate(
     per_seq = (token_values * mask).sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
+    elif mode == "seq-mean-token-sum-norm":  # Dr. GRPO: token sums over a constant, not each length
+        if normalizer is None:  # the trainer passes sequences x actor.loss_norm_tokens
+            return per_seq.sum() / float(per_seq.numel() * token_values.shape[-1])
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss_agg_mode {mode!r}")
     denom = normalizer if normalizer is not None else float(per_seq.numel())

@@ -8,7 +8,7 @@ import torch
 
 from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
 from nexrl_hpc.algorithm.batching import pack_trajectories
-from nexrl_hpc.algorithm.core_algos import group_index, grpo_advantages, stepwise_grpo_advantages
+from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages, stepwise_grpo_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.types import Batch
@@ -21,6 +21,7 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         self._norm_by_std = algo["norm_adv_by_std"]
         self._epsilon = algo["adv_epsilon"]
         self._per_step = algo["advantage_granularity"] == "step"
+        self._estimator = algo["adv_estimator"]
         # the pool releases groups keyed on every key of key_list: the baseline groups the same way
         self._group_keys = list(config["trajectory_pool"]["key_list"] or ["group_id"])
         self._pad_token_id = pad_token_id
@@ -43,7 +44,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             tensors["advantages"] = token_adv * mask
             adv = (token_adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # per-row mean, for metrics
         else:
-            adv, adv_stats = grpo_advantages(rewards, groups, self._norm_by_std, self._epsilon)
+            adv, adv_stats = outcome_advantages(
+                self._estimator, rewards, groups, mask, self._norm_by_std, self._epsilon
+            )
             tensors["advantages"] = adv[:, None] * mask
         tensors["rewards"] = rewards
         versions = [

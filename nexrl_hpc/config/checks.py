@@ -220,6 +220,12 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         f"(rollout_worker.type={g_safe(cfg, 'rollout_worker.type')})",
     )
     check(
+        lambda: g("algorithm.advantage_granularity") != "step" or g("algorithm.adv_estimator") == "grpo",
+        "algorithm.adv_estimator",
+        f"{g_safe(cfg, 'algorithm.adv_estimator')} gives one advantage per sequence; "
+        "advantage_granularity=step (per-turn returns) is normalised the GRPO way: use adv_estimator=grpo",
+    )
+    check(
         lambda: g("algorithm.off_policy_correction") != "tis" or g("algorithm.is_cap") is not None,
         "algorithm.is_cap",
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",

@@ -126,7 +126,9 @@ class TrajectoryPoolConfig(TypedDict):
 
 
 class AlgorithmConfig(TypedDict):
-    type: Literal["grpo"]
+    type: Literal["grpo"]  # the processor: group-based outcome advantages (the estimator below)
+    name: str  # the configs/algorithm/ preset chosen (logged; the keys below are what it set)
+    adv_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
     norm_adv_by_std: bool
     adv_epsilon: Annotated[float, Gt(0.0)]  # 0 would make every identical-reward group NaN
     advantage_granularity: Literal["episode", "step"]  # step: per-turn returns (agent rollouts)
@@ -193,7 +195,10 @@ class ActorConfig(TypedDict):
     clip_ratio_c: Annotated[float, Gt(1.0)] | None  # dual clip: A < 0 token loss <= -A * c; null: off
     log_ratio_clamp: Annotated[float, Gt(0.0)] | None  # |log ratio| bound before exp; null: off
     entropy_coeff: Annotated[float, Ge(0.0)]  # loss -= coeff * entropy; 0: no entropy gradient
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ]
+    loss_norm_tokens: Annotated[int, Ge(1)]  # seq-mean-token-sum-norm's constant (the response budget)
     optim: OptimConfig
 
 

@@ -221,9 +221,12 @@ class PolicyTrainer(TrainServiceClient):
             counts.append([hi - lo for lo, hi in slices])
             passes.append(max(1, math.ceil(max(counts[-1]) / micro)))
             mask = tensors["response_mask"][m_start:m_end]
-            normalizers.append(
-                float(mask.sum().clamp(min=1.0)) if agg == "token-mean" else float(m_end - m_start)
-            )
+            if agg == "token-mean":
+                normalizers.append(float(mask.sum().clamp(min=1.0)))
+            elif agg == "seq-mean-token-sum-norm":
+                normalizers.append(float(m_end - m_start) * actor["loss_norm_tokens"])
+            else:
+                normalizers.append(float(m_end - m_start))
             for r, (lo, hi) in enumerate(slices):
                 rows[r].append((m_start + lo, m_start + hi))
         shards = []
