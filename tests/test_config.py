@@ -81,7 +81,9 @@ def test_missing_required_key() -> None:
 
 def test_unknown_group_option() -> None:
     probs = problems_of(["task=nope"])
-    assert probs == {"task": "no option 'nope' in config group 'task' (available: max_digit, tool_lookup)"}
+    assert probs == {
+        "task": "no option 'nope' in config group 'task' (available: max_digit, rg_aiw, tool_lookup)"
+    }
 
 
 def test_many_problems_in_one_error() -> None:

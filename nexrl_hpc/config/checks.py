@@ -94,6 +94,17 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         warmup_args = g_safe(cfg, "model.tiny.warmup_args")
         kwargs = warmup_args if isinstance(warmup_args, Mapping) else None
         _check_callable(cfg, "model.tiny.warmup", 3, problems, kwargs)
+        if g_safe(cfg, "model.tiny.tokenizer.kind") == "chatml_bpe":
+            if not g_safe(cfg, "model.tiny.tokenizer.corpus"):
+                problems.append(
+                    ConfigProblem(
+                        "model.tiny.tokenizer.corpus",
+                        "kind=chatml_bpe trains its BPE on a corpus: set 'module:function' returning texts",
+                    )
+                )
+            corpus_args = g_safe(cfg, "model.tiny.tokenizer.corpus_args")
+            kwargs = corpus_args if isinstance(corpus_args, Mapping) else None
+            _check_callable(cfg, "model.tiny.tokenizer.corpus", 0, problems, kwargs)
     if g_safe(cfg, "rollout_worker.type") == "agent" and isinstance(
         g_safe(cfg, "rollout_worker.agent"), Mapping
     ):
@@ -254,7 +265,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "max_prompt_length + max_response_length must fit model.tiny.max_position_embeddings",
         )
         check(
-            lambda: len(g("model.tiny.tokenizer.alphabet")) > 0,
+            lambda: g("model.tiny.tokenizer.kind") != "char" or len(g("model.tiny.tokenizer.alphabet")) > 0,
             "model.tiny.tokenizer.alphabet",
             "must not be empty",
         )

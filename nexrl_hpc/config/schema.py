@@ -12,12 +12,17 @@ from nexrl_hpc.config.constraints import Ge, Gt, Le
 
 
 class TokenizerConfig(TypedDict):
-    alphabet: str  # characters of the char-level tokenizer (special tokens are added)
-    chat_template: str | None  # Jinja chat template (agent workflows send chat requests); null: none
+    kind: Literal["char", "chatml_bpe"]  # char: one token per alphabet character | chatml_bpe: byte-level
+    #   BPE trained on the corpus below, with ChatML special tokens and template (Qwen2.5 style)
+    alphabet: str  # kind=char: characters of the tokenizer (special tokens are added)
+    chat_template: str | None  # Jinja chat template; null: none (char) or ChatML's (chatml_bpe)
+    vocab_size: Annotated[int, Ge(1)]  # kind=chatml_bpe: BPE vocabulary, special tokens included
+    corpus: str | None  # kind=chatml_bpe: "module:function"(**corpus_args) -> texts the BPE is trained on
+    corpus_args: dict[str, Any]
 
 
 class TinyModelConfig(TypedDict):
-    architecture: Literal["llama"]
+    architecture: Literal["llama", "qwen2"]
     hidden_size: Annotated[int, Ge(1)]
     intermediate_size: Annotated[int, Ge(1)]
     num_hidden_layers: Annotated[int, Ge(1)]

@@ -23,11 +23,9 @@ def create_llm_client(config: RLTrainConfig, base_url: str | None, api_key: str 
 
         model = config["model"]
         if model["path"] is None:
-            from nexrl_hpc.models.tokenizer import build_char_tokenizer
+            from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer
 
-            tokenizer = build_char_tokenizer(
-                model["tiny"]["tokenizer"]["alphabet"], model["tiny"]["tokenizer"].get("chat_template")
-            )  # the ids the run's model uses
+            tokenizer = build_tiny_tokenizer(model["tiny"]["tokenizer"])  # the ids the run's model uses
         else:
             from nexrl_hpc.models.tiny import load_tokenizer
 

@@ -19,8 +19,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-
-QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# how Qwen2/2.5 split text before BPE (words with their leading space, single digits, punctuation)
+QWEN2_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 # Qwen2.5's ChatML form, without its default system prompt and tool blocks
 CHATML_TEMPLATE = (
@@ -31,15 +31,19 @@ CHATML_TEMPLATE = (
 )
 
 
-def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (GPT-2/Qwen style) trained on ``texts``, with ChatML special tokens."""
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2/Qwen style) trained on ``texts``, with ChatML's special tokens.
+
+    The training is deterministic: the same texts give the same vocabulary and merges, so every
+    process that needs the run's tokenizer can train it again (nexrl_hpc.models.run_tokenizer)."""
     tok = Tokenizer(models.BPE())
-    # Qwen2's normaliser and pre-tokeniser (digits one by one): transformers' Qwen2Tokenizer builds
-    # these itself, so AutoTokenizer and the tokenizer.json agree only if the file holds the same
+    # Qwen2's own pipeline (NFC, its split regex: digits one by one, then bytes): AutoTokenizer
+    # loads a qwen2 directory as Qwen2Tokenizer, which rebuilds exactly this pipeline around the
+    # saved vocabulary and merges, so it encodes as the tokenizer saved here does
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -52,16 +56,26 @@ def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTr
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
+
+
+def chatml_tokenizer(core: Tokenizer, chat_template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+    """``core`` (from ``train_bpe``) as an HF fast tokenizer: EOS ``<|im_end|>``, pad ``<|endoftext|>``."""
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=core,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START],
         clean_up_tokenization_spaces=False,
         model_max_length=32768,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts``, with ChatML special tokens and template."""
+    return chatml_tokenizer(train_bpe(texts, vocab_size))
 
 
 def build_qwen2_model(

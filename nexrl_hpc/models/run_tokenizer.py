@@ -2,24 +2,54 @@
 
 The data loader measures prompt lengths with it and the rollout workers apply its chat template, so
 both see exactly the ids the policy is trained on: ``model.path``'s own tokenizer (``AutoTokenizer``,
-with its chat template), or with ``model.path`` null the tiny model's char tokenizer built from
-``model.tiny.tokenizer`` (the same one ``materialize_base_model`` saves).
+with its chat template), or with ``model.path`` null the tiny model's tokenizer built from
+``model.tiny.tokenizer`` (the same one ``materialize_base_model`` saves): char-level, or a byte-level
+BPE trained on the configured corpus (training is deterministic, so each process trains the same one).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
-from nexrl_hpc.config.schema import ModelConfig
+from transformers import PreTrainedTokenizerFast
+
+from nexrl_hpc.config.schema import ModelConfig, TokenizerConfig
 
 
 def load_run_tokenizer(model_cfg: ModelConfig) -> Any:
     """A fast HF tokenizer with a pad token (its EOS when the model defines none)."""
     if model_cfg["path"] is None:
-        from nexrl_hpc.models.tokenizer import build_char_tokenizer
-
-        tiny = model_cfg["tiny"]["tokenizer"]
-        return build_char_tokenizer(tiny["alphabet"], tiny.get("chat_template"))
+        return build_tiny_tokenizer(model_cfg["tiny"]["tokenizer"])
     from nexrl_hpc.models.tiny import load_tokenizer
 
     return load_tokenizer(model_cfg["path"])
+
+
+def build_tiny_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
+    """``model.tiny.tokenizer``: ``kind=char`` or ``kind=chatml_bpe`` (a fresh object on each call)."""
+    if cfg["kind"] == "char":
+        from nexrl_hpc.models.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer(cfg["alphabet"], cfg.get("chat_template"))
+    from tokenizers import Tokenizer
+
+    from nexrl_hpc.models.chatml import CHATML_TEMPLATE, chatml_tokenizer
+
+    if not cfg["corpus"]:
+        raise ValueError("model.tiny.tokenizer.kind=chatml_bpe needs model.tiny.tokenizer.corpus")
+    trained = _trained_bpe_json(
+        cfg["corpus"], json.dumps(cfg["corpus_args"] or {}, sort_keys=True), cfg["vocab_size"]
+    )
+    return chatml_tokenizer(Tokenizer.from_str(trained), cfg.get("chat_template") or CHATML_TEMPLATE)
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_bpe_json(corpus: str, corpus_args_json: str, vocab_size: int) -> str:
+    """The BPE trained on the corpus, serialised (trained once per process and configuration)."""
+    from nexrl_hpc.core.imports import load_object
+    from nexrl_hpc.models.chatml import train_bpe
+
+    texts = load_object(corpus)(**json.loads(corpus_args_json))
+    return train_bpe(texts, vocab_size).to_str()

@@ -1,4 +1,4 @@
-"""Build the policy model: a tiny Llama from the config (random init, local) or an HF directory."""
+"""Build the policy model: a tiny Llama or Qwen2 from the config (random init, local) or an HF directory."""
 
 from __future__ import annotations
 
@@ -14,19 +14,27 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 from transformers.utils import logging as hf_logging
 
 from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
-from nexrl_hpc.models.tokenizer import build_char_tokenizer
+from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer
+
+ARCHITECTURES: dict[str, tuple[type[Any], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
 
 
-def build_tiny_model(cfg: TinyModelConfig) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """Random-init Llama with untied input/output embeddings (so inference engines reload lm_head)."""
-    tokenizer = build_char_tokenizer(cfg["tokenizer"]["alphabet"], cfg["tokenizer"].get("chat_template"))
-    # LlamaConfig's typed signature omits the PretrainedConfig keywords (torch_dtype) it accepts
-    config = LlamaConfig(  # type: ignore[call-arg]
+def build_tiny_model(cfg: TinyModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Random-init model of ``cfg.architecture`` sized to its tokenizer (``cfg.tokenizer``)."""
+    tokenizer = build_tiny_tokenizer(cfg["tokenizer"])
+    config_cls, model_cls = ARCHITECTURES[cfg["architecture"]]
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -43,7 +51,7 @@ def build_tiny_model(cfg: TinyModelConfig) -> tuple[LlamaForCausalLM, PreTrained
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg["init_seed"])
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     return model, tokenizer
 
 
