@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any
 
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from nexrl_hpc.config.schema import ModelConfig, TokenizerConfig
 
@@ -22,9 +22,17 @@ def load_run_tokenizer(model_cfg: ModelConfig) -> Any:
     """A fast HF tokenizer with a pad token (its EOS when the model defines none)."""
     if model_cfg["path"] is None:
         return build_tiny_tokenizer(model_cfg["tiny"]["tokenizer"])
-    from nexrl_hpc.models.tiny import load_tokenizer
-
     return load_tokenizer(model_cfg["path"])
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's own tokenizer (``AutoTokenizer``: its class, chat template and special tokens),
+    with its EOS as the pad token when it defines none. Every part of a run that turns text into
+    ids (inference server, data loader, rollout workers) loads it this way, so they agree."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def build_tiny_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:

@@ -10,7 +10,6 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -22,7 +21,9 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
-from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer
+from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer, load_tokenizer
+
+__all__ = ["build_tiny_model", "load_model", "load_tokenizer", "materialize_base_model", "stop_token_ids"]
 
 ARCHITECTURES: dict[str, tuple[type[Any], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -81,16 +82,6 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
-
-
-def load_tokenizer(model_dir: str) -> Any:
-    """The model's own tokenizer (``AutoTokenizer``: its class, chat template and special tokens),
-    with its EOS as the pad token when it defines none. Every part of a run that turns text into
-    ids (inference server, data loader, rollout workers) loads it this way, so they agree."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def stop_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
