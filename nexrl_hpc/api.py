@@ -129,16 +129,7 @@ def train(
     args = list(overrides)
     if run_dir is not None:
         args.append(f"run_dir={_quoted(os.path.abspath(os.fspath(run_dir)))}")
-    config = _compose(args)  # first pass: the resolved run dir (its default holds the time)
-    if config["launch_mode"] != "local" or config["launcher"]["name"] != "local":
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "launch_mode", "the Python API runs local mode: use python -m launch.train for mpi/slurm"
-                )
-            ]
-        )
-    resolved_run_dir = os.path.abspath(config["run_dir"])
+    resolved_run_dir = _run_dir_of(args)  # once: its default holds the time of day
     args.append(f"run_dir={_quoted(resolved_run_dir)}")
     inputs = os.path.join(resolved_run_dir, "inputs")
     data_type_given = any(a.split("=")[0].lstrip("+~") in ("data.type",) for a in overrides)
@@ -158,7 +149,36 @@ def train(
         args.append("rollout_worker.type=agent")
         args.append(f"rollout_worker.agent.workflow={_quoted(object_spec(workflow, 'workflow'))}")
     config = _compose(args)
+    if config["launch_mode"] != "local" or config["launcher"]["name"] != "local":
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "launch_mode", "the Python API runs local mode: use python -m launch.train for mpi/slurm"
+                )
+            ]
+        )
     return _run(config)
+
+
+def _run_dir_of(overrides: list[str]) -> str:
+    """The run dir ``overrides`` give (composed, not yet checked: the datasets are not in them yet).
+    Overrides Hydra cannot compose are reported by the full check."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="nexrl_api"):
+            cfg = compose(CONFIG_NAME, overrides=overrides)
+        return os.path.abspath(str(OmegaConf.select(cfg, "run_dir")))
+    except HydraException:
+        _compose(overrides)  # raises ConfigError naming every problem
+        raise
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _run(config: RLTrainConfig) -> TrainResult:

@@ -100,3 +100,21 @@ def test_a_script_trains_a_chat_model_on_its_rows_with_its_own_reward(
     assert len((run_dir / "inputs" / "train.jsonl").read_text().splitlines()) == 80
     assert (run_dir / "train.log").read_text().count("training finished at step 3") == 1
     assert (run_dir / "checkpoints").is_dir()
+
+
+def test_dataset_paths_count_for_the_checks_of_data_type(tmp_path: Path) -> None:
+    """``data.type=parquet`` with the files given as ``train_dataset``: the checks see the files
+    (no "needs at least one file"), so only the real problem is reported."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1?", "answer": "2"}]), path)
+    with pytest.raises(ConfigError) as err:
+        nexrl_hpc.train(
+            ["data.type=parquet", "model.path=/nonexistent/model"],
+            train_dataset=str(path),
+            val_dataset=str(path),
+            run_dir=tmp_path / "run",
+        )
+    assert [p.path for p in err.value.problems] == ["model.path"]
