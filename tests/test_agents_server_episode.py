@@ -52,7 +52,7 @@ def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     cfg = dict(
         cfg,
         max_position_embeddings=128,
-        tokenizer={"alphabet": "abcdefghijklmnopqrstuvwxyz0123456789 :+?<>/\n"},
+        tokenizer=dict(cfg["tokenizer"], alphabet="abcdefghijklmnopqrstuvwxyz0123456789 :+?<>/\n"),
     )
     model, tok = build_tiny_model(cfg)
     tok.chat_template = CHAT_TEMPLATE

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     cfg = compose_config(["seed=3"])["model"]["tiny"]
-    cfg = dict(cfg, tokenizer={"alphabet": "abcdefghijklmnopqrstuvwxyz0123456789 :=\n"})
+    cfg = dict(cfg, tokenizer=dict(cfg["tokenizer"], alphabet="abcdefghijklmnopqrstuvwxyz0123456789 :=\n"))
     model, tok = build_tiny_model(cfg)
     tok.chat_template = CHAT_TEMPLATE
     out = tmp_path_factory.mktemp("chat") / "model"
