@@ -188,8 +188,8 @@ def test_slurm_gpu_ranks_must_ask_for_gpus() -> None:
     assert set(problems) == {"launcher.nodes"} and "heterogeneous" in problems["launcher.nodes"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
-def test_local_gpu_run_without_cuda_fails_at_preflight() -> None:
+def test_local_gpu_run_without_cuda_fails_at_preflight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, on any machine
     got = {p.path: p.message for p in local_device_problems(compose_config(["hardware=gpu"]))}
     assert (
         set(got) == {"service.train_service.device"} and "hardware=gpu" in got["service.train_service.device"]
@@ -209,12 +209,12 @@ def test_local_gpu_run_without_cuda_fails_at_preflight() -> None:
     assert hardware_problems(compose_config(["hardware=gpu", "launcher=slurm_gpu", "launch_mode=mpi"])) == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_launch_train_with_hardware_gpu_exits_2_naming_the_key(tmp_path: Any) -> None:
     start = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")  # no GPU visible, on any machine
     proc = subprocess.run(
         [sys.executable, "-m", "launch.train", "hardware=gpu", f"run_dir={tmp_path}/run"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120,
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "service.train_service.device: cuda, but" in proc.stderr
@@ -264,9 +264,10 @@ def test_gradient_checkpointing_trains_the_same_on_cpu(tiny_model_dir: str) -> N
         assert torch.allclose(p, after[name], atol=1e-7, rtol=1e-6), name
 
 
-def test_trainer_on_cuda_without_a_gpu_names_the_key(tiny_model_dir: str) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("checks the machine without CUDA")
+def test_trainer_on_cuda_without_a_gpu_names_the_key(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, on any machine
     eng = PolicyTrainer(tiny_model_dir)
     eng.initialize_worker(TrainWorker(compose_config(["hardware=gpu"]), eng).train_service_config())
     with pytest.raises(RuntimeError, match="service.train_service.device=cuda"):

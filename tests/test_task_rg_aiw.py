@@ -23,8 +23,6 @@ import pytest
 
 from tests.conftest import REPO, compose_config, compose_raw, run_train
 
-pytest.importorskip("reasoning_gym")
-
 QUICK = [  # a smaller corpus and warm-up than the task's: the same code paths, seconds
     "task=rg_aiw",
     "model.tiny.tokenizer.corpus_args.size=300",
