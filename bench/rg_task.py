@@ -13,34 +13,22 @@ time-to-goal / 600 s. Prints the curve of each run and a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_runs import REPO, timed_train_run  # noqa: E402
+
 BUDGET_S = 600.0
 RISE = 0.4
 
 
 def run(seed: int, steps: int, validate_freq: int, extra: list[str]) -> dict:
-    run_dir = tempfile.mkdtemp(prefix=f"bench_rg_aiw_{seed}_")
-    args = [
-        sys.executable, "-m", "launch.train", "task=rg_aiw", f"run_dir={run_dir}", f"seed={seed}",
-        f"train_worker.total_train_steps={steps}", f"validate.eval.validate_freq={validate_freq}",
-        "logger.backend=[]", "resume.mode=disable", *extra,
-    ]  # fmt: skip
-    t0 = time.time()
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    rows, t0, wall = timed_train_run(
+        ["task=rg_aiw", f"seed={seed}", f"train_worker.total_train_steps={steps}",
+         f"validate.eval.validate_freq={validate_freq}", *extra],
+        f"rg_aiw_seed{seed}",
+    )  # fmt: skip
     curve = [(r["step"], r["time"] - t0, r["val/reward"]) for r in rows if "val/reward" in r]
     start = curve[0][2]
     reached = next((c for c in curve if c[2] - start >= RISE), None)

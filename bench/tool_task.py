@@ -12,40 +12,28 @@ on 2 CPU cores; the ratio column is time-to-goal / 600 s (<= 1 meets it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_runs import timed_train_run  # noqa: E402
+
 BUDGET_S = 600.0
 GOAL = 0.7
 
 
 def run(mode: str, seed: int, steps: int, validate_freq: int, extra: list[str]) -> dict:
-    run_dir = tempfile.mkdtemp(prefix=f"bench_tool_{mode}_")
-    args = [
-        sys.executable, "-m", "launch.train", "task=tool_lookup", f"run_dir={run_dir}", f"seed={seed}",
-        f"train_worker.total_train_steps={steps}", f"validate.eval.validate_freq={validate_freq}",
-        "logger.backend=[]", "resume.mode=disable", *extra,
-    ]  # fmt: skip
+    overrides = ["task=tool_lookup", f"seed={seed}", f"train_worker.total_train_steps={steps}",
+                 f"validate.eval.validate_freq={validate_freq}", *extra]  # fmt: skip
+    launcher: list[str] = []
     if mode == "mpi":
         if shutil.which("mpirun") is None:
             raise SystemExit("mpirun not found: bash scripts/install.sh --dev installs MPICH")
-        args = ["mpirun", "-n", "4", *args, "launch_mode=mpi"]
-    t0 = time.time()
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        launcher, overrides = ["mpirun", "-n", "4"], [*overrides, "launch_mode=mpi"]
+    rows, t0, wall = timed_train_run(overrides, f"tool_{mode}", launcher)
     val = [r for r in rows if "val/reward" in r]
     reached = next((r for r in val if r["val/reward"] >= GOAL), None)
-    shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "mode": mode,
         "start": val[0]["val/reward"],

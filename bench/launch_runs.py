@@ -1,0 +1,35 @@
+"""One ``python -m launch.train`` run as a user starts it, timed, with its metrics (for the task benches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timed_train_run(
+    overrides: Sequence[str], name: str, launcher: Sequence[str] = ()
+) -> tuple[list[dict[str, Any]], float, float]:
+    """Run ``launch.train`` with ``overrides`` (behind ``launcher``, e.g. ``mpirun -n 4``) in a fresh
+    run dir: (its metrics.jsonl rows, the start time, wall seconds). The run dir is removed; a
+    failed run ends the bench naming ``name``."""
+    run_dir = tempfile.mkdtemp(prefix=f"bench_{name}_")
+    args = [*launcher, sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "logger.backend=[]",
+            "resume.mode=disable", *overrides]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return rows, t0, wall
