@@ -9,8 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nexrl_hpc.config.hardware import hardware_problems
-from nexrl_hpc.config.validate import ConfigProblem
-from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
 from nexrl_hpc.runtime.placement import placement_problems
 
 
@@ -37,9 +36,9 @@ def _check_callable(
     if spec is None or not isinstance(spec, str):
         return
     try:
-        obj = load_object(spec)
-    except Exception as exc:  # ImportError, AttributeError, or an error raised while importing
-        problems.append(ConfigProblem(path, f"cannot import {spec!r}: {type(exc).__name__}: {exc}"))
+        obj = import_configured(spec, path)
+    except ConfigError as exc:
+        problems += exc.problems
         return
     if not callable(obj):
         problems.append(ConfigProblem(path, f"{spec!r} is not callable"))

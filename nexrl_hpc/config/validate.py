@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 from typing_extensions import NotRequired, Required, is_typeddict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
+from nexrl_hpc.core.imports import load_object
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -39,6 +40,19 @@ class ConfigError(ValueError):
         lines = [f"invalid config ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
         lines += [f"  {p}" for p in self.problems]
         super().__init__("\n".join(lines))
+
+
+def import_configured(spec: Any, key: str, form: str = "module:name", label: str = "") -> Any:
+    """The object a ``"module:name"`` (or ``file.py:name``) config value names; a ConfigError naming
+    ``key`` when the value is not a string or does not import (the importing module's own error)."""
+    if not isinstance(spec, str):
+        raise ConfigError([ConfigProblem(key, f"must be a '{form}' string, got {spec!r}")])
+    try:
+        return load_object(spec)
+    except Exception as exc:  # ImportError, AttributeError, or an error raised while importing
+        raise ConfigError(
+            [ConfigProblem(key, f"cannot import {label}{spec!r}: {type(exc).__name__}: {exc}")]
+        ) from exc
 
 
 def _type_name(tp: Any) -> str:

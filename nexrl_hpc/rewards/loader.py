@@ -24,8 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem
-from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
 from nexrl_hpc.rewards.types import RewardFunction, RewardOutput
 
 Convention = Literal["verl", "agent", "task"]
@@ -190,14 +189,7 @@ def as_reward(fn: Callable[..., Any], key: str, spec: str | None = None) -> Rewa
 def load_reward(spec: str, key: str) -> Reward:
     """Import ``module:function`` or ``path/to/file.py:function`` and adapt it; a ConfigError names
     ``key`` when it does not import or fits no accepted signature (checked before the run starts)."""
-    if not isinstance(spec, str):
-        raise ConfigError([ConfigProblem(key, f"must be a 'module:function' string, got {spec!r}")])
-    try:
-        fn = load_object(spec)
-    except Exception as exc:  # ImportError, AttributeError, or an error raised while importing
-        raise ConfigError(
-            [ConfigProblem(key, f"cannot import reward function {spec!r}: {type(exc).__name__}: {exc}")]
-        ) from exc
+    fn = import_configured(spec, key, form="module:function", label="reward function ")
     return as_reward(fn, key, spec)
 
 

@@ -27,8 +27,7 @@ from nexrl_hpc.agents.tools.registry import get_tool_class
 from nexrl_hpc.agents.types import Episode, ModelOutput, TerminationReason
 from nexrl_hpc.agents.workflow import Workflow
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem
-from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
 from nexrl_hpc.rewards.guard import GuardedReward
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS
@@ -40,14 +39,7 @@ KEY = "rollout_worker.agent"
 
 def _load_class(spec: Any, key: str, base: type) -> type[Any]:
     """Import ``module:Class`` and check it subclasses ``base``; a ConfigError names ``key`` otherwise."""
-    if not isinstance(spec, str):
-        raise ConfigError([ConfigProblem(key, f"must be a 'module:Class' string, got {spec!r}")])
-    try:
-        obj = load_object(spec)
-    except Exception as exc:  # ImportError, AttributeError, or an error raised while importing
-        raise ConfigError(
-            [ConfigProblem(key, f"cannot import {spec!r}: {type(exc).__name__}: {exc}")]
-        ) from exc
+    obj = import_configured(spec, key, form="module:Class")
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise ConfigError([ConfigProblem(key, f"{spec!r} is not a subclass of {base.__qualname__}")])
     return obj
