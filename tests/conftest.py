@@ -62,14 +62,14 @@ def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run_train(
-    args: list[str], timeout: float = 600, env: dict[str, str] | None = None
+    args: list[str], timeout: float = 600, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """``python -m launch.train ARGS`` as a user runs it."""
-    full_env = dict(os.environ)
+    """``python -m launch.train ARGS`` as a user runs it (from ``cwd``: relative paths, as typed)."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO)) if cwd != REPO else dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "launch.train", *args],
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,

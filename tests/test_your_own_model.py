@@ -11,9 +11,6 @@ Qwen2 with its chat template.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO
+from tests.conftest import run_train
 
 pytestmark = pytest.mark.e2e
 
@@ -87,18 +84,6 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def launch(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "launch.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.mark.parametrize("backend", ["local", "vllm"])
 def test_the_issue_command_trains_the_users_tied_chat_model(
     backend: str, chatml_model_dir: str, inputs: dict[str, Any], tmp_path: Path
@@ -106,7 +91,11 @@ def test_the_issue_command_trains_the_users_tied_chat_model(
     run_dir = tmp_path / "D"
     args = issue_command(chatml_model_dir, inputs["train"], inputs["val"], inputs["reward"], run_dir)
     # the reward file is named relative to the directory the command runs in, as a user types it
-    proc = launch([*args, f"service.inference_service.backend={backend}", "logger.backend=[]"], inputs["dir"])
+    proc = run_train(
+        [*args, f"service.inference_service.backend={backend}", "logger.backend=[]"],
+        cwd=inputs["dir"],
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -155,7 +144,7 @@ def test_the_issue_command_with_a_missing_input_exits_2_naming_the_key(
     args = issue_command(chatml_model_dir, inputs["train"], inputs["val"], inputs["reward"], run_dir)
     args = [a for a in args if a.split("=")[0] != bad.split("=")[0]] + [bad]
     t0 = time.monotonic()
-    proc = launch(args, inputs["dir"], timeout=120)
+    proc = run_train(args, cwd=inputs["dir"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert key in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 60
@@ -171,10 +160,11 @@ def test_long_variable_length_responses_train_and_are_counted(
     run_dir = tmp_path / "D"
     args = issue_command(chatml_model_dir, inputs["train"], inputs["val"], inputs["reward"], run_dir)
     args = [a for a in args if not a.startswith(("rollout_worker.max_response_length", "train_worker.total"))]
-    proc = launch(
+    proc = run_train(
         [*args, "rollout_worker.max_response_length=384", "train_worker.total_train_steps=2",
          "validate.eval.validate_freq=0", "logger.backend=[]"],
-        inputs["dir"],
+        cwd=inputs["dir"],
+        timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
