@@ -65,10 +65,12 @@ def api_server(tmp_path: Path) -> Iterator[str]:
     log.close()
 
 
-def start_workers(url: str, identifier: str, tmp_path: Path, backend: str = "fsdp") -> subprocess.Popen:
+def start_workers(
+    url: str, identifier: str, tmp_path: Path, backend: str = "fsdp", nproc: int = 2
+) -> subprocess.Popen:
     log = open(tmp_path / f"workers_{identifier}.log", "w")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         "-m", "launch.train_worker", "--api-server-url", url, "--identifier", identifier,
         "--backend", backend, "--heartbeat-s", "0.5", "--idle-tick-s", "0.5",
     ]  # fmt: skip

@@ -240,6 +240,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "algorithm.is_cap",
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
     )
+    problems += _teacher_problems(cfg)
     problems += _deepspeed_problems(cfg)
     problems += hardware_problems(cfg)
     problems += _inference_backend_problems(cfg)
@@ -346,6 +347,87 @@ def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
             except (KeyError, TypeError, AttributeError):
                 pass  # the schema check reports the shape problem
     return problems
+
+
+def _teacher_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """On-policy distillation: a teacher model directory that loads, and a place for the teacher to run."""
+    path = g_safe(cfg, "algorithm.teacher_model_path")
+    if path is None:
+        if g_safe(cfg, "algorithm.name") == "opd":
+            return [
+                ConfigProblem(
+                    "algorithm.teacher_model_path",
+                    "algorithm=opd distills from a teacher: set it to the teacher's HF model directory "
+                    "(e.g. <a finished run>/checkpoints/global_step_50/model)",
+                )
+            ]
+        return []
+    if not isinstance(path, str):
+        return []  # the schema check reports the type
+    from nexrl_hpc.models.checks import model_dir_problem
+
+    why = model_dir_problem(path)
+    student_path = g_safe(cfg, "model.path")
+    if not why and (student_path is None or not model_dir_problem(str(student_path))):
+        why = _teacher_vocabulary_problem(cfg, path)
+    if why:
+        return [ConfigProblem("algorithm.teacher_model_path", f"{path!r}: {why}")]
+    teacher = g_safe(cfg, "service.train_service.teacher_service")
+    if not isinstance(teacher, Mapping):
+        return []
+    problems: list[ConfigProblem] = []
+    key = "service.train_service.teacher_service"
+    if teacher.get("backend") == "direct-zmq":
+        if not teacher.get("url"):
+            problems.append(ConfigProblem(f"{key}.url", "backend=direct-zmq needs the API server's url"))
+        token_env = g_safe(cfg, "service.train_service.token_env")
+        if isinstance(token_env, str) and not os.environ.get(token_env):
+            problems.append(
+                ConfigProblem(
+                    "service.train_service.token_env",
+                    f"the teacher's backend=direct-zmq reads the API server's bearer token from the "
+                    f"environment variable {token_env!r}, which is not set",
+                )
+            )
+    if (
+        teacher.get("backend") == "local"
+        and g_safe(cfg, "launch_mode") != "mpi"
+        and teacher.get("world_size") != 1
+    ):
+        problems.append(
+            ConfigProblem(
+                f"{key}.world_size",
+                "more than one teacher rank needs launch_mode=mpi (teacher ranks in the job) or "
+                "backend=direct-zmq (a standalone service)",
+            )
+        )
+    if teacher.get("engine") == "single" and teacher.get("world_size") != 1:
+        problems.append(
+            ConfigProblem(
+                f"{key}.engine", "engine=single runs one process: use fsdp or deepspeed for world_size > 1"
+            )
+        )
+    return problems
+
+
+def _teacher_vocabulary_problem(cfg: Mapping, teacher_path: str) -> str:
+    """The teacher scores the student's token ids: same tokenizer (named with both models)."""
+    from transformers import AutoConfig
+
+    from nexrl_hpc.models.checks import vocabulary_mismatch
+    from nexrl_hpc.models.run_tokenizer import load_run_tokenizer, load_tokenizer
+
+    try:
+        student = load_run_tokenizer(cfg["model"])
+    except Exception:  # the model checks report why it does not load
+        return ""
+    vocab_size = int(AutoConfig.from_pretrained(teacher_path).vocab_size)
+    why = vocabulary_mismatch(student, load_tokenizer(teacher_path), vocab_size)
+    if not why:
+        return ""
+    path = g_safe(cfg, "model.path")
+    named = f"model.path {path!r}" if path else "the tiny model of model.tiny"
+    return f"{why} (student: {named})"
 
 
 def _unreadable_file(path: str, allow_dir: bool = False) -> str:

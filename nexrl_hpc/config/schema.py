@@ -130,6 +130,11 @@ class TrajectoryPoolConfig(TypedDict):
     check_batch_ready_function: str  # batch_size | loaded_batch_finished | "module:function"
 
 
+class OPDConfig(TypedDict):
+    kl_coef: Annotated[float, Gt(0.0)]  # weight of the per-token reverse KL to the teacher
+    reward_coef: Annotated[float, Ge(0.0)]  # weight of the task reward's advantage mixed in
+
+
 class AlgorithmConfig(TypedDict):
     type: Literal["grpo"]  # the processor: group-based outcome advantages (the estimator below)
     name: str  # the configs/algorithm/ preset chosen (logged; the keys below are what it set)
@@ -142,6 +147,8 @@ class AlgorithmConfig(TypedDict):
     is_cap: Annotated[float, Gt(1.0)] | None
     kl_loss_coef: Annotated[float, Ge(0.0)]
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
+    teacher_model_path: str | None  # on-policy distillation: the teacher's model directory
+    opd: OPDConfig
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
@@ -222,6 +229,14 @@ class DeepSpeedConfig(TypedDict):
     config: dict[str, Any]  # raw DeepSpeed keys, merged over the generated config
 
 
+class TeacherServiceConfig(TypedDict):
+    identifier: str
+    backend: Literal["local", "direct-zmq"]
+    url: str | None
+    world_size: Annotated[int, Ge(1)]
+    engine: Literal["single", "fsdp", "deepspeed"]
+
+
 class TrainServiceConfig(TypedDict):
     backend: Literal["local", "noop", "direct-zmq"]  # noop: trains nothing (data-path benchmarks)
     url: str | None
@@ -238,6 +253,7 @@ class TrainServiceConfig(TypedDict):
     fsdp: FSDPConfig
     deepspeed: DeepSpeedConfig
     num_threads: Annotated[int, Ge(1)]
+    teacher_service: TeacherServiceConfig
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "bfloat16"]
     dist_backend: Literal["gloo", "nccl"]  # torch.distributed backend of the trainer group

@@ -33,7 +33,7 @@ from submitit.slurm import slurm as submitit_slurm
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
-from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_rank_count
+from nexrl_hpc.runtime.placement import PlacementError, plan_placement, service_rank_count
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -52,7 +52,7 @@ class Component:
 
 def plan_components(config: RLTrainConfig) -> tuple[int, list[Component]]:
     """(world size, components in rank order); raises ConfigError when the placement cannot fit."""
-    world = 1 + trainer_rank_count(config) + config["launcher"]["rollout_ranks"]
+    world = 1 + service_rank_count(config) + config["launcher"]["rollout_ranks"]
     if config["placement"]["mode"] == "manual":
         world = 0  # the groups decide
     try:

@@ -22,7 +22,14 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
-from nexrl_hpc.runtime.placement import TRAINER_GROUP, Placement, RankSpec, plan_placement
+from nexrl_hpc.runtime.placement import (
+    SERVICE_GROUPS,
+    TEACHER_GROUP,
+    TRAINER_GROUP,
+    Placement,
+    RankSpec,
+    plan_placement,
+)
 from nexrl_hpc.runtime.roles import RunContext, build_module, role_class
 
 if TYPE_CHECKING:
@@ -66,11 +73,18 @@ class MPIWorld:
     host: str
     peers: list[dict[str, Any]]
     key: bytes
-    trainer: TrainerRank | None = None  # this rank's TrainerRank when it is a trainer rank
+    trainer: TrainerRank | None = None  # this rank's TrainerRank when it is a trainer (or teacher) rank
 
-    def trainer_group(self) -> tuple[str, bytes] | None:
-        """(trainer rank 0's address, job key) if the job has trainer ranks."""
-        address = next((p["trainer_address"] for p in self.peers if p.get("trainer_address")), None)
+    def service_group(self, group: str = TRAINER_GROUP) -> tuple[str, bytes] | None:
+        """(rank 0's address, job key) of the job's trainer group ``group`` (the policy's or the teacher's), if any."""
+        address = next(
+            (
+                p["trainer_address"]
+                for r, p in enumerate(self.peers)
+                if self.placement.ranks[r].group == group and p["trainer_address"]
+            ),
+            None,
+        )
         return (address, self.key) if address else None
 
 
@@ -106,9 +120,9 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     host = socket.gethostname()
     trainer = None
     names = spec.module_names
-    if spec.group == TRAINER_GROUP:
+    if spec.group in SERVICE_GROUPS:
         trainer = start_trainer_rank(config, group_comm, interface_address(rpc["interface"]), key)
-        names = [f"trainer_rank_{spec.instance}"]
+        names = [f"{spec.group}_rank_{spec.instance}"]
     peers = comm.allgather(
         {
             "address": endpoint.address,
@@ -117,6 +131,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
             "node": os.environ.get("SLURMD_NODENAME", host),  # Slurm's node name (virtual nodes share a host)
             "pid": os.getpid(),
             "modules": names,
+            # rank 0 of a trainer group (the policy's or the teacher's): where its client sends batches
             "trainer_address": trainer.address if trainer is not None else None,
         }
     )
@@ -191,7 +206,7 @@ def build_rank_modules(
     """Build, name and register this rank's modules (every rank, rank 0 included, once the context is known)."""
     modules = []
     for name, role in zip(world.spec.module_names, world.spec.roles):
-        module = build_module(role, config, ctx, world.trainer_group())
+        module = build_module(role, config, ctx, world.service_group(), world.service_group(TEACHER_GROUP))
         module.set_module_name(name)
         module.set_activity_tracker(proxy)
         world.registry.add(name, module)

@@ -18,7 +18,7 @@ from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.rpc.endpoint import RPC_MODULE
 from nexrl_hpc.runtime.bootstrap import TRACKER, MPIWorld, build_rank_modules
-from nexrl_hpc.runtime.placement import TRAINER_GROUP
+from nexrl_hpc.runtime.placement import SERVICE_GROUPS
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.types import NexRLRole
@@ -86,7 +86,7 @@ class MPIRuntime(Runtime):
         ]
 
     def is_trainer_rank(self, rank: int) -> bool:
-        return self._world.placement.ranks[rank].group == TRAINER_GROUP
+        return self._world.placement.ranks[rank].group in SERVICE_GROUPS
 
     def retire_rank(self, rank: int, reason: str) -> None:
         self._world.endpoint.fail_peer(rank, reason)

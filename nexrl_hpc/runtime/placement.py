@@ -4,7 +4,8 @@ A colocation group is a set of roles that share one process; each of its ``count
 rank. Rules: every role in a group has the same count; a role without a group gets its
 own ranks; unknown roles are errors. ``mode: auto`` puts the driver roles (loaders, pools,
 processor, weight sync, validator, train worker — and the controller and activity tracker) on
-rank 0, ``service.train_service.world_size`` trainer ranks next (in both modes: a group hosting no
+rank 0, ``service.train_service.world_size`` trainer ranks next (then, distilling, the teacher's
+``service.train_service.teacher_service.world_size`` ranks; in both modes: groups hosting no
 module, the torch.distributed group the train worker drives), and every remaining rank becomes a
 rollout rank (rollout worker + its inference service). Rank 0 is always instance 0 of the group
 that holds the data loader.
@@ -29,7 +30,8 @@ SINGLETON_ROLES = (
     NexRLRole.VALIDATOR,
     NexRLRole.TRAIN_WORKER,
 )
-DRIVER_GROUP, TRAINER_GROUP, ROLLOUT_GROUP = "driver", "trainer", "rollout"
+DRIVER_GROUP, TRAINER_GROUP, TEACHER_GROUP, ROLLOUT_GROUP = "driver", "trainer", "teacher", "rollout"
+SERVICE_GROUPS = (TRAINER_GROUP, TEACHER_GROUP)  # ranks that run a trainer group, not modules
 
 
 class PlacementError(ValueError):
@@ -166,17 +168,42 @@ def trainer_rank_count(config: Mapping[str, Any]) -> int:
     return ts["world_size"] if ts["backend"] == "local" else 0
 
 
+def teacher_rank_count(config: Mapping[str, Any]) -> int:
+    """Ranks of the job's teacher group (on-policy distillation's teacher embedded in the job)."""
+    if config["algorithm"]["teacher_model_path"] is None:
+        return 0
+    teacher = config["service"]["train_service"]["teacher_service"]
+    return teacher["world_size"] if teacher["backend"] == "local" else 0
+
+
+def service_rank_count(config: Mapping[str, Any]) -> int:
+    """Ranks of every trainer group the job runs itself (the policy's and the teacher's)."""
+    return trainer_rank_count(config) + teacher_rank_count(config)
+
+
 def trainer_group(config: Mapping[str, Any]) -> list[GroupSpec]:
-    count = trainer_rank_count(config)
-    if count == 0:
-        return []
-    res = config["placement"]["resources"].get(TRAINER_GROUP, {})
-    return [GroupSpec(TRAINER_GROUP, [], count, res.get("cpus_per_rank", 1), res.get("gpus_per_rank", 0))]
+    """The job's own trainer groups: the policy's, then the teacher's (each a torch.distributed group)."""
+    groups = []
+    for name, count in (
+        (TRAINER_GROUP, trainer_rank_count(config)),
+        (TEACHER_GROUP, teacher_rank_count(config)),
+    ):
+        if count:
+            res = config["placement"]["resources"].get(name, {})
+            groups.append(
+                GroupSpec(name, [], count, res.get("cpus_per_rank", 1), res.get("gpus_per_rank", 0))
+            )
+    return groups
+
+
+def _teacher_note(config: Mapping[str, Any]) -> str:
+    count = teacher_rank_count(config)
+    return f" + {count} teacher (service.train_service.teacher_service.world_size)" if count else ""
 
 
 def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
     resources = config["placement"]["resources"]
-    trainer_ranks = trainer_rank_count(config)
+    trainer_ranks = service_rank_count(config)
     rollout_ranks = world_size - 1 - trainer_ranks
     if rollout_ranks < 1:
         raise PlacementError(
@@ -184,7 +211,8 @@ def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
                 ConfigProblem(
                     "placement.mode",
                     f"world size {world_size} does not fit placement=auto: it needs at least {2 + trainer_ranks} ranks "
-                    f"(1 driver + {trainer_ranks} trainer (service.train_service.world_size) + >= 1 rollout); "
+                    f"(1 driver + {trainer_ranks} trainer (service.train_service.world_size"
+                    f"{_teacher_note(config)}) + >= 1 rollout); "
                     f"start {2 + trainer_ranks} or more ranks, or lower service.train_service.world_size",
                 )
             ]
@@ -214,14 +242,15 @@ def plan_placement(config: Mapping[str, Any], world_size: int) -> Placement:
         groups = auto_groups(config, world_size)
     else:
         groups = manual_groups(config["placement"], problems)
-        if any(g.name == TRAINER_GROUP for g in groups) and trainer_rank_count(config):
-            problems.append(
-                ConfigProblem(
-                    "placement.roles",
-                    f"colocation group {TRAINER_GROUP!r} is the trainer ranks' (service.train_service.world_size); "
-                    "name yours differently",
+        for own in trainer_group(config):
+            if any(g.name == own.name for g in groups):
+                problems.append(
+                    ConfigProblem(
+                        "placement.roles",
+                        f"colocation group {own.name!r} is the {own.name} ranks' (service.train_service); "
+                        "name yours differently",
+                    )
                 )
-            )
         groups += trainer_group(config)
     check_groups(groups, problems)
     if problems:

@@ -78,9 +78,14 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
 
 
 def build_module(
-    role: NexRLRole, config: RLTrainConfig, ctx: RunContext, trainer_group: tuple[str, bytes] | None = None
+    role: NexRLRole,
+    config: RLTrainConfig,
+    ctx: RunContext,
+    trainer_group: tuple[str, bytes] | None = None,
+    teacher_group: tuple[str, bytes] | None = None,
 ) -> Any:
-    """``trainer_group``: (address of trainer rank 0, job key) when the job runs its own trainer ranks."""
+    """``trainer_group`` / ``teacher_group``: (address of rank 0, job key) when the job runs its own
+    trainer (teacher) ranks."""
     cls = role_class(role, config)
     if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
         from nexrl_hpc.data.rows import prompt_length_filter
@@ -98,10 +103,15 @@ def build_module(
     if role == NexRLRole.ALGORITHM_PROCESSOR:
         return cls(config, pad_token_id=ctx.pad_token_id)
     if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.trainer.factory import create_train_service_client
+        from nexrl_hpc.trainer.factory import create_teacher_client, create_train_service_client
 
         address, key = trainer_group if trainer_group is not None else (None, None)
-        return cls(config, create_train_service_client(config, ctx.base_model_dir, address, key))
+        teacher_address, teacher_key = teacher_group if teacher_group is not None else (None, None)
+        return cls(
+            config,
+            create_train_service_client(config, ctx.base_model_dir, address, key),
+            create_teacher_client(config, teacher_address, teacher_key),
+        )
     if role == NexRLRole.INFERENCE_SERVICE:
         return cls(config, ctx.base_model_dir, ctx.run_dir)
     return cls(config)

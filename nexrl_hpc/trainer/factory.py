@@ -1,4 +1,5 @@
-"""Which TrainServiceClient a run gets: chosen by ``service.train_service.backend``.
+"""Which TrainServiceClient a run gets: chosen by ``service.train_service.backend`` (the policy) and
+``service.train_service.teacher_service.backend`` (on-policy distillation's teacher).
 
 Kept apart from the interface (``service``) because it imports the implementations, which import
 the interface.
@@ -21,37 +22,79 @@ def create_train_service_client(
     """``local``: the policy trainer in this process (local mode) or the MPI job's trainer ranks (mpi mode:
     ``trainer_address`` is their rank 0); ``direct-zmq``: a standalone service at ``url``."""
     ts = config["service"]["train_service"]
-    backend = ts["backend"]
-    if backend == "noop":
+    if ts["backend"] == "noop":
         from nexrl_hpc.trainer.noop import NoopTrainService
 
         return NoopTrainService()
-    if backend == "local" and trainer_address is None:
+    return _client(
+        config,
+        "service.train_service",
+        ts["backend"],
+        ts["url"],
+        ts["identifier"],
+        base_model_dir,
+        trainer_address,
+        job_key,
+    )
+
+
+def create_teacher_client(
+    config: RLTrainConfig, teacher_address: str | None = None, job_key: bytes | None = None
+) -> TrainServiceClient | None:
+    """On-policy distillation's teacher (None without ``algorithm.teacher_model_path``): in this process,
+    the MPI job's teacher ranks (``teacher_address`` is their rank 0), or a standalone service's worker
+    group under its own identifier."""
+    path = config["algorithm"]["teacher_model_path"]
+    if path is None:
+        return None
+    teacher = config["service"]["train_service"]["teacher_service"]
+    return _client(
+        config,
+        "service.train_service.teacher_service",
+        teacher["backend"],
+        teacher["url"],
+        teacher["identifier"],
+        path,
+        teacher_address,
+        job_key,
+    )
+
+
+def _client(
+    config: RLTrainConfig,
+    service_key: str,
+    backend: str,
+    url: str | None,
+    identifier: str,
+    model_dir: str,
+    address: str | None,
+    job_key: bytes | None,
+) -> TrainServiceClient:
+    if backend == "local" and address is None:
         from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 
-        return PolicyTrainer(base_model_dir)
+        return PolicyTrainer(model_dir)
     from nexrl_hpc.trainer.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
     from nexrl_hpc.trainer.protocol import key_from_token
 
-    address: str
+    ts = config["service"]["train_service"]
     control: Control
     if backend == "local":
-        assert trainer_address is not None and job_key is not None
-        address, key, control = trainer_address, job_key, DirectControl()
+        assert address is not None and job_key is not None
+        key, control = job_key, DirectControl()
     elif backend == "direct-zmq":
         token = os.environ.get(ts["token_env"], "")
         if not token:
             raise ValueError(
-                f"service.train_service.backend=direct-zmq: the bearer token is read from the environment "
+                f"{service_key}.backend=direct-zmq: the bearer token is read from the environment "
                 f"variable {ts['token_env']!r} (service.train_service.token_env), which is not set"
             )
-        url = ts["url"]
         assert url is not None  # the config checks require it for direct-zmq
-        api = ApiServerControl(url, token, ts["identifier"], ts["heartbeat_timeout_s"])
+        api = ApiServerControl(url, token, identifier, ts["heartbeat_timeout_s"])
         info = api.wait_ready(ts["connect_timeout_s"])
-        address, key, control = info["endpoints"]["0"], key_from_token(token, ts["identifier"]), api
+        address, key, control = info["endpoints"]["0"], key_from_token(token, identifier), api
     else:
-        raise ValueError(f"service.train_service.backend={backend!r} is not available")
+        raise ValueError(f"{service_key}.backend={backend!r} is not available")
     return TrainGroupClient(
         address,
         key,
@@ -59,5 +102,5 @@ def create_train_service_client(
         recv_timeout_ms=ts["config"]["zmq_recv_timeout_ms"],
         total_timeout_ms=ts["config"]["zmq_total_timeout_ms"],
         max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
-        model_path=base_model_dir,
+        model_path=model_dir,
     )

@@ -111,6 +111,7 @@ class PolicyTrainer(TrainServiceClient):
         self.device = torch.device("cpu")
         self.parallel: ParallelStrategy | None = None
         self._incomplete_load: str | None = None  # why the last load left the state half replaced
+        self._role = "actor"
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_worker(
@@ -124,6 +125,7 @@ class PolicyTrainer(TrainServiceClient):
                 f"service.train_service.engine=single runs one process; got world_size={world_size}"
             )
         self._world_size = world_size
+        self._role = role  # "teacher": on-policy distillation's frozen scorer (compute_log_prob only)
         self._cfg = config_dict
         if config_dict.get("model_path"):  # trainer ranks of a service learn the model from the client
             self._base_model_dir = config_dict["model_path"]
@@ -288,6 +290,10 @@ class PolicyTrainer(TrainServiceClient):
 
     def update_actor_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
         """One training step over this rank's shard; the metrics are global (reduced over ranks)."""
+        if self._role == "teacher":
+            raise RuntimeError(
+                "this trainer group holds the distillation teacher: it scores, it is not trained"
+            )
         cfg = self._require_cfg()
         par = self._require_parallel()
         actor = cfg["actor"]

@@ -1,6 +1,7 @@
 """TrainWorker: takes processed batches, trains through a TrainServiceClient, exports, checkpoints, notifies.
 
-One training step: (optionally) recompute old log-probs -> ``update_actor`` -> export the new
+One training step: (optionally) recompute old log-probs -> (on-policy distillation) the teacher's
+log-probs of the sampled tokens become per-token advantages -> ``update_actor`` -> export the new
 weights to ``sync_weight_path/version_<step>`` -> checkpoint every ``save_freq`` steps and at
 the last step -> one metrics line -> tell the weight sync controller.
 """
@@ -11,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from nexrl_hpc.algorithm.distillation import distillation_advantages
 from nexrl_hpc.algorithm.off_policy import importance_weights, select_rows, staleness, staleness_metrics
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -18,6 +20,7 @@ from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.controller import sync_weight_dir
@@ -31,11 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 class TrainWorker(NexRLModule):
-    def __init__(self, config: RLTrainConfig, client: TrainServiceClient):
+    def __init__(
+        self, config: RLTrainConfig, client: TrainServiceClient, teacher: TrainServiceClient | None = None
+    ):
+        """``teacher``: on-policy distillation's frozen teacher (``compute_log_prob`` only), or None."""
         super().__init__()
         tw = config["train_worker"]
         self._config = config
         self._client = client
+        self._teacher = teacher
+        self._opd = config["algorithm"]["opd"]
         self._total_steps = tw["total_train_steps"]
         self._save_freq = tw["save_freq"]
         self._long_poll_s = tw["long_poll_s"]
@@ -96,10 +104,24 @@ class TrainWorker(NexRLModule):
             "total_training_steps": self._total_steps,
         }
 
+    def teacher_service_config(self) -> dict[str, Any]:
+        """The teacher's ``initialize_worker`` payload: the student's settings, its own engine, no KL reference."""
+        teacher = self._config["service"]["train_service"]["teacher_service"]
+        config = self.train_service_config()
+        config["engine"] = teacher["engine"]
+        config["algorithm"] = dict(config["algorithm"], kl_loss_coef=0.0)
+        return config
+
     def initialize_workers(self) -> None:
         ts = self._config["service"]["train_service"]
         self._client.initialize_worker(self.train_service_config(), role="actor", world_size=ts["world_size"])
         self._client.init_model()
+        if self._teacher is not None:
+            teacher = ts["teacher_service"]
+            self._teacher.initialize_worker(
+                self.teacher_service_config(), role="teacher", world_size=teacher["world_size"]
+            )
+            self._teacher.init_model()
 
     @quick
     def get_train_step(self) -> int:
@@ -224,6 +246,21 @@ class TrainWorker(NexRLModule):
                 )
                 tensors["is_weights"] = weights
                 metrics.update(is_metrics)
+        t_teacher = time.monotonic()
+        if self._teacher is not None:
+            scored = {k: tensors[k] for k in REQUIRED_KEYS}  # the sequences only: nothing else crosses
+            teacher_log_probs = self._teacher.compute_log_prob({"batch": scored, "meta_info": {}})["batch"][
+                "old_log_probs"
+            ]
+            tensors["advantages"], opd_metrics = distillation_advantages(
+                tensors["old_log_probs"],
+                teacher_log_probs,
+                tensors["response_mask"],
+                tensors["advantages"],
+                self._opd["kl_coef"],
+                self._opd["reward_coef"],
+            )
+            metrics.update(opd_metrics)
         t1 = time.monotonic()
         result = self._client.update_actor(
             {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}}
@@ -255,7 +292,9 @@ class TrainWorker(NexRLModule):
             metrics["data/filtered_long_prompts"] = execute(self._dataloader.get_filtered_long_prompts)
         now = time.monotonic()
         metrics["timing/step_s"] = now - (self._last_step_end or t0)
-        metrics["timing/old_log_prob_s"] = t1 - t0
+        metrics["timing/old_log_prob_s"] = t_teacher - t0
+        if self._teacher is not None:
+            metrics["timing/teacher_log_prob_s"] = t1 - t_teacher
         metrics["timing/update_s"] = t2 - t1
         metrics["timing/export_s"] = t3 - t2
         if self._last_checkpoint_s is not None:
