@@ -73,6 +73,10 @@ class BatchMetadata(TypedDict, total=False):
     uid: list[str]
     epoch: list[int]
     task_keys: list[str]  # data.loader.task_key of each row
+    # the pool's dynamic sampling since the previous batch: zero-variance groups dropped (and
+    # replaced), and kept after all (the refill cap was reached)
+    filtered_groups: int
+    filtered_groups_kept: int
 
 
 V = TypeVar("V", bound=Sized)

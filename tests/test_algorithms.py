@@ -12,12 +12,14 @@ from nexrl_hpc.algorithm.core_algos import (
     aggregate,
     group_index,
     grpo_advantages,
+    gspo_loss,
     kl_penalty,
     outcome_advantages,
+    policy_loss,
     ppo_clip_loss,
     rloo_advantages,
 )
-from nexrl_hpc.algorithm.grpo import GRPOProcessor
+from nexrl_hpc.algorithm.grpo import GRPOProcessor, overlong_penalty
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
@@ -324,6 +326,8 @@ def test_dr_grpo_aggregation_divides_token_sums_by_a_constant_budget() -> None:
         ("rloo", "rloo", True, "token-mean"),
         ("reinforce_pp", "reinforce_pp", True, "token-mean"),
         ("reinforce_pp_baseline", "reinforce_pp_baseline", True, "token-mean"),
+        ("dapo", "grpo", True, "token-mean"),
+        ("gspo", "grpo", True, "seq-mean-token-mean"),
     ],
 )
 def test_algorithm_presets_set_their_keys(preset: str, estimator: str, by_std: bool, agg: str) -> None:
@@ -351,3 +355,105 @@ def test_the_processor_uses_the_configured_estimator() -> None:
     ]  # fmt: skip
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     assert out.values["advantages"][:, 0].tolist() == [1.0, -0.5, -0.5]
+
+
+def test_dapo_and_gspo_presets_set_their_own_keys() -> None:
+    dapo = compose_config(["algorithm=dapo", "rollout_worker.max_response_length=20"])
+    actor = dapo["service"]["train_service"]["actor"]
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (0.2, 0.28)  # clip-higher
+    assert dapo["algorithm"]["filter_groups"]["enable"] and dapo["algorithm"]["kl_loss_coef"] == 0.0
+    assert dapo["algorithm"]["overlong"]["buffer_len"] == 4  # a fifth of the response budget
+    assert compose_config(["algorithm=dapo"])["algorithm"]["overlong"]["buffer_len"] == 0  # 2 tokens: off
+    gspo = compose_config(["algorithm=gspo"])["service"]["train_service"]["actor"]
+    assert gspo["policy_loss"] == "gspo" and (gspo["clip_ratio_low"], gspo["clip_ratio_high"]) == (3e-4, 4e-4)
+
+
+def test_gspo_takes_one_ratio_per_sequence_hand_computed() -> None:
+    # sequence 0: token log-ratios 0.2 and -0.1 (mean 0.05); sequence 1: 0.3 and a masked token
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.2, -0.1], [0.3, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    loss, stats = gspo_loss(logp, old, adv, mask, 0.1, 0.1, "seq-mean-token-mean")
+    s0, s1 = (
+        math.exp(0.05),
+        math.exp(0.3),
+    )  # s1 = 1.35 > 1 + 0.1: clipped for A < 0 only if it lowers the loss
+    # A > 0: -min(s0, clip) = -s0 (s0 inside the range); A < 0: max(s1, clip(s1)) * 1 = s1 (unclipped)
+    assert float(loss.detach()) == pytest.approx((-s0 + s1) / 2, rel=1e-6)
+    assert float(stats["clipfrac_sum"]) == 0.0
+    loss.backward()
+    # d/dlogp_t of the sequence term: A * s_i / |y_i| per token, halved by the mean over sequences
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-s0 / 2 / 2, -s0 / 2 / 2], rel=1e-6)
+    assert logp.grad[1].tolist() == pytest.approx([s1 / 2, 0.0], rel=1e-6)
+    # a sequence ratio outside the range is clipped as a whole: no gradient on any of its tokens
+    logp2 = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    clipped, stats2 = gspo_loss(
+        logp2, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.1, 0.1, "token-mean"
+    )
+    assert float(clipped.detach()) == pytest.approx(-1.1) and float(stats2["clipfrac_upper_sum"]) == 2.0
+    clipped.backward()
+    assert logp2.grad is not None and logp2.grad.abs().sum() == 0.0
+    assert policy_loss("gspo") is gspo_loss and policy_loss("vanilla") is ppo_clip_loss
+    with pytest.raises(ValueError, match="unknown actor.policy_loss 'ppo2'"):
+        policy_loss("ppo2")
+
+
+def test_gspo_equals_ppo_for_one_token_responses() -> None:
+    logp = torch.tensor([[0.3], [-0.4]])
+    old = torch.tensor([[0.1], [0.1]])
+    adv = torch.tensor([[1.0], [-1.0]])
+    mask = torch.ones(2, 1)
+    a, _ = gspo_loss(logp, old, adv, mask, 0.2, 0.2, "token-mean", clip_ratio_c=3.0)
+    b, _ = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token-mean", clip_ratio_c=3.0)
+    assert float(a) == pytest.approx(float(b))
+
+
+def test_soft_overlong_penalty_hand_computed() -> None:
+    lengths = torch.tensor([10, 16, 18, 20])
+    # max 20, buffer 4: free up to 16 tokens, then -0.5 per token over it (factor 2 over 4 tokens)
+    assert overlong_penalty(lengths, 20, 4, 2.0).tolist() == [0.0, 0.0, 1.0, 2.0]
+    assert overlong_penalty(lengths, 20, 0, 2.0).tolist() == [0.0] * 4
+
+
+def _trajs(rewards: list[float], lengths: list[int], finish: list[str]) -> list[dict]:
+    return [
+        {"group_id": "a", "uid": "a", "epoch": 0, "sample_index": i, "reward": r, "prompt_ids": [1, 4],
+         "response_ids": [5] * n, "behaviour_log_probs": [-1.0] * n, "loss_mask": [1] * n,
+         "weight_version": 0, "finish_reason": f}
+        for i, (r, n, f) in enumerate(zip(rewards, lengths, finish))
+    ]  # fmt: skip
+
+
+def test_the_processor_shapes_overlong_responses_before_the_advantage_and_can_mask_them() -> None:
+    cfg = compose_config(
+        ["rollout_worker.max_response_length=4", "algorithm.overlong.buffer_len=2",
+         "algorithm.overlong.penalty_factor=1.0", "algorithm.norm_adv_by_std=false"]
+    )  # fmt: skip
+    out = GRPOProcessor(cfg, pad_token_id=0).compute(
+        Batch.from_trajectories(_trajs([1.0, 1.0], [2, 4], ["stop", "length"]), {"model_tag": "default"})
+    )
+    # the 4-token response loses 1.0 (the whole factor at the limit): shaped rewards 1.0 and 0.0
+    assert out.values["advantages"][:, 0].tolist() == [0.5, -0.5]
+    assert out.values["rewards"].tolist() == [1.0, 1.0]  # as scored
+    assert out.metadata["metrics"]["train/overlong_penalty_mean"] == 0.5
+    cfg = compose_config(["rollout_worker.max_response_length=4", "algorithm.overlong.filter=true"])
+    out = GRPOProcessor(cfg, pad_token_id=0).compute(
+        Batch.from_trajectories(_trajs([1.0, 0.0], [2, 4], ["stop", "length"]), {"model_tag": "default"})
+    )
+    assert out.values["response_mask"][1].sum() == 0 and out.values["advantages"][1].abs().sum() == 0
+    assert out.values["response_mask"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert out.values["advantages"][0, 0] > 0  # the cut-off sample still counted in the group's baseline
+    assert out.metadata["metrics"]["train/overlong_filtered"] == 1
+
+
+def test_dynamic_sampling_and_overlong_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="algorithm.filter_groups.enable: dynamic sampling compares"):
+        compose_config(["algorithm=dapo", "data.rollout_repeat_n=1"])
+    with pytest.raises(ConfigError, match="algorithm.filter_groups.enable: dynamic sampling drops"):
+        compose_config(["algorithm=dapo", "trajectory_pool.key_list=[]"])
+    with pytest.raises(ConfigError, match="algorithm.overlong.buffer_len: must be below"):
+        compose_config(["algorithm.overlong.buffer_len=2"])
+    with pytest.raises(ConfigError, match="algorithm.overlong.buffer_len: the soft overlong penalty"):
+        compose_config(["task=tool_lookup", "algorithm.overlong.buffer_len=1"])

@@ -199,14 +199,17 @@ def test_trainer_applies_the_staleness_bound_by_policy(tmp_path: Path, mode: str
         assert metrics["train/stale_kept_total"] == (2 if mode != "sync" else 0)
 
 
-def test_importance_weights_are_truncated_and_scale_the_surrogate() -> None:
+def test_importance_weights_are_truncated_or_masked_above_the_cap_and_scale_the_surrogate() -> None:
     prox = torch.log(torch.tensor([[0.5, 0.2], [0.4, 0.1]]))
     behaviour = torch.log(torch.tensor([[0.25, 0.2], [0.1, 0.1]]))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     w, stats = importance_weights(prox, behaviour, mask, cap=3.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0], [3.0, 0.0]]))  # 4.0 truncated at 3, padding 0
     assert stats["train/is_weight_max"] == pytest.approx(4.0)
-    assert stats["train/is_weight_truncated_frac"] == pytest.approx(1 / 3)
+    assert stats["train/is_weight_over_cap_frac"] == pytest.approx(1 / 3)
+    masked, masked_stats = importance_weights(prox, behaviour, mask, cap=3.0, over_cap="mask")
+    assert torch.allclose(masked, torch.tensor([[2.0, 1.0], [0.0, 0.0]]))  # decoupled: 4.0 over the cap -> 0
+    assert masked_stats == stats
     assert stats["train/is_weight_mean"] == pytest.approx(7 / 3)
     w_free, _ = importance_weights(prox, behaviour, mask, cap=None)
     assert w_free[1, 0] == pytest.approx(4.0)
@@ -326,3 +329,24 @@ def test_fully_async_run_learns_with_decoupled_correction(tmp_path: Path) -> Non
     val = [r for r in rows if "val/accuracy" in r]
     assert [r["step"] for r in val] == [0, 10, 20, 30, 40, 50]  # every validate_freq versions, as in sync
     assert val[-1]["val/accuracy"] >= 0.8, val[-1]
+
+
+def test_a_stale_drop_takes_the_whole_group_so_group_advantages_still_sum_to_zero(tmp_path: Path) -> None:
+    from nexrl_hpc.trainer.noop import NoopTrainService
+    from nexrl_hpc.trainer.worker import TrainWorker
+
+    cfg = compose_config(
+        [f"run_dir={tmp_path}", "weight.sync_mode=fully-async", "weight.staleness_threshold=1"]
+    )
+    worker = TrainWorker(cfg, NoopTrainService())
+    batch = _batch([4, 2, 3, 3, 4, 4])  # trained at step 5: gaps 0, 2, 1, 1, 0, 0 -> row 1 over the bound
+    batch.values["group_index"] = torch.tensor([0, 0, 1, 1, 2, 2])
+    batch.values["advantages"] = torch.tensor(
+        [[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5], [-0.5, -0.5], [0.0] * 2, [0.0] * 2]
+    )
+    kept, metrics = worker._apply_staleness_bound(batch, step=5)
+    assert kept is not None and kept.metadata["uid"] == ["u2", "u3", "u4", "u5"]  # group 0 went whole
+    assert metrics["train/stale_over_bound"] == 1 and metrics["train/stale_dropped_total"] == 2
+    groups = kept.values["group_index"]
+    for g in groups.unique():
+        assert float(kept.values["advantages"][groups == g].sum()) == 0.0

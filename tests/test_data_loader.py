@@ -131,3 +131,18 @@ def test_max_digit_task_is_balanced_and_correct() -> None:
         counts[row["answer"]] = counts.get(row["answer"], 0) + 1
     # a model that always prints the same digit cannot score above 1/7 on validation
     assert max(counts.values()) / len(splits["validation"]) <= 1 / 7 + 1e-9
+
+
+def test_released_tasks_are_never_handed_out_again_even_before_their_completion(tmp_path: Path) -> None:
+    """The pool's group filter may consume a task before its worker has reported it complete."""
+    from nexrl_hpc.data.loader import task_key
+
+    dl = loader(tmp_path, rollout_repeat_n=2, shuffle=False)
+    items = dl.get_next_items(4, consumer="worker")
+    keys = [task_key(t) for t in items]
+    dl.complete_items("worker", keys[:1])  # one reported, three still out
+    dl.release_items(keys[:2])  # consumed: the reported one and one still out
+    dl.complete_items("worker", keys[1:2])  # its late report adds nothing back
+    state = dl.state_dict()
+    assert sorted(task_key(t) for t in state["returned"]) == sorted(keys[2:])  # a resume re-issues the rest
+    assert dl.num_untrained() == 2 and dl.requeue_consumer("worker") == 2

@@ -226,3 +226,55 @@ def test_pool_ignores_a_sample_it_already_has() -> None:
     assert pool.get_batch() is None  # still one of two samples: the duplicate was not stored
     assert pool.put_trajectory(dict(t, sample_index=1)) == "success"
     assert len(pool.get_batch()) == 2
+
+
+class RecordingLoader:
+    """The data loader calls the pool's group filter makes."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.budget = 0
+
+    def release_items(self, keys: list[str]) -> None:
+        self.released.extend(keys)
+
+    def add_dispatch_budget(self, items: int) -> None:
+        self.budget += items
+
+
+def scored(i: int, group: str, reward: float) -> dict[str, Any]:
+    return {"i": i, "group_id": group, "uid": group, "epoch": 0, "sample_index": i % 2, "reward": reward}
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills_until_the_cap() -> None:
+    pool, wsc = make_pool(
+        **{"data.batch_size": 1, "data.rollout_repeat_n": 2, "algorithm.filter_groups.enable": "true",
+           "algorithm.filter_groups.max_num_gen_batches": 3}
+    )  # fmt: skip
+    loader = RecordingLoader()
+    pool.set_module_references(loader, wsc)  # type: ignore[arg-type]
+    for i, (group, reward) in enumerate([("a", 1.0), ("a", 1.0), ("b", 0.0), ("b", 0.0)]):
+        assert pool.put_trajectory(scored(i, group, reward)) == "success"
+    # two all-equal groups: dropped, their tasks consumed, two tasks each handed out in their place
+    assert pool.get_batch() is None and wsc.ready == []
+    assert loader.released == ["a#0", "a#1", "b#0", "b#1"] and loader.budget == 4
+    pool.put_trajectory(scored(4, "c", 1.0))
+    pool.put_trajectory(scored(5, "c", 0.0))
+    batch = pool.get_batch()
+    assert batch is not None and batch.values["group_id"] == ["c", "c"] and wsc.ready == ["default"]
+    assert batch.metadata["filtered_groups"] == 2 and batch.metadata["filtered_groups_kept"] == 0
+    # the cap: (3 - 1) batches' worth = 4 refilled tasks per batch; the third dull group is kept
+    for i, group in enumerate(["d", "d", "e", "e", "f", "f"]):
+        pool.put_trajectory(scored(6 + i, group, 0.5))
+    assert loader.budget == 8
+    batch = pool.get_batch()
+    assert batch is not None and batch.values["group_id"] == ["f", "f"]
+    assert batch.metadata["filtered_groups"] == 2 and batch.metadata["filtered_groups_kept"] == 1
+
+
+def test_without_dynamic_sampling_zero_variance_groups_are_batched() -> None:
+    pool, _ = make_pool(**{"data.batch_size": 1, "data.rollout_repeat_n": 2})
+    pool.put_trajectory(scored(0, "a", 1.0))
+    pool.put_trajectory(scored(1, "a", 1.0))
+    batch = pool.get_batch()
+    assert batch is not None and len(batch) == 2 and "filtered_groups" not in batch.metadata

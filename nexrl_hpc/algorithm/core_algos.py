@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -223,3 +225,62 @@ def ppo_clip_loss(
             "tokens": m.sum(),
         }
     return loss, stats
+
+
+def gspo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    agg_mode: str,
+    normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
+    log_ratio_clamp: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the PPO-clip surrogate on a sequence-level ratio.
+
+    s_i = exp(mean_t log(pi / pi_old)) over sequence i's masked tokens: one ratio per sequence, so a
+    sequence is clipped (or not) as a whole and the update follows the unit the reward scores. Each
+    token carries s_i's value with its own gradient (s_i,t = sg[s_i] * pi_t / sg[pi_t]), which is
+    the gradient of s_i spread over the sequence's tokens. ``clip_ratio_c`` and ``token_weights``
+    act as in ``ppo_clip_loss``; ``log_ratio_clamp`` bounds the sequence's mean log-ratio.
+    """
+    m = mask.to(log_prob.dtype)
+    token_log_ratio = (log_prob - old_log_prob) * m
+    seq_log_ratio = token_log_ratio.sum(-1) / m.sum(-1).clamp(min=1.0)
+    if log_ratio_clamp is not None:
+        seq_log_ratio = seq_log_ratio.clamp(min=-log_ratio_clamp, max=log_ratio_clamp)
+    log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]
+    loss, stats = ppo_clip_loss(
+        log_ratio,
+        torch.zeros_like(log_ratio),
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        agg_mode,
+        normalizer,
+        token_weights=token_weights,
+        clip_ratio_c=clip_ratio_c,
+        log_ratio_clamp=None,
+    )
+    with torch.no_grad():  # the policy's own drift, per token (ppo_clip_loss saw the sequence's)
+        stats["ppo_kl_sum"] = (-(log_prob - old_log_prob) * mask.to(torch.float32)).sum()
+    return loss, stats
+
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+
+
+def policy_loss(name: str) -> PolicyLoss:
+    """The policy loss of ``service.train_service.actor.policy_loss``."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown actor.policy_loss {name!r}; expected one of {sorted(POLICY_LOSSES)}"
+        ) from None

@@ -25,6 +25,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         # the pool releases groups keyed on every key of key_list: the baseline groups the same way
         self._group_keys = list(config["trajectory_pool"]["key_list"] or ["group_id"])
         self._pad_token_id = pad_token_id
+        self._overlong = algo["overlong"]
+        self._max_response_length = config["rollout_worker"]["max_response_length"]
 
     def compute(self, batch: Batch[list[Any]]) -> Batch[torch.Tensor]:
         """The training batch for ``batch`` of trajectories (exposed for tests and benchmarks)."""
@@ -32,6 +34,16 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         groups = group_index(release_groups(batch, self._group_keys))
         tensors = pack_trajectories(batch, self._pad_token_id)
         mask = tensors["response_mask"]
+        penalty = overlong_penalty(
+            mask.sum(-1),
+            self._max_response_length,
+            self._overlong["buffer_len"],
+            self._overlong["penalty_factor"],
+        )
+        task_rewards, rewards = rewards, rewards - penalty
+        cut_off = torch.tensor(
+            [reason == "length" for reason in batch.values.get("finish_reason") or [None] * len(batch)]
+        )
         if self._per_step:
             token_adv, adv_stats = stepwise_grpo_advantages(
                 _column(batch, "step_returns"),
@@ -48,17 +60,21 @@ class GRPOProcessor(BaseAlgorithmProcessor):
                 self._estimator, rewards, groups, mask, self._norm_by_std, self._epsilon
             )
             tensors["advantages"] = adv[:, None] * mask
-        tensors["rewards"] = rewards
+        if self._overlong["filter"] and bool(cut_off.any()):  # cut-off responses train nothing
+            tensors["response_mask"] = mask = mask * (~cut_off)[:, None].to(mask.dtype)
+            tensors["advantages"] = tensors["advantages"] * mask
+        tensors["rewards"] = task_rewards  # as scored (the advantages saw the overlong penalty too)
+        tensors["group_index"] = groups  # rows whose advantages were computed together
         versions = [
             v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))
         ]
         tensors["weight_version"] = torch.tensor(versions, dtype=torch.long)
         resp_len = mask.sum(-1)
         metrics = {
-            "train/reward_mean": float(rewards.mean()),
-            "train/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "train/reward_max": float(rewards.max()),
-            "train/reward_min": float(rewards.min()),
+            "train/reward_mean": float(task_rewards.mean()),
+            "train/reward_std": float(task_rewards.std()) if len(task_rewards) > 1 else 0.0,
+            "train/reward_max": float(task_rewards.max()),
+            "train/reward_min": float(task_rewards.min()),
             "train/advantage_mean": float(adv.mean()),
             "train/advantage_abs_mean": float(adv.abs().mean()),
             "train/response_length_mean": float(resp_len.float().mean()),
@@ -68,6 +84,13 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "train/num_groups": int(groups.max()) + 1,
             "train/zero_std_group_frac": adv_stats["zero_std_group_frac"],
         }
+        if self._overlong["buffer_len"]:
+            metrics["train/overlong_penalty_mean"] = float(penalty.mean())
+        if self._overlong["filter"]:
+            metrics["train/overlong_filtered"] = int(cut_off.sum())
+        if "filtered_groups" in batch.metadata:  # the pool's dynamic sampling
+            metrics["train/filtered_groups"] = batch.metadata["filtered_groups"]
+            metrics["train/filtered_groups_kept"] = batch.metadata.get("filtered_groups_kept", 0)
         metrics.update(score_means(batch.values.get("scores"), "train/"))
         metadata = batch.metadata.copy()
         metadata["metrics"] = metrics
@@ -79,6 +102,18 @@ class GRPOProcessor(BaseAlgorithmProcessor):
 
     def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
         self._put_batch(self.compute(batch), update_fn)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response: 0 up to ``max_length - buffer_len`` tokens, then
+    linear down to ``-penalty_factor`` at ``max_length`` (returned as the positive amount to subtract);
+    ``buffer_len`` 0: none."""
+    if buffer_len <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    excess = (lengths.to(torch.float32) - (max_length - buffer_len)).clamp(min=0.0)
+    return excess / buffer_len * penalty_factor
 
 
 def release_groups(batch: Batch[list[Any]], keys: list[str]) -> list[Any]:

@@ -7,7 +7,7 @@ step reads top to bottom.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -34,6 +34,15 @@ def staleness_metrics(gap: torch.Tensor) -> dict[str, float]:
     for v, c in zip(values.tolist(), counts.tolist()):
         metrics[f"train/staleness_hist/{v}"] = float(c)
     return metrics
+
+
+def rows_of_groups(batch: Batch[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """Every row that shares a group (``group_index``, set by the processor) with a row in ``rows``;
+    without group indices, ``rows`` itself."""
+    groups = batch.values.get("group_index")
+    if not isinstance(groups, torch.Tensor) or groups.numel() != rows.numel():
+        return rows
+    return torch.isin(groups, groups[rows])
 
 
 def select_rows(batch: Batch[torch.Tensor], keep: torch.Tensor) -> Batch[torch.Tensor]:
@@ -68,24 +77,34 @@ def _per_row(column: list[T], rows: list[int], n: int) -> list[T]:
 
 
 def importance_weights(
-    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cap: float | None
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | None,
+    over_cap: Literal["truncate", "mask"] = "truncate",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token pi_prox / pi_behaviour (truncated at ``cap``), zero off the mask, and its statistics.
+    """Per-token pi_prox / pi_behaviour, zero off the mask, and its statistics.
 
     Decoupled PPO and truncated IS both weight the clipped surrogate (taken against the proximal
     policy) by this ratio: it corrects for tokens sampled by an older or numerically different engine.
+    They differ above ``cap``: truncated IS (``over_cap="truncate"``) keeps such a token at weight
+    ``cap``; decoupled PPO (``"mask"``, as AReaL does) drops it from the loss (weight 0) — a token the
+    behaviour policy found that much less likely than the proximal one is not trusted at all.
     """
     m = mask.to(torch.float32)
     raw = (proximal - behaviour).clamp(max=20.0).exp() * m
-    weights = raw.clamp(max=cap) if cap is not None else raw
+    if cap is None:
+        weights = raw
+    elif over_cap == "truncate":
+        weights = raw.clamp(max=cap)
+    else:
+        weights = torch.where(raw > cap, torch.zeros_like(raw), raw)
     tokens = m.sum().clamp(min=1.0)
     on = m.bool()
     stats = {
         "train/is_weight_mean": float(raw.sum() / tokens),
         "train/is_weight_max": float(raw[on].max()) if on.any() else 0.0,
         "train/is_weight_min": float(raw[on].min()) if on.any() else 0.0,
-        "train/is_weight_truncated_frac": float(((raw > cap) & on).sum() / tokens)
-        if cap is not None
-        else 0.0,
+        "train/is_weight_over_cap_frac": float(((raw > cap) & on).sum() / tokens) if cap is not None else 0.0,
     }
     return weights * m, stats

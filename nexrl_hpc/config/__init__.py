@@ -15,9 +15,12 @@ __all__ = ["ConfigError", "ConfigProblem", "register_resolvers", "resolve_config
 
 
 def register_resolvers() -> None:
-    """``${mul:a,b}`` for derived sizes (e.g. trajectories per batch = prompts x samples)."""
+    """``${mul:a,b}`` and ``${floordiv:a,b}`` for derived sizes (e.g. trajectories per batch =
+    prompts x samples; DAPO's overlong buffer = a fifth of the response budget)."""
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b))
+    if not OmegaConf.has_resolver("floordiv"):
+        OmegaConf.register_new_resolver("floordiv", lambda a, b: int(a) // int(b))
 
 
 def resolve_config(cfg: DictConfig | Mapping) -> tuple[dict[str, Any], list[ConfigProblem], dict[str, str]]:

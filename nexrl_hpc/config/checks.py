@@ -240,6 +240,30 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "algorithm.is_cap",
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
     )
+    check(
+        lambda: not g("algorithm.filter_groups.enable") or bool(g("trajectory_pool.key_list")),
+        "algorithm.filter_groups.enable",
+        "dynamic sampling drops groups whose rewards are all equal: it needs groups "
+        "(trajectory_pool.key_list is empty)",
+    )
+    check(
+        lambda: not g("algorithm.filter_groups.enable") or g("trajectory_pool.group_size") > 1,
+        "algorithm.filter_groups.enable",
+        "dynamic sampling compares the rewards of a group: a group of one sample (data.rollout_repeat_n=1) "
+        "would always be dropped",
+    )
+    check(
+        lambda: g("algorithm.overlong.buffer_len") < g("rollout_worker.max_response_length"),
+        "algorithm.overlong.buffer_len",
+        f"must be below rollout_worker.max_response_length={g_safe(cfg, 'rollout_worker.max_response_length')} "
+        "(the penalty zone is the end of the response budget)",
+    )
+    check(
+        lambda: g("algorithm.overlong.buffer_len") == 0 or g("rollout_worker.type") != "agent",
+        "algorithm.overlong.buffer_len",
+        "the soft overlong penalty compares a response's length with rollout_worker.max_response_length, "
+        "which is per turn for rollout_worker.type=agent: set it to 0 (algorithm.overlong.filter works per turn)",
+    )
     problems += _teacher_problems(cfg)
     problems += _deepspeed_problems(cfg)
     problems += hardware_problems(cfg)

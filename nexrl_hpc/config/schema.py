@@ -130,6 +130,17 @@ class TrajectoryPoolConfig(TypedDict):
     check_batch_ready_function: str  # batch_size | loaded_batch_finished | "module:function"
 
 
+class FilterGroupsConfig(TypedDict):
+    enable: bool  # DAPO's dynamic sampling: drop groups whose rewards are all equal, refill the batch
+    max_num_gen_batches: Annotated[int, Ge(0)]  # tasks handed out per batch <= this x batch; 0: no limit
+
+
+class OverlongConfig(TypedDict):
+    filter: bool  # responses cut off at max_response_length are masked out of the loss
+    buffer_len: Annotated[int, Ge(0)]  # soft overlong punishment zone (tokens before the limit); 0: off
+    penalty_factor: Annotated[float, Ge(0.0)]  # reward lost at the limit (linear over the zone)
+
+
 class OPDConfig(TypedDict):
     kl_coef: Annotated[float, Gt(0.0)]  # weight of the per-token reverse KL to the teacher
     reward_coef: Annotated[float, Ge(0.0)]  # weight of the task reward's advantage mixed in
@@ -147,6 +158,8 @@ class AlgorithmConfig(TypedDict):
     is_cap: Annotated[float, Gt(1.0)] | None
     kl_loss_coef: Annotated[float, Ge(0.0)]
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
+    filter_groups: FilterGroupsConfig
+    overlong: OverlongConfig
     teacher_model_path: str | None  # on-policy distillation: the teacher's model directory
     opd: OPDConfig
     long_poll_s: Annotated[
@@ -207,6 +220,7 @@ class ActorConfig(TypedDict):
     clip_ratio_c: Annotated[float, Gt(1.0)] | None  # dual clip: A < 0 token loss <= -A * c; null: off
     log_ratio_clamp: Annotated[float, Gt(0.0)] | None  # |log ratio| bound before exp; null: off
     entropy_coeff: Annotated[float, Ge(0.0)]  # loss -= coeff * entropy; 0: no entropy gradient
+    policy_loss: Literal["vanilla", "gspo"]  # token-level PPO-clip | GSPO's sequence-level ratio
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ]

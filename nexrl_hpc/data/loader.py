@@ -235,10 +235,13 @@ class DatasetLoader(BaseDataLoader):
 
     @quick
     def release_items(self, keys: list[str]) -> None:
-        """The trainer consumed (trained or dropped) the trajectories of these tasks."""
+        """The trainer (or the pool's group filter) consumed the trajectories of these tasks: trained
+        or dropped, they are never handed out again — also when the consumer's ``complete_items``
+        for one of them has not arrived yet."""
         with self._lock:
             for key in keys:
                 self._delivered.pop(key, None)
+                self._outstanding.pop(key, None)
 
     @quick
     def num_untrained(self) -> int:

@@ -3,13 +3,15 @@
 - ``SimpleTrajectoryStore``: no grouping; every trajectory is releasable at once.
 - ``GroupedTrajectoryStore``: grouped by one key; a group becomes releasable when it has ``group_size``.
 - ``HierarchicalTrajectoryStore``: nested by several keys; a leaf group is released when complete.
-Released trajectories keep their group together, so a batch never splits a GRPO group.
+Released trajectories keep their group together, so a batch never splits a GRPO group. A grouped
+store can hold back complete groups that ``keep_group`` rejects (DAPO's dynamic sampling): the pool
+collects them with ``pop_filtered`` and decides (refill, or ``release_group`` after all).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nexrl_hpc.types import Trajectory
@@ -36,6 +38,17 @@ class TrajectoryStore:
 
     def pending_groups(self) -> dict[Any, int]:
         return {}
+
+    def pop_filtered(self) -> list[list[Trajectory]]:
+        """Complete groups ``keep_group`` rejected since the last call."""
+        return []
+
+    def release_group(self, group: list[Trajectory]) -> None:
+        """Release a complete group (one ``pop_filtered`` returned) for batching after all."""
+        raise NotImplementedError
+
+
+KeepGroup = Callable[[list[Trajectory]], bool]
 
 
 class _ReleasedGroups:
@@ -80,12 +93,41 @@ class SimpleTrajectoryStore(TrajectoryStore):
         return [self._ready.popleft() for _ in range(n)]
 
 
-class GroupedTrajectoryStore(TrajectoryStore):
-    def __init__(self, key: str, group_size: int) -> None:
+class _GroupRelease(TrajectoryStore):
+    """What the grouped stores share: complete groups go to the released queue or, rejected by
+    ``keep_group``, to the filtered list."""
+
+    def __init__(self, keep_group: KeepGroup | None) -> None:
+        self._released = _ReleasedGroups()
+        self._keep_group = keep_group
+        self._filtered: list[list[Trajectory]] = []
+
+    def _complete(self, group: list[Trajectory]) -> None:
+        if self._keep_group is None or self._keep_group(group):
+            self._released.push(group)
+        else:
+            self._filtered.append(group)
+
+    def pop_filtered(self) -> list[list[Trajectory]]:
+        filtered, self._filtered = self._filtered, []
+        return filtered
+
+    def release_group(self, group: list[Trajectory]) -> None:
+        self._released.push(group)
+
+    def num_ready(self) -> int:
+        return len(self._released)
+
+    def take(self, max_items: int) -> list[Trajectory]:
+        return self._released.take(max_items)
+
+
+class GroupedTrajectoryStore(_GroupRelease):
+    def __init__(self, key: str, group_size: int, keep_group: KeepGroup | None = None) -> None:
+        super().__init__(keep_group)
         self._key = key
         self._group_size = group_size
         self._open: dict[Any, list[Trajectory]] = {}
-        self._released = _ReleasedGroups()
         self._pending = 0
 
     def add(self, trajectory: Trajectory) -> str:
@@ -99,30 +141,24 @@ class GroupedTrajectoryStore(TrajectoryStore):
         if len(group) >= self._group_size:
             del self._open[value]
             self._pending -= len(group)
-            self._released.push(group)
+            self._complete(group)
         return "success"
-
-    def num_ready(self) -> int:
-        return len(self._released)
 
     def num_pending(self) -> int:
         return self._pending
-
-    def take(self, max_items: int) -> list[Trajectory]:
-        return self._released.take(max_items)
 
     def pending_groups(self) -> dict[Any, int]:
         return {k: len(v) for k, v in self._open.items()}
 
 
-class HierarchicalTrajectoryStore(TrajectoryStore):
+class HierarchicalTrajectoryStore(_GroupRelease):
     """Nested dicts keyed by ``key_list[0]``, then ``key_list[1]``, ...; leaves are groups."""
 
-    def __init__(self, key_list: list[str], group_size: int) -> None:
+    def __init__(self, key_list: list[str], group_size: int, keep_group: KeepGroup | None = None) -> None:
+        super().__init__(keep_group)
         self._keys = list(key_list)
         self._group_size = group_size
         self._root: dict[Any, Any] = {}
-        self._released = _ReleasedGroups()
         self._pending = 0
 
     def add(self, trajectory: Trajectory) -> str:
@@ -141,7 +177,7 @@ class HierarchicalTrajectoryStore(TrajectoryStore):
         if len(leaf) >= self._group_size:
             del node[path[-1]]
             self._pending -= len(leaf)
-            self._released.push(leaf)
+            self._complete(leaf)
             # prune empty parents so the hierarchy does not grow without bound
             for depth in range(len(path) - 2, -1, -1):
                 if parents[depth + 1]:
@@ -149,14 +185,8 @@ class HierarchicalTrajectoryStore(TrajectoryStore):
                 del parents[depth][path[depth]]
         return "success"
 
-    def num_ready(self) -> int:
-        return len(self._released)
-
     def num_pending(self) -> int:
         return self._pending
-
-    def take(self, max_items: int) -> list[Trajectory]:
-        return self._released.take(max_items)
 
     def pending_groups(self) -> dict[Any, int]:
         out: dict[Any, int] = {}
@@ -172,10 +202,13 @@ class HierarchicalTrajectoryStore(TrajectoryStore):
         return out
 
 
-def create_store(key_list: list[str], group_size: int) -> TrajectoryStore:
-    """Store type from the config: no keys -> simple, one key -> grouped, several -> hierarchical."""
+def create_store(
+    key_list: list[str], group_size: int, keep_group: KeepGroup | None = None
+) -> TrajectoryStore:
+    """Store type from the config: no keys -> simple, one key -> grouped, several -> hierarchical.
+    ``keep_group`` (grouped stores only; the config checks require a key) filters complete groups."""
     if not key_list:
         return SimpleTrajectoryStore()
     if len(key_list) == 1:
-        return GroupedTrajectoryStore(key_list[0], group_size)
-    return HierarchicalTrajectoryStore(key_list, group_size)
+        return GroupedTrajectoryStore(key_list[0], group_size, keep_group)
+    return HierarchicalTrajectoryStore(key_list, group_size, keep_group)

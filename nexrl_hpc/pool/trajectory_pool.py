@@ -8,13 +8,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from nexrl_hpc.config.schema import RLTrainConfig, TrajectoryPoolConfig
+from nexrl_hpc.config.schema import FilterGroupsConfig, RLTrainConfig, TrajectoryPoolConfig
 from nexrl_hpc.core.activity import ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute, long_poll
 from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.pool.stores import TrajectoryStore, create_store
-from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, Trajectory
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import JsonlDataLoader
@@ -29,12 +30,31 @@ class TrajectoryPoolInstance:
     """Trajectories of one model; blocks additions while that model's weights are being synced."""
 
     def __init__(
-        self, model_tag: ModelTag, config: TrajectoryPoolConfig, on_ready: Callable[[], None] | None = None
+        self,
+        model_tag: ModelTag,
+        config: TrajectoryPoolConfig,
+        on_ready: Callable[[], None] | None = None,
+        filter_groups: FilterGroupsConfig | None = None,
     ):
+        """``filter_groups`` (DAPO's dynamic sampling): a complete group whose rewards are all equal
+        teaches nothing (every advantage is 0); it is dropped, its tasks count as consumed, and as
+        many fresh tasks go out in its place, so the batch fills with groups that carry a signal."""
         self.model_tag = model_tag
         self._on_ready = on_ready
         self._batch_size = config["batch_size"]
-        self._store: TrajectoryStore = create_store(config["key_list"], config["group_size"])
+        self._filtering = filter_groups is not None and filter_groups["enable"]
+        self._store: TrajectoryStore = create_store(
+            config["key_list"],
+            config["group_size"],
+            keep_group=_has_reward_spread if self._filtering else None,
+        )
+        # refills allowed per training batch (past them, zero-variance groups are kept); None: no limit
+        self._refill_cap: int | None = None
+        if filter_groups is not None and filter_groups["max_num_gen_batches"] > 0:
+            self._refill_cap = (filter_groups["max_num_gen_batches"] - 1) * self._batch_size
+        self._refilled = 0  # tasks handed out again for filtered groups since the last batch
+        self._filtered_groups = 0  # since the last batch
+        self._kept_over_cap = 0  # zero-variance groups kept since the last batch (refill cap reached)
         rule = config["check_batch_ready_function"]
         self._rule_name = rule
         self._custom_rule: Callable[..., bool] | None = (
@@ -78,6 +98,16 @@ class TrajectoryPoolInstance:
                 seen.add(sample)
                 for old in [e for e in self._seen if e < epoch - 1]:
                     del self._seen[old]
+            filtered = self._store.pop_filtered()
+            refill: list[str] = []
+            for group in filtered:
+                if self._refill_cap is not None and self._refilled + len(group) > self._refill_cap:
+                    self._store.release_group(group)  # no more refills for this batch: train on it
+                    self._kept_over_cap += 1
+                    continue
+                self._filtered_groups += 1
+                self._refilled += len(group)
+                refill.extend(task_key(dict(t)) for t in group)
             ready_now = (
                 self._rule_name == "batch_size"
                 and not self._notified_ready
@@ -85,9 +115,19 @@ class TrajectoryPoolInstance:
             )
             if ready_now:
                 self._notified_ready = True
+        if refill:
+            self._refill(refill)
         if ready_now:
             self._notify_ready()
         return result
+
+    def _refill(self, keys: list[str]) -> None:
+        """Filtered groups: their tasks are consumed (never handed out again, a resume included) and
+        as many fresh tasks go out in their place."""
+        if self._dataloader is None:
+            return
+        execute(self._dataloader.release_items, keys)
+        execute(self._dataloader.add_dispatch_budget, len(keys))
 
     @staticmethod
     def _sample_key(trajectory: Trajectory) -> tuple[int, str] | None:
@@ -131,11 +171,17 @@ class TrajectoryPoolInstance:
         with self._lock:
             items = self._store.take(size)
             self._notified_ready = False
+            metadata: BatchMetadata = {"model_tag": self.model_tag}
+            if self._filtering:
+                metadata["filtered_groups"] = self._filtered_groups
+                metadata["filtered_groups_kept"] = self._kept_over_cap
+            if items:
+                self._filtered_groups = self._kept_over_cap = self._refilled = 0
         if not items:
             return None
         if self._rule_name != "batch_size":
             self._notify_ready()
-        return Batch.from_trajectories(items, metadata={"model_tag": self.model_tag})
+        return Batch.from_trajectories(items, metadata=metadata)
 
     def num_ready(self) -> int:
         with self._lock:
@@ -160,6 +206,7 @@ class TrajectoryPool(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         self._config = config["trajectory_pool"]
+        self._filter_groups = config["algorithm"]["filter_groups"]
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
         self._arrivals = threading.Condition()
@@ -187,7 +234,12 @@ class TrajectoryPool(NexRLModule):
             with self._lock:
                 instance = self._instances.get(model_tag)
                 if instance is None:
-                    instance = TrajectoryPoolInstance(model_tag, self._config, on_ready=self._wake_waiters)
+                    instance = TrajectoryPoolInstance(
+                        model_tag,
+                        self._config,
+                        on_ready=self._wake_waiters,
+                        filter_groups=self._filter_groups,
+                    )
                     instance.set_module_references(
                         self._dataloader, self._weight_sync_controller, self._activity_tracker
                     )
@@ -242,3 +294,9 @@ class TrajectoryPool(NexRLModule):
 
     def unlock_for_weight_sync(self, model_tag: ModelTag) -> None:
         self._instance(model_tag).unlock_for_weight_sync()
+
+
+def _has_reward_spread(group: list[Trajectory]) -> bool:
+    """Not every reward of the group is the same (a group of one has no spread)."""
+    rewards = [float(t.get("reward") or 0.0) for t in group]
+    return len(rewards) > 1 and max(rewards) > min(rewards)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, ppo_clip_loss
+from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, policy_loss
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
@@ -302,6 +302,7 @@ class PolicyTrainer(TrainServiceClient):
         micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
         entropy_coeff = actor["entropy_coeff"]
+        pg_loss_fn = policy_loss(actor["policy_loss"])
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
         grad_norms: list[float] = []
@@ -323,7 +324,7 @@ class PolicyTrainer(TrainServiceClient):
                     if has_behaviour and steps_done == 0 and real:
                         diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
                         mismatch_max = max(mismatch_max, float(diff.max()) if diff.numel() else 0.0)
-                    loss, stats = ppo_clip_loss(
+                    loss, stats = pg_loss_fn(
                         logp,
                         part["old_log_probs"],
                         part["advantages"],

@@ -13,7 +13,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.distillation import distillation_advantages
-from nexrl_hpc.algorithm.off_policy import importance_weights, select_rows, staleness, staleness_metrics
+from nexrl_hpc.algorithm.off_policy import (
+    importance_weights,
+    rows_of_groups,
+    select_rows,
+    staleness,
+    staleness_metrics,
+)
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
@@ -194,7 +200,10 @@ class TrainWorker(NexRLModule):
             execute(self._dataloader.release_items, keys)
 
     def _apply_staleness_bound(self, batch: Batch, step: int) -> tuple[Batch | None, dict[str, float]]:
-        """Async modes: rows more than ``staleness_threshold`` versions old are dropped or kept (counted)."""
+        """Async modes: rows more than ``staleness_threshold`` versions old are dropped or kept (counted).
+
+        A drop takes the stale row's whole group with it: the group's advantages were computed
+        against each other, and the rows left of a group would no longer sum to zero."""
         gap = staleness(batch, step)
         metrics = staleness_metrics(gap)
         stale = gap > self._staleness_bound
@@ -202,8 +211,10 @@ class TrainWorker(NexRLModule):
         kept: Batch | None = batch
         if self._async and n_stale:
             if self._drop_stale:
-                self._stale_dropped_total += n_stale
-                kept = select_rows(batch, ~stale) if n_stale < len(batch) else None
+                drop = rows_of_groups(batch, stale)
+                n_drop = int(drop.sum())
+                self._stale_dropped_total += n_drop
+                kept = select_rows(batch, ~drop) if n_drop < len(batch) else None
             else:
                 self._stale_kept_total += n_stale
         metrics["train/stale_dropped_total"] = float(self._stale_dropped_total)
@@ -242,7 +253,11 @@ class TrainWorker(NexRLModule):
             tensors["old_log_probs"] = recomputed
             if self._correction != "none":  # decoupled / truncated IS: weight by pi_prox / pi_behaviour
                 weights, is_metrics = importance_weights(
-                    recomputed, tensors["behaviour_log_probs"], mask, self._is_cap
+                    recomputed,
+                    tensors["behaviour_log_probs"],
+                    mask,
+                    self._is_cap,
+                    over_cap="mask" if self._correction == "decoupled" else "truncate",
                 )
                 tensors["is_weights"] = weights
                 metrics.update(is_metrics)
