@@ -8,18 +8,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl_hpc.config.algorithm_checks import algorithm_problems
 from nexrl_hpc.config.hardware import hardware_problems
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, config_value, g_safe, import_configured
 from nexrl_hpc.runtime.placement import placement_problems
-
-
-def _get(cfg: Mapping, path: str) -> Any:
-    node: Any = cfg
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            raise KeyError(path)
-        node = node[part]
-    return node
 
 
 def _check_callable(
@@ -30,7 +22,7 @@ def _check_callable(
     kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     try:
-        spec = _get(cfg, path)
+        spec = config_value(cfg, path)
     except KeyError:
         return
     if spec is None or not isinstance(spec, str):
@@ -77,7 +69,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             pass  # the schema check reports the underlying problem
 
-    g = lambda p: _get(cfg, p)  # noqa: E731
+    g = lambda p: config_value(cfg, p)  # noqa: E731
 
     from nexrl_hpc.rewards.loader import reward_problems  # imports config.validate: not at module level
 
@@ -217,54 +209,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "service.train_service.config.zmq_recv_timeout_ms",
         "must not exceed service.train_service.config.zmq_total_timeout_ms",
     )
-    check(
-        lambda: g("algorithm.off_policy_correction") == "none" or g("algorithm.recompute_old_log_prob"),
-        "algorithm.off_policy_correction",
-        f"{g_safe(cfg, 'algorithm.off_policy_correction')} needs the proximal policy's logprobs: "
-        "set algorithm.recompute_old_log_prob=true",
-    )
-    check(
-        lambda: g("algorithm.advantage_granularity") != "step" or g("rollout_worker.type") == "agent",
-        "algorithm.advantage_granularity",
-        "step needs per-turn returns, which only rollout_worker.type=agent produces "
-        f"(rollout_worker.type={g_safe(cfg, 'rollout_worker.type')})",
-    )
-    check(
-        lambda: g("algorithm.advantage_granularity") != "step" or g("algorithm.adv_estimator") == "grpo",
-        "algorithm.adv_estimator",
-        f"{g_safe(cfg, 'algorithm.adv_estimator')} gives one advantage per sequence; "
-        "advantage_granularity=step (per-turn returns) is normalised the GRPO way: use adv_estimator=grpo",
-    )
-    check(
-        lambda: g("algorithm.off_policy_correction") != "tis" or g("algorithm.is_cap") is not None,
-        "algorithm.is_cap",
-        "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
-    )
-    check(
-        lambda: not g("algorithm.filter_groups.enable") or bool(g("trajectory_pool.key_list")),
-        "algorithm.filter_groups.enable",
-        "dynamic sampling drops groups whose rewards are all equal: it needs groups "
-        "(trajectory_pool.key_list is empty)",
-    )
-    check(
-        lambda: not g("algorithm.filter_groups.enable") or g("trajectory_pool.group_size") > 1,
-        "algorithm.filter_groups.enable",
-        "dynamic sampling compares the rewards of a group: a group of one sample (data.rollout_repeat_n=1) "
-        "would always be dropped",
-    )
-    check(
-        lambda: g("algorithm.overlong.buffer_len") < g("rollout_worker.max_response_length"),
-        "algorithm.overlong.buffer_len",
-        f"must be below rollout_worker.max_response_length={g_safe(cfg, 'rollout_worker.max_response_length')} "
-        "(the penalty zone is the end of the response budget)",
-    )
-    check(
-        lambda: g("algorithm.overlong.buffer_len") == 0 or g("rollout_worker.type") != "agent",
-        "algorithm.overlong.buffer_len",
-        "the soft overlong penalty compares a response's length with rollout_worker.max_response_length, "
-        "which is per turn for rollout_worker.type=agent: set it to 0 (algorithm.overlong.filter works per turn)",
-    )
-    problems += _teacher_problems(cfg)
+    problems += algorithm_problems(cfg)
     problems += _deepspeed_problems(cfg)
     problems += hardware_problems(cfg)
     problems += _inference_backend_problems(cfg)
@@ -373,87 +318,6 @@ def input_path_problems(cfg: Mapping) -> list[ConfigProblem]:
     return problems
 
 
-def _teacher_problems(cfg: Mapping) -> list[ConfigProblem]:
-    """On-policy distillation: a teacher model directory that loads, and a place for the teacher to run."""
-    path = g_safe(cfg, "algorithm.teacher_model_path")
-    if path is None:
-        if g_safe(cfg, "algorithm.name") == "opd":
-            return [
-                ConfigProblem(
-                    "algorithm.teacher_model_path",
-                    "algorithm=opd distills from a teacher: set it to the teacher's HF model directory "
-                    "(e.g. <a finished run>/checkpoints/global_step_50/model)",
-                )
-            ]
-        return []
-    if not isinstance(path, str):
-        return []  # the schema check reports the type
-    from nexrl_hpc.models.checks import model_dir_problem
-
-    why = model_dir_problem(path)
-    student_path = g_safe(cfg, "model.path")
-    if not why and (student_path is None or not model_dir_problem(str(student_path))):
-        why = _teacher_vocabulary_problem(cfg, path)
-    if why:
-        return [ConfigProblem("algorithm.teacher_model_path", f"{path!r}: {why}")]
-    teacher = g_safe(cfg, "service.train_service.teacher_service")
-    if not isinstance(teacher, Mapping):
-        return []
-    problems: list[ConfigProblem] = []
-    key = "service.train_service.teacher_service"
-    if teacher.get("backend") == "direct-zmq":
-        if not teacher.get("url"):
-            problems.append(ConfigProblem(f"{key}.url", "backend=direct-zmq needs the API server's url"))
-        token_env = g_safe(cfg, "service.train_service.token_env")
-        if isinstance(token_env, str) and not os.environ.get(token_env):
-            problems.append(
-                ConfigProblem(
-                    "service.train_service.token_env",
-                    f"the teacher's backend=direct-zmq reads the API server's bearer token from the "
-                    f"environment variable {token_env!r}, which is not set",
-                )
-            )
-    if (
-        teacher.get("backend") == "local"
-        and g_safe(cfg, "launch_mode") != "mpi"
-        and teacher.get("world_size") != 1
-    ):
-        problems.append(
-            ConfigProblem(
-                f"{key}.world_size",
-                "more than one teacher rank needs launch_mode=mpi (teacher ranks in the job) or "
-                "backend=direct-zmq (a standalone service)",
-            )
-        )
-    if teacher.get("engine") == "single" and teacher.get("world_size") != 1:
-        problems.append(
-            ConfigProblem(
-                f"{key}.engine", "engine=single runs one process: use fsdp or deepspeed for world_size > 1"
-            )
-        )
-    return problems
-
-
-def _teacher_vocabulary_problem(cfg: Mapping, teacher_path: str) -> str:
-    """The teacher scores the student's token ids: same tokenizer (named with both models)."""
-    from transformers import AutoConfig
-
-    from nexrl_hpc.models.checks import vocabulary_mismatch
-    from nexrl_hpc.models.run_tokenizer import load_run_tokenizer, load_tokenizer
-
-    try:
-        student = load_run_tokenizer(cfg["model"])
-    except Exception:  # the model checks report why it does not load
-        return ""
-    vocab_size = int(AutoConfig.from_pretrained(teacher_path).vocab_size)
-    why = vocabulary_mismatch(student, load_tokenizer(teacher_path), vocab_size)
-    if not why:
-        return ""
-    path = g_safe(cfg, "model.path")
-    named = f"model.path {path!r}" if path else "the tiny model of model.tiny"
-    return f"{why} (student: {named})"
-
-
 def _unreadable_file(path: str, allow_dir: bool = False) -> str:
     """Why ``path`` cannot be read as a data file ('' if it can); ``allow_dir``: a datasets.save_to_disk folder."""
     if not os.path.exists(path):
@@ -511,10 +375,3 @@ def _deepspeed_problems(cfg: Mapping) -> list[ConfigProblem]:
                     ConfigProblem(f"service.train_service.deepspeed.config.{key}", f"is set by {owner}")
                 )
     return problems
-
-
-def g_safe(cfg: Mapping, path: str) -> Any:
-    try:
-        return _get(cfg, path)
-    except KeyError:
-        return None

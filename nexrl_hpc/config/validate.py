@@ -42,6 +42,24 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def config_value(cfg: Mapping, path: str) -> Any:
+    """The value at a dotted key path; KeyError naming the path where a level is missing."""
+    node: Any = cfg
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise KeyError(path)
+        node = node[part]
+    return node
+
+
+def g_safe(cfg: Mapping, path: str) -> Any:
+    """``config_value``, or None where a level is missing (for messages and optional keys)."""
+    try:
+        return config_value(cfg, path)
+    except KeyError:
+        return None
+
+
 def import_configured(spec: Any, key: str, form: str = "module:name", label: str = "") -> Any:
     """The object a ``"module:name"`` (or ``file.py:name``) config value names; a ConfigError naming
     ``key`` when the value is not a string or does not import (the importing module's own error)."""
