@@ -457,3 +457,17 @@ def test_dynamic_sampling_and_overlong_settings_are_checked() -> None:
         compose_config(["algorithm.overlong.buffer_len=2"])
     with pytest.raises(ConfigError, match="algorithm.overlong.buffer_len: the soft overlong penalty"):
         compose_config(["task=tool_lookup", "algorithm.overlong.buffer_len=1"])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_identical_rewards_and_groups_of_one_give_zero_advantages_for_every_estimator(estimator: str) -> None:
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    same, _ = outcome_advantages(
+        estimator, torch.full((4,), 0.7), torch.tensor([0, 0, 1, 1]), mask, True, 1e-6
+    )
+    assert same.abs().max() == 0.0
+    if estimator != "reinforce_pp":  # the group estimators: a group of one has no baseline
+        alone, _ = outcome_advantages(
+            estimator, torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask[:2], True, 1e-6
+        )
+        assert alone.tolist() == [0.0, 0.0]
