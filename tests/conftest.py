@@ -77,6 +77,14 @@ def run_train(
     )
 
 
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The embedded default run with only run_dir and seed=7 set, once per session: (run dir, the
+    finished command). tests/test_e2e.py checks it; on-policy distillation uses its model as teacher."""
+    run_dir = tmp_path_factory.mktemp("default_run") / "default"
+    return run_dir, run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
+
+
 @pytest.fixture
 def slurm_env(slurm_cluster: dict[str, str]) -> Iterator[dict[str, str]]:
     """The dev cluster's environment for one test; afterwards no job of the test is left behind.

@@ -39,10 +39,11 @@ def train_steps(rows: list[dict[str, Any]]) -> list[int]:
     return [r["step"] for r in rows if "train/reward_mean" in r]
 
 
-def test_default_run_learns_and_matches_an_independent_evaluation(tmp_path: Path) -> None:
+def test_default_run_learns_and_matches_an_independent_evaluation(
+    default_run: tuple[Path, subprocess.CompletedProcess],
+) -> None:
     """The acceptance run: the embedded default with only run_dir and seed set."""
-    run_dir = tmp_path / "default"
-    proc = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
+    run_dir, proc = default_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(run_dir)
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]

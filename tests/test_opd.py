@@ -22,10 +22,9 @@ STEPS = 15
 
 
 @pytest.fixture(scope="module")
-def teacher_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+def teacher_model(default_run: tuple[Path, subprocess.CompletedProcess]) -> str:
     """The model of a finished default run (50 steps of GRPO, seed 7)."""
-    run_dir = tmp_path_factory.mktemp("teacher") / "run"
-    proc = run_train([f"run_dir={run_dir}", "seed=7", "logger.backend=[]"])
+    run_dir, proc = default_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(run_dir / "checkpoints" / "global_step_50" / "model")
 
