@@ -102,6 +102,21 @@ class AgentRolloutConfig(TypedDict):
     workflow_args: dict  # more kwargs of the workflow class
 
 
+class SandboxConfig(TypedDict):
+    """rollout_worker.sandbox: limits of model-written code (nexrl_hpc.agents.sandbox.SandboxLimits)."""
+
+    require_isolation: bool  # false: run the code unisolated where namespaces are unavailable
+    wall_time_s: Annotated[float, Gt(0.0)]
+    cpu_time_s: Annotated[int, Ge(1)]
+    memory_mb: Annotated[int, Ge(1)]  # address space per process
+    max_processes: Annotated[int, Ge(1)]
+    max_output_bytes: Annotated[int, Ge(1)]
+    max_open_files: Annotated[int, Ge(1)]
+    tmp_mb: Annotated[int, Ge(1)]  # each of its private /tmp and /dev/shm
+    unprivileged_uid: Annotated[int, Ge(1)]  # a root-started run's code runs as this uid
+    python_executable: str | None  # null: the run's interpreter
+
+
 class RolloutWorkerConfig(TypedDict):
     type: Literal["simple", "single_turn", "agent"]
     num_workers: Annotated[int, Ge(1)]
@@ -116,6 +131,7 @@ class RolloutWorkerConfig(TypedDict):
     reward_threads: Annotated[int, Ge(1)]  # threads scoring responses off the worker's event loop
     val_kwargs: ValKwargs
     agent: AgentRolloutConfig
+    sandbox: SandboxConfig
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
