@@ -224,6 +224,16 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "set algorithm.recompute_old_log_prob=true",
     )
     check(
+        lambda: (
+            g("service.inference_service.backend") != "local"
+            or g("service.inference_service.max_coalesce")
+            <= g("service.inference_service.local.max_prompts_per_request")
+        ),
+        "service.inference_service.local.max_prompts_per_request",
+        "the local server would refuse the run's own coalesced requests: it must be >= "
+        f"service.inference_service.max_coalesce ({g_safe(cfg, 'service.inference_service.max_coalesce')})",
+    )
+    check(
         lambda: g("algorithm.advantage_granularity") != "step" or g("rollout_worker.type") == "agent",
         "algorithm.advantage_granularity",
         "step needs per-turn returns, which only rollout_worker.type=agent produces "

@@ -281,6 +281,9 @@ class LocalInferenceConfig(TypedDict):
     host: str
     port: Annotated[int, Ge(0), Le(65535)]
     max_batch_size: Annotated[int, Ge(1)]
+    max_n: Annotated[int, Ge(1)]  # per request; more is a 400 naming the key
+    max_prompts_per_request: Annotated[int, Ge(1)]  # >= max_coalesce (config check)
+    max_request_mb: Annotated[int, Ge(1)]  # request body size
     batch_wait_ms: Annotated[float, Ge(0.0)]
     num_threads: Annotated[int, Ge(1)]
     startup_timeout_s: Annotated[float, Gt(0.0)]
