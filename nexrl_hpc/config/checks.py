@@ -11,6 +11,7 @@ from typing import Any
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
 from nexrl_hpc.runtime.placement import placement_problems
+from nexrl_hpc.runtime.run_files import umask_problem
 
 
 def _get(cfg: Mapping, path: str) -> Any:
@@ -223,6 +224,8 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         f"{g_safe(cfg, 'algorithm.off_policy_correction')} needs the proximal policy's logprobs: "
         "set algorithm.recompute_old_log_prob=true",
     )
+    if (umask := umask_problem(g_safe(cfg, "runtime.umask"))) is not None:
+        problems.append(ConfigProblem("runtime.umask", umask))
     check(
         lambda: (
             g("service.inference_service.backend") != "local"

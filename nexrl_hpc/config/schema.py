@@ -404,6 +404,7 @@ class RpcConfig(TypedDict):
 
 class RuntimeConfig(TypedDict):
     rpc: RpcConfig
+    umask: str | None  # octal, e.g. "077": the run's files and run dir are its user's alone; null: inherited
     bootstrap_timeout_s: Annotated[float, Gt(0.0)]
     bootstrap_kill_after_s: Annotated[float, Gt(0.0)]  # a rank stuck in C code is ended this long after
     mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)
