@@ -404,12 +404,12 @@ class RpcConfig(TypedDict):
 
 class RuntimeConfig(TypedDict):
     rpc: RpcConfig
-    umask: str | None  # octal, e.g. "077": the run's files and run dir are its user's alone; null: inherited
     bootstrap_timeout_s: Annotated[float, Gt(0.0)]
     bootstrap_kill_after_s: Annotated[float, Gt(0.0)]  # a rank stuck in C code is ended this long after
     mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)
     gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
     gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)
+    umask: str | None  # octal, e.g. "077": the run's files and run dir are its user's alone; null: inherited
 
 
 class GroupResources(TypedDict):
