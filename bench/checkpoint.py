@@ -22,7 +22,8 @@ shared, so the pairs matter more than the absolute numbers):
   tensors), ``PolicyTrainer.load_checkpoint`` into the trained engine (weights and optimizer
   state read in place into its live tensors), and ``load_checkpoint`` into a second engine whose
   optimizer has no state yet (what a resumed process has after ``init_model``: 2 GB of new memory
-  to fault in). Before each read
+  to fault in); what a resume adds: ``verify_checkpoint`` (every file against the digests in
+  ``COMPLETE``), and it followed by ``load_checkpoint`` (reading what the check left cached). Before each read
   the page cache of every file read is dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after
   an fsync), plus ``/proc/sys/vm/drop_caches`` (page cache only, ``1``) when it is writable, unless
   ``--no-drop-caches``: the table's footer says which was used.
@@ -61,7 +62,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from nexrl_hpc.checkpoint.digest import verify_checkpoint  # noqa: E402
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
+from nexrl_hpc.checkpoint.manager import COMPLETE  # noqa: E402
 from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
 from nexrl_hpc.models.tiny import materialize_base_model  # noqa: E402
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer  # noqa: E402
@@ -259,6 +262,12 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool, requeue_runs: int)
             fresh.optimizer.state.clear()  # as after init_model in a new process: no state yet
             drop_cache(path, drop_caches)
             s_fresh = timed(lambda p=path: fresh.load_checkpoint(p))
+            # what a resume adds: the files checked against COMPLETE's digests (cold), then the load,
+            # which then reads what the check left in the page cache
+            drop_cache(path, drop_caches)
+            s_verify, problem = timed_result(lambda p=path: verify_checkpoint(p, COMPLETE))
+            assert problem is None, problem
+            s_after = timed(lambda p=path: eng.load_checkpoint(p))
             after = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
             for name, s, p in (
                 ("weights: read_safetensors_dir into new tensors (cold cache)", s_weights, export),
@@ -266,6 +275,12 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool, requeue_runs: int)
                 (
                     "checkpoint: load_checkpoint, no optimizer state yet (new memory; cold cache)",
                     s_fresh,
+                    path,
+                ),
+                ("checkpoint: verify_checkpoint, the digests in COMPLETE (cold cache)", s_verify, path),
+                (
+                    "checkpoint: a resume: verify_checkpoint + load_checkpoint (cold cache)",
+                    s_verify + s_after,
                     path,
                 ),
             ):

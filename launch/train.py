@@ -46,6 +46,9 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    from nexrl_hpc.runtime.run_files import restrict_run_files
+
+    restrict_run_files(config)  # before anything is written (Slurm jobs inherit it via sbatch)
     _quiet_third_party()
     if config["launcher"]["name"] == "slurm":
         _exit_unless_ok(submit_to_slurm(config))

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 import yaml
 
+from nexrl_hpc.checkpoint.digest import verify_checkpoint
 from nexrl_hpc.checkpoint.manager import (
+    COMPLETE,
     STATE_FILE,
-    find_latest_checkpoint,
+    find_resume_checkpoint,
     is_complete,
     read_state_h5,
     restore_rng_state,
@@ -42,6 +44,7 @@ from nexrl_hpc.runtime.local import LocalRuntime
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
+from nexrl_hpc.runtime.run_files import restrict_run_files
 from nexrl_hpc.tracking.experiment import ExperimentLogger, read_metrics
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 
@@ -118,7 +121,7 @@ class NexRLController:
     # --- set-up ---------------------------------------------------------------------------------
     def _setup(self) -> None:
         cfg = self.config
-        os.makedirs(self.run_dir, exist_ok=True)
+        restrict_run_files(cfg)  # runtime.umask: also for runs started from Python (nexrl_hpc.train)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(dict(cfg), f, sort_keys=False)
         random.seed(cfg["seed"])
@@ -204,6 +207,8 @@ class NexRLController:
                 raise RunFailed(
                     f"resume.resume_path={path!r} is not a complete checkpoint (no COMPLETE marker)"
                 )
+            if problem := verify_checkpoint(path, COMPLETE):
+                raise RunFailed(f"resume.resume_path={path!r} cannot be trusted: {problem}")
             return path
         latest = self._find_latest_checkpoint(self.config["train_worker"]["checkpoint_path"])
         if latest:
@@ -211,7 +216,8 @@ class NexRLController:
         return latest
 
     def _find_latest_checkpoint(self, checkpoint_folder: str) -> str | None:
-        return find_latest_checkpoint(checkpoint_folder)
+        """The newest checkpoint whose files match their digests (newer damaged ones: a warning)."""
+        return find_resume_checkpoint(checkpoint_folder)
 
     def _load_initial_checkpoint(self) -> None:
         """Fresh start: publish version 0 (the initial weights) to the inference services."""

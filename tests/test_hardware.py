@@ -112,9 +112,10 @@ def test_vllm_command_line_and_environment_on_gpu(tmp_path: Any) -> None:
     assert _flag(cmd, "--gpu-memory-utilization") == "0.85"
     assert _flag(cmd, "--tensor-parallel-size") == "2"
     assert "--enforce-eager" not in cmd  # CUDA graphs on
-    env = server.environment({"PATH": "/bin", "VLLM_TARGET_DEVICE": "cpu"})
+    env = server.environment({"PATH": "/bin", "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": "/x"}, "/guard")
     assert env["VLLM_TARGET_DEVICE"] == "cuda"  # the config's device wins over the caller's environment
     assert env["PATH"] == "/bin" and env["VLLM_API_KEY"] == server.api_key
+    assert env["PYTHONPATH"] == "/guard:/x"  # the key-checking middleware first
 
 
 def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
@@ -123,8 +124,9 @@ def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
     cmd = server.command(8000)
     assert cmd[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
                        "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "8000",
-                       "--dtype", "float32", "--generation-config", "vllm", "--enforce-eager"]  # fmt: skip
-    assert server.environment({})["VLLM_TARGET_DEVICE"] == "cpu"
+                       "--dtype", "float32", "--generation-config", "vllm",
+                       "--middleware", "nexrl_vllm_guard.RequireKey", "--enforce-eager"]  # fmt: skip
+    assert server.environment({}, "/guard")["VLLM_TARGET_DEVICE"] == "cpu"
 
 
 def _problems(overrides: list[str]) -> dict[str, str]:

@@ -111,10 +111,12 @@ def test_checkpoint_round_trip_and_plain_transformers_load(tiny_model_dir: str, 
             "config.json",
             "generation_config.json",
             "model.safetensors",
+            "model.safetensors.xxh3",  # its digest, hashed as written: the checkpoint's COMPLETE takes it
             "tokenizer.json",
             "tokenizer_config.json",
         ]
     )
+    assert sorted(os.listdir(tmp_path / "optimizer")) == ["rank_0.safetensors", "rank_0.safetensors.xxh3"]
     restored = trainer(tiny_model_dir)
     restored.load_checkpoint(str(tmp_path))
     for k, v in params(eng).items():

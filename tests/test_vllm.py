@@ -71,6 +71,10 @@ def transport(cfg: dict[str, Any], server: VLLMServer) -> VLLMReloadTransport:
     return t
 
 
+def _auth(server: VLLMServer) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
 def _client(cfg: dict[str, Any], server: VLLMServer, **service: Any) -> LLMServiceClient:
     svc = dict(cfg["service"]["inference_service"], **service)
     return LLMServiceClient(svc, base_url=server.base_url, api_key=server.api_key)  # type: ignore[arg-type]
@@ -173,14 +177,14 @@ def test_weight_sync_makes_greedy_outputs_those_of_transformers_with_the_new_wei
     assert [r["response_ids"] for r in after] == expected
     trainer, engine, mask = _trainer_log_probs(new_model, after, tok.pad_token_id)
     assert ((trainer - engine).abs() * mask).max().item() <= 1e-4
-    info = httpx.get(f"{server.base_url}/weight_info").json()
+    info = httpx.get(f"{server.base_url}/weight_info", headers=_auth(server)).json()
     assert info["weight_version"] == "1" and transport.served_version == 1
 
 
 async def _until_generating(server: VLLMServer, timeout_s: float = 30.0) -> None:
     """Until vLLM reports running requests (its Prometheus gauge ``vllm:num_requests_running``)."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=str(server.base_url)) as http:
+    async with httpx.AsyncClient(base_url=str(server.base_url), headers=_auth(server)) as http:
         while time.monotonic() < deadline:
             text = (await http.get("/metrics")).text
             running = [
@@ -220,7 +224,7 @@ def test_reload_while_requests_are_in_flight_loses_none_and_mixes_no_versions(
             wave1 = [asyncio.ensure_future(one(p)) for p in prompts[:48]]
             await _until_generating(server)  # not a fixed sleep: a fast engine had finished by then
             reloading = asyncio.get_running_loop().run_in_executor(None, reload)
-            async with httpx.AsyncClient(base_url=str(server.base_url)) as http:
+            async with httpx.AsyncClient(base_url=str(server.base_url), headers=_auth(server)) as http:
                 while not reloading.done() and not (await http.get("/is_paused")).json()["is_paused"]:
                     await asyncio.sleep(0.005)  # wave 2 must find the server paused (or reloaded)
             wave2 = [asyncio.ensure_future(one(p)) for p in prompts[48:]]
@@ -253,7 +257,7 @@ def test_failed_reload_raises_names_the_server_and_bumps_no_version(
     try:
         _failed_reloads(cfg, server, model_dir, transport, tmp_path)
     finally:  # a paused server would hang the tests after this one
-        httpx.post(f"{server.base_url}/resume")
+        httpx.post(f"{server.base_url}/resume", headers=_auth(server))
 
 
 def _failed_reloads(
@@ -263,8 +267,12 @@ def _failed_reloads(
     with pytest.raises(WeightSyncError, match=f"{server.base_url}/collective_rpc answered 500"):
         transport.publish(str(tmp_path / "missing"), 8)
     assert transport.served_version == served
-    assert httpx.get(f"{server.base_url}/weight_info").json()["weight_version"] == str(served)
-    assert httpx.get(f"{server.base_url}/is_paused").json()["is_paused"]  # no sample from a mixed state
+    assert httpx.get(f"{server.base_url}/weight_info", headers=_auth(server)).json()["weight_version"] == str(
+        served
+    )
+    assert httpx.get(f"{server.base_url}/is_paused", headers=_auth(server)).json()[
+        "is_paused"
+    ]  # no sample from a mixed state
     # the InferenceService module (what the weight sync controller calls) raises the same way
     svc = InferenceService(dict(cfg, service=dict(cfg["service"], inference_service=dict(
         cfg["service"]["inference_service"], base_url=server.base_url, api_key=server.api_key))),
@@ -273,8 +281,37 @@ def _failed_reloads(
     with pytest.raises(WeightSyncError, match="server left paused"):
         svc.reload_weights(str(tmp_path / "missing"), 9)
     svc.reload_weights(model_dir, 10)  # a good reload resumes it
-    assert not httpx.get(f"{server.base_url}/is_paused").json()["is_paused"]
-    assert httpx.get(f"{server.base_url}/weight_info").json()["weight_version"] == "10"
+    assert not httpx.get(f"{server.base_url}/is_paused", headers=_auth(server)).json()["is_paused"]
+    assert httpx.get(f"{server.base_url}/weight_info", headers=_auth(server)).json()["weight_version"] == "10"
+
+
+def test_maintenance_endpoints_refuse_an_outsider(server: VLLMServer, model_dir: str) -> None:
+    """Issue 21, row 9: VLLM_SERVER_DEV_MODE's endpoints took no key (vLLM's --api-key covers /v1 only)."""
+    outsider = [
+        ("POST", "/pause", {"params": {"mode": "keep"}}),
+        (
+            "POST",
+            "/collective_rpc",
+            {"json": {"method": "reload_weights", "kwargs": {"weights_path": model_dir}}},
+        ),
+        ("POST", "/resume", {}),
+        ("POST", "/reset_prefix_cache", {}),
+        ("POST", "/update_weight_version", {"json": {"new_version": "666"}}),
+        ("GET", "/weight_info", {}),
+        ("GET", "/is_paused", {}),
+        ("GET", "/metrics", {}),
+        ("POST", "/invocations", {"json": {"prompt": "m1=", "max_tokens": 1}}),
+        ("POST", "/v1/completions", {"json": {"model": "policy", "prompt": "m1=", "max_tokens": 1}}),
+    ]
+    for method, path, kwargs in outsider:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            resp = httpx.request(method, f"{server.base_url}{path}", headers=headers, timeout=30, **kwargs)
+            assert resp.status_code == 401, (path, resp.status_code, resp.text[:200])
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    # nothing of it happened: not paused, the version untouched; the run's key still works
+    assert not httpx.get(f"{server.base_url}/is_paused", headers=_auth(server)).json()["is_paused"]
+    info = httpx.get(f"{server.base_url}/weight_info", headers=_auth(server)).json()
+    assert info["weight_version"] != "666"
 
 
 def test_bad_configs_name_their_key(tmp_path: Path) -> None:

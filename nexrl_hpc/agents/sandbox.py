@@ -1,68 +1,178 @@
 """Run untrusted Python (model-written code) in a child process with hard limits.
 
 Why a subprocess and not exec(): a reward or tool call must survive code that loops forever,
-allocates without bound, forks without bound, floods its output or phones home. The layers, each
-exercised by tests/test_agents_sandbox.py:
+allocates without bound, forks without bound, floods its output or phones home. Why a private
+filesystem view on top: code running as the job's user could otherwise read the run's keys from a
+same-uid ``/proc/<pid>/environ``, rewrite the run's pickles and weights, talk to its servers over
+loopback or Unix sockets, and leave files behind in /tmp or /dev/shm. The layers, each exercised by
+tests/test_agents_sandbox.py and tests/test_hostile_sandbox.py:
 
 * wall time: after ``wall_time_s`` the parent SIGKILLs the PID namespace's init (the kernel then
   kills every process in the namespace, also ones that left the session) and the session;
 * CPU time, address space, file size, open files, core dumps, process count: ``setrlimit`` in the
   child just before it execs the interpreter (a small launcher does this, no ``preexec_fn``);
-* no network and a private /proc: fresh network, PID and mount namespaces (``unshare``; root
-  creates them directly, other users through a user namespace). Where that fails the result
-  says ``network_isolated=False``; ``SandboxLimits.require_isolation`` makes it an error instead;
-* a fresh session, an empty environment, ``python -I`` (no site/user paths, no PYTHON* vars), a
-  temporary working directory removed afterwards, stdio through unlinked temp files.
+* namespaces (``unshare``; root creates them directly, other users through a user namespace):
+  network (no loopback of the host, no abstract Unix sockets), PID (a private /proc), IPC (no
+  System V shared memory that outlives the run), UTS and mount;
+* a private root (``pivot_root`` onto a fresh tmpfs): read-only binds of the system directories
+  (/usr, /lib*, /bin, /sbin, the dynamic linker's files in /etc) and of the interpreter's prefix;
+  a fresh /proc, a minimal /dev, and size-capped tmpfs at /tmp (the working directory) and
+  /dev/shm that vanish with the namespace. Nothing else of the host exists in it: no run dir, no
+  home, no other users' files, no path-based Unix sockets;
+* no privileges: a root caller's code runs as ``unprivileged_uid`` (RLIMIT_NPROC is not enforced
+  for uid 0); a non-root caller's code stays uid 0 *inside* its user namespace with every
+  capability dropped (bounding set emptied, ``SECBIT_NOROOT`` locked) and ``no_new_privs``;
+* a fresh session, an empty environment, ``python -I``, stdio through unlinked temp files.
 
-RLIMIT_NPROC is not enforced by Linux for uid 0, so a root caller runs the code as
-``unprivileged_uid`` (default 65534, "nobody"). When that uid cannot read the interpreter (e.g.
-a Python under /root), it keeps CAP_DAC_READ_SEARCH, which also lets the code read any file on
-the host; the result's notes say so, and ``python_executable`` pointing to a world-readable
-Python avoids it. Not limited: the number of files the code creates in its temp dir (each is
-capped by RLIMIT_FSIZE), total memory across its processes (RLIMIT_AS is per process), and
-reading world-readable host files. The process count is per uid: concurrent root-started
-sandboxes share ``max_processes`` of ``unprivileged_uid``.
+Isolation is required by default (``require_isolation``): where the machine cannot provide it
+(unprivileged user namespaces are often off on HPC nodes) the call raises
+``SandboxUnavailableError`` naming the setting, instead of running the code unisolated. With it
+off, such a machine runs the code without namespaces (the result says ``isolated=False``).
+
+Not limited: total memory across the code's processes (RLIMIT_AS is per process); the process
+count is per uid, so concurrent root-started sandboxes share ``max_processes`` of
+``unprivileged_uid``, and a non-root caller's sandbox counts against the job user's processes.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 Status = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed"]
 
-# Runs first in the child: set limits, then become the untrusted program. Kept tiny and
-# dependency-free because it runs inside the limits it sets. As PID 1 of a new PID namespace the
-# kernel would not deliver SIGXCPU/SIGKILL from RLIMIT_CPU to it, so there it forks the program
-# and reports the program's fate as its own exit status (128 + signal, like a shell).
-_LAUNCHER = """\
-import os, resource, sys
-limits = {limits!r}
+REQUIRE_KEY = "rollout_worker.sandbox.require_isolation"
+SETUP_EXIT = 125  # the launcher could not build the sandbox (its stderr line starts with SETUP_TAG)
+SETUP_TAG = "nexrl-sandbox: "
+
+# pivot_root has no libc wrapper: its syscall number per architecture
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+# what the code sees of the host, read-only (when present); symlinks (merged /usr) are recreated
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/alternatives",
+)
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+# Runs first in the child, as root (of the machine, or of a fresh user namespace): build the
+# private root, pivot into it, then (as PID 1 of the namespace) fork the program, which drops every
+# privilege, sets the limits and becomes the untrusted program. Kept dependency-free (ctypes for
+# mount/prctl): it runs inside the limits and the view it sets up. As PID 1 the kernel would not
+# deliver SIGXCPU/SIGKILL from RLIMIT_CPU to it, so it reports the program's fate as its own exit
+# status (128 + signal, like a shell).
+_LAUNCHER = r"""
+import ctypes, os, resource, sys
+cfg = {cfg!r}
+libc = ctypes.CDLL(None, use_errno=True)
+
+def fail(what):
+    os.write(2, ({tag!r} + what + "\n").encode())
+    os._exit({setup_exit})
+
+def check(ret, what):
+    if ret != 0:
+        fail(what + ": " + os.strerror(ctypes.get_errno()))
+
+def mount(src, dst, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), "mount " + dst)
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+
+def bind_ro(src, dst):
+    if os.path.isdir(src):
+        os.makedirs(dst, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+        open(dst, "a").close()
+    mount(src, dst, None, MS_BIND)
+    f = os.statvfs(src).f_flag  # flags a user namespace may not clear: keep them
+    keep = f & (MS_NOEXEC | 1024 | 2048) | ((1 << 21) if f & 4096 else 0)
+    mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+
+def build_root():
+    root = cfg["root"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    for path, target in cfg["links"]:
+        os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
+        os.symlink(target, root + path)
+    for src, dst in cfg["binds"]:
+        bind_ro(src, root + dst)
+    os.makedirs(root + "/proc", mode=0o555)
+    mount("/proc", root + "/proc", None, MS_BIND | MS_REC)  # unshare --mount-proc's: this PID namespace
+    os.makedirs(root + "/dev", mode=0o755)
+    mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+    for name in cfg["devices"]:
+        open(root + "/dev/" + name, "w").close()
+        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink("/proc/self/fd/%d" % i, root + "/dev/" + name)
+    os.symlink("/proc/self/fd", root + "/dev/fd")
+    size = "size=%d,nr_inodes=%d,mode=1777" % (cfg["tmp_bytes"], cfg["tmp_inodes"])
+    for tmp in ("/tmp", "/dev/shm"):
+        os.makedirs(root + tmp, mode=0o755, exist_ok=True)
+        mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV, size)
+    for name in os.listdir(cfg["inputs"]):
+        with open(os.path.join(cfg["inputs"], name), "rb") as src, open(root + "/tmp/" + name, "wb") as dst:
+            dst.write(src.read())
+        if cfg["uid"] is not None:
+            os.chown(root + "/tmp/" + name, cfg["uid"], cfg["uid"])
+    mount(None, root + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    check(libc.syscall(cfg["pivot_root"], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", 2), "detach the old root")  # MNT_DETACH: the host's tree is gone
+    os.chdir("/tmp")
+
+def drop_privileges():
+    for cap in range(64):  # the bounding set: no capability can come back, not even via exec as uid 0
+        if libc.prctl(24, cap, 0, 0, 0) != 0 and ctypes.get_errno() not in (22,):  # PR_CAPBSET_DROP; EINVAL: past the last
+            fail("drop capability %d: %s" % (cap, os.strerror(ctypes.get_errno())))
+    if cfg["uid"] is not None:  # root of the machine: become nobody (clears every capability)
+        os.setgroups([])
+        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+    elif cfg["isolate"]:  # root of a user namespace: stay uid 0 there, powerless (SECBIT_NOROOT locked)
+        check(libc.prctl(28, 1 | 2 | 8 | 32 | 64 | 128, 0, 0, 0), "securebits")
+        check(libc.prctl(47, 4, 0, 0, 0), "clear ambient capabilities")
+    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+
+os.umask(0o022)
+if cfg["isolate"]:
+    build_root()
 if os.getpid() == 1:
     pid = os.fork()
     while pid:  # as init, reap orphans too (zombies would count against RLIMIT_NPROC)
         done, status = os.wait()
         if done == pid:
             os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-for name, (soft, hard) in limits.items():
+if cfg["drop"]:
+    drop_privileges()
+for name, (soft, hard) in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (soft, hard))
-os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
+os.execv(cfg["python"], [cfg["python"], "-I", "-B", cfg["main"]])
 """
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one run; a config section (``agents.sandbox``) will carry these later."""
+    """Limits of one run (the run's are ``rollout_worker.sandbox``, set by ``set_default_limits``)."""
 
     wall_time_s: float = 10.0
     cpu_time_s: int = 5
@@ -70,8 +180,8 @@ class SandboxLimits:
     max_processes: int = 16
     max_output_bytes: int = 1 << 20
     max_open_files: int = 64
-    isolate_network: bool = True
-    require_isolation: bool = False
+    tmp_mb: int = 64  # each of /tmp and /dev/shm (memory-backed)
+    require_isolation: bool = True
     unprivileged_uid: int = 65534
     python_executable: str | None = None  # default: this process's interpreter
 
@@ -83,9 +193,42 @@ class SandboxLimits:
             "max_processes",
             "max_output_bytes",
             "max_open_files",
+            "tmp_mb",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SandboxLimits:
+        """From the ``rollout_worker.sandbox`` section (every key present: YAML holds the defaults)."""
+        return cls(
+            wall_time_s=float(cfg["wall_time_s"]),
+            cpu_time_s=int(cfg["cpu_time_s"]),
+            memory_mb=int(cfg["memory_mb"]),
+            max_processes=int(cfg["max_processes"]),
+            max_output_bytes=int(cfg["max_output_bytes"]),
+            max_open_files=int(cfg["max_open_files"]),
+            tmp_mb=int(cfg["tmp_mb"]),
+            require_isolation=bool(cfg["require_isolation"]),
+            unprivileged_uid=int(cfg["unprivileged_uid"]),
+            python_executable=cfg["python_executable"],
+        )
+
+
+_default_limits = SandboxLimits()
+_default_lock = threading.Lock()
+
+
+def set_default_limits(limits: SandboxLimits) -> None:
+    """The limits of calls that pass none (the code reward, the python tool): the run's config."""
+    global _default_limits
+    with _default_lock:
+        _default_limits = limits
+
+
+def default_limits() -> SandboxLimits:
+    with _default_lock:
+        return _default_limits
 
 
 @dataclass
@@ -97,7 +240,7 @@ class SandboxResult:
     stderr: str
     returncode: int | None
     wall_time_s: float
-    network_isolated: bool
+    isolated: bool
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -122,70 +265,141 @@ class SandboxResult:
 
 
 class SandboxUnavailableError(RuntimeError):
-    """Isolation was required (``require_isolation``) but this machine cannot provide it."""
+    """Isolation is required (``rollout_worker.sandbox.require_isolation``) but this machine cannot provide it."""
 
 
-@functools.lru_cache(maxsize=4)
-def _probe(cmd: tuple[str, ...]) -> bool:
-    """Whether a namespace wrapper actually works here (kernels and containers differ)."""
-    try:
-        return subprocess.run([*cmd, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+@dataclass(frozen=True)
+class _Plan:
+    """How the child is started: the command prefix, the launcher's settings, what that buys."""
+
+    prefix: tuple[str, ...]
+    isolated: bool
+    run_as_uid: int | None
+    binds: tuple[tuple[str, str], ...]
+    links: tuple[tuple[str, str], ...]
+    pivot_root: int
+    notes: tuple[str, ...] = ()
 
 
-def _others_can_use(path: str) -> bool:
-    """Whether a uid that is neither owner nor group can traverse to ``path`` and read/run it."""
-    real = Path(os.path.realpath(path))
-    for parent in real.parents:
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return False
-    return bool(os.stat(real).st_mode & stat.S_IROTH)
+def _prefixes(python: str) -> list[str]:
+    """The interpreter's installation directories (its libraries; a venv's and its base's)."""
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    given = Path(os.path.abspath(python))
+    return sorted({str(given.parents[1]), str(Path(os.path.realpath(python)).parents[1])})
 
 
-@dataclass
-class _Wrapper:
-    """How the child is started: the command prefix, and what that buys."""
-
-    prefix: list[str] = field(default_factory=list)
-    network_isolated: bool = False
-    run_as_uid: int | None = None
-    notes: list[str] = field(default_factory=list)
+def _covered(path: str, by: list[str]) -> bool:
+    return any(path == b or path.startswith(b.rstrip("/") + "/") for b in by)
 
 
-def _wrapper(limits: SandboxLimits, python: str) -> _Wrapper:
-    wrap = _Wrapper()
-    unshare = shutil.which("unshare")
-    root = os.geteuid() == 0
-    if limits.isolate_network and unshare:
-        # root may create namespaces directly; others need a user namespace (-r) first
-        user = [] if root else ["-r"]
-        ns = [unshare, *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-        if _probe(tuple(ns)):
-            wrap.prefix, wrap.network_isolated = ns, True
-        else:
-            wrap.notes.append("unshare cannot create namespaces here: network not isolated")
-    elif limits.isolate_network:
-        wrap.notes.append("no unshare binary: network not isolated")
-    if root:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            wrap.notes.append(
-                "running as root without setpriv: the code runs as root, process limit not enforced"
-            )
-        else:
-            uid = str(limits.unprivileged_uid)
-            wrap.run_as_uid = limits.unprivileged_uid
-            wrap.prefix += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-            lib = str(Path(os.path.realpath(python)).parents[1] / "lib")
-            if not (_others_can_use(python) and _others_can_use(lib)):
-                wrap.prefix += ["--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search"]
-                wrap.notes.append(
-                    f"{python} is not readable by uid {uid}: it keeps CAP_DAC_READ_SEARCH and can read any host file"
+def _view(python: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """(read-only binds (host path, path in the view), symlinks (path, target)) of the private root.
+
+    An interpreter prefix that is "/" or holds the caller's home or working directory would put the
+    run's files into the view: refused, naming the setting."""
+    binds: list[tuple[str, str]] = []
+    links: list[tuple[str, str]] = []
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+        elif os.path.isdir(path):
+            binds.append((path, path))
+    bound = [dst for _, dst in binds] + [p for p, _ in links]
+    cwd, home = os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))
+    for prefix in _prefixes(python):
+        real = os.path.realpath(prefix)
+        for place in sorted({os.path.abspath(prefix), real}):
+            if place == "/" or _covered(cwd, [place]) or _covered(home, [place]):
+                raise SandboxUnavailableError(
+                    f"the interpreter's prefix {place} holds {'/' if place == '/' else 'the home or working directory'}"
+                    f" (rollout_worker.sandbox.python_executable={python!r}): the sandbox would show the run's files;"
+                    " use a Python installed in a directory of its own"
                 )
-    if limits.require_isolation and not wrap.network_isolated:
-        raise SandboxUnavailableError("sandbox isolation required but unavailable: " + "; ".join(wrap.notes))
-    return wrap
+            # a prefix under a bound or linked system dir is in the view already
+            resolved = os.path.realpath(place)
+            if not _covered(place, bound) and not _covered(resolved, [d for d, _ in binds]):
+                binds.append((real, place))
+                bound.append(place)
+    for path in _ETC_FILES:
+        if os.path.exists(path):
+            binds.append((os.path.realpath(path), path))
+    return tuple(binds), tuple(links)
+
+
+def _plan(limits: SandboxLimits, python: str, isolate: bool) -> _Plan:
+    root = os.geteuid() == 0
+    uid = limits.unprivileged_uid if root else None
+    if not isolate:
+        return _Plan((), False, uid, (), (), 0)
+    unshare = shutil.which("unshare")
+    pivot = _PIVOT_ROOT.get(platform.machine(), 0)
+    if unshare is None:
+        return _Plan((), False, uid, (), (), 0, ("no unshare binary (util-linux)",))
+    if not pivot:
+        return _Plan(
+            (), False, uid, (), (), 0, (f"pivot_root's syscall number unknown on {platform.machine()}",)
+        )
+    user = () if root else ("-r",)  # root creates namespaces directly; others through a user namespace
+    prefix = (
+        unshare,
+        *user,
+        "--net",
+        "--pid",
+        "--ipc",
+        "--uts",
+        "--mount",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+    )
+    binds, links = _view(python)
+    return _Plan(prefix, True, uid, binds, links, pivot)
+
+
+@functools.lru_cache(maxsize=8)
+def _isolation_problem(python: str, uid: int, euid: int) -> str | None:
+    """Why the isolated sandbox cannot run here (None: it can): one trivial run, once per process.
+
+    Kernels, containers and sysctls differ (``kernel.unprivileged_userns_clone``,
+    ``user.max_user_namespaces``, a /proc that may not be bound), so the whole setup is tried."""
+    limits = SandboxLimits(wall_time_s=30.0, cpu_time_s=10, unprivileged_uid=uid, python_executable=python)
+    try:
+        plan = _plan(limits, python, isolate=True)
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    if not plan.isolated:
+        return "; ".join(plan.notes)
+    result = _run(plan, "print('ok')\n", "", {}, limits, python)
+    if result.returncode == 0 and result.stdout == "ok\n":
+        return None
+    lines = [ln for ln in result.stderr.strip().splitlines() if ln.strip()]
+    return f"the isolated sandbox did not start (exit {result.returncode}): {' / '.join(lines[-3:]) or 'no output'}"
+
+
+def isolation_problem(limits: SandboxLimits | None = None) -> str | None:
+    """Why isolation is unavailable on this machine for these limits, or None; cached."""
+    limits = limits or default_limits()
+    return _isolation_problem(
+        limits.python_executable or sys.executable, limits.unprivileged_uid, os.geteuid()
+    )
+
+
+def check_isolation(limits: SandboxLimits | None = None) -> None:
+    """Raise ``SandboxUnavailableError`` when isolation is required and unavailable (a start-up check)."""
+    limits = limits or default_limits()
+    problem = isolation_problem(limits) if limits.require_isolation else None
+    if problem is not None:
+        raise SandboxUnavailableError(_unavailable_message(problem))
+
+
+def _unavailable_message(problem: str) -> str:
+    return (
+        f"sandbox isolation is required ({REQUIRE_KEY}=true) but this machine cannot provide it: {problem}. "
+        "Unprivileged user namespaces must be on (sysctl kernel.unprivileged_userns_clone=1, "
+        f"user.max_user_namespaces > 0), or the run must start as root; {REQUIRE_KEY}=false runs "
+        "model-written code without isolation (it can then read and change what the job's user can)"
+    )
 
 
 def _read_capped(f: IO[bytes], cap: int) -> tuple[str, bool]:
@@ -194,22 +408,39 @@ def _read_capped(f: IO[bytes], cap: int) -> tuple[str, bool]:
     return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
 
 
-def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run ``code`` as ``main.py`` in a fresh temp dir under ``limits``; never raises for what the code does."""
-    limits = limits or SandboxLimits()
+def run_python(
+    code: str, stdin: str = "", limits: SandboxLimits | None = None, files: dict[str, str] | None = None
+) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in a fresh sandbox under ``limits`` (default: the run's); never
+    raises for what the code does. ``files``: more files (name -> text) beside it in its /tmp.
+
+    Raises ``SandboxUnavailableError`` when isolation is required and this machine cannot provide it."""
+    limits = limits or default_limits()
     python = limits.python_executable or sys.executable
-    wrap = _wrapper(limits, python)
+    problem = isolation_problem(limits)
+    if problem is not None and limits.require_isolation:
+        raise SandboxUnavailableError(_unavailable_message(problem))
+    plan = _plan(limits, python, isolate=problem is None)
+    if problem is not None:
+        plan = _Plan(plan.prefix, False, plan.run_as_uid, (), (), 0, (f"not isolated: {problem}",))
+    return _run(plan, code, stdin, files or {}, limits, python)
+
+
+def _run(
+    plan: _Plan, code: str, stdin: str, files: dict[str, str], limits: SandboxLimits, python: str
+) -> SandboxResult:
     memory = int(limits.memory_mb) << 20
-    files = int(limits.max_output_bytes) + 1024
+    fsize = int(limits.max_output_bytes) + 1024
     # CPU: SIGXCPU at the soft limit (reported as cpu_limit), SIGKILL one second later
     rlimits = {
         "RLIMIT_CPU": (int(limits.cpu_time_s), int(limits.cpu_time_s) + 1),
         "RLIMIT_AS": (memory, memory),
-        "RLIMIT_FSIZE": (files, files),
+        "RLIMIT_FSIZE": (fsize, fsize),
         "RLIMIT_NOFILE": (int(limits.max_open_files), int(limits.max_open_files)),
         "RLIMIT_CORE": (0, 0),
         "RLIMIT_NPROC": (int(limits.max_processes), int(limits.max_processes)),
     }
+    notes = list(plan.notes)
     with (
         tempfile.TemporaryDirectory(prefix="nexrl_sandbox_") as tmp,
         tempfile.TemporaryFile() as fin,
@@ -217,19 +448,46 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) 
         tempfile.TemporaryFile() as ferr,
     ):
         work = Path(tmp)
-        (work / "main.py").write_text(code)
-        (work / "launcher.py").write_text(_LAUNCHER.format(limits=rlimits))
-        if wrap.run_as_uid is not None:
-            os.chown(work, wrap.run_as_uid, wrap.run_as_uid)
+        inputs = work / "in"
+        inputs.mkdir()
+        for name, text in {**files, "main.py": code}.items():
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"sandbox file name {name!r}: a plain file name is needed")
+            (inputs / name).write_text(text)
+        (work / "root").mkdir()
+        cfg = {
+            "isolate": plan.isolated,
+            "root": str(work / "root"),
+            "binds": list(plan.binds),
+            "links": list(plan.links),
+            "devices": list(_DEVICES),
+            "tmp_bytes": int(limits.tmp_mb) << 20,
+            "tmp_inodes": 4096,
+            "inputs": str(inputs),
+            "uid": plan.run_as_uid,
+            "drop": plan.isolated or plan.run_as_uid is not None,
+            "pivot_root": plan.pivot_root,
+            "rlimits": rlimits,
+            "python": os.path.abspath(python),
+            "main": "main.py",
+        }
+        (work / "launcher.py").write_text(_LAUNCHER.format(cfg=cfg, tag=SETUP_TAG, setup_exit=SETUP_EXIT))
+        cwd = str(work)
+        if not plan.isolated and plan.run_as_uid is not None:  # the code runs in the host's dir: let it in
+            for path in (work, inputs, *inputs.iterdir()):
+                os.chown(path, plan.run_as_uid, plan.run_as_uid)
+            cwd = str(inputs)
+        elif not plan.isolated:
+            cwd = str(inputs)
         fin.write(stdin.encode())
         fin.seek(0)
         start = time.monotonic()
         proc = subprocess.Popen(
-            [*wrap.prefix, python, "-I", "-B", "launcher.py"],
+            [*plan.prefix, python, "-I", "-B", str(work / "launcher.py")],
             stdin=fin,
             stdout=fout,
             stderr=ferr,
-            cwd=work,
+            cwd=cwd,
             env={},
             start_new_session=True,
             close_fds=True,
@@ -243,14 +501,12 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) 
         elapsed = time.monotonic() - start
         stdout, out_cut = _read_capped(fout, limits.max_output_bytes)
         stderr, err_cut = _read_capped(ferr, limits.max_output_bytes)
-    if wrap.prefix:  # the wrappers' own complaints when their child is killed are not the program's output
+    if plan.prefix:  # the wrapper's own complaints when its child is killed are not the program's output
         stderr = "".join(
-            line
-            for line in stderr.splitlines(keepends=True)
-            if not line.startswith(("unshare: ", "setpriv: "))
+            line for line in stderr.splitlines(keepends=True) if not line.startswith("unshare: ")
         )
     status = _classify(proc.returncode, timed_out, stderr, out_cut or err_cut)
-    return SandboxResult(status, stdout, stderr, proc.returncode, elapsed, wrap.network_isolated, wrap.notes)
+    return SandboxResult(status, stdout, stderr, proc.returncode, elapsed, plan.isolated, notes)
 
 
 def _children(pid: int) -> list[int]:
@@ -264,8 +520,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the run and return only when its processes are gone.
 
     With a PID namespace, killing its init (unshare's child) makes the kernel kill and reap every
-    process in the namespace before unshare's wait returns, even ones that left the session.
-    The session kill covers the no-namespace case and the wrappers themselves.
+    process in the namespace before unshare's wait returns, even ones that left the session; the
+    namespace's mounts (its /tmp and /dev/shm) go with its last process. The session kill covers
+    the no-namespace case and the wrapper itself.
     """
     for pid in _children(proc.pid):
         try:

@@ -16,6 +16,7 @@ import threading
 import torch
 from safetensors.torch import save_file
 
+from nexrl_hpc.checkpoint.digest import write_sidecar
 from nexrl_hpc.checkpoint.tensor_reads import (
     PartialLoadError,
     TensorEntry,
@@ -24,6 +25,7 @@ from nexrl_hpc.checkpoint.tensor_reads import (
     read_header,
     read_tensors,
 )
+from nexrl_hpc.checkpoint.tensor_writes import writable, write_tensor_file
 
 HF_SIDE_FILES = (
     "config.json",
@@ -103,14 +105,13 @@ def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_safetensors(state_dict: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> list[str]:
-    """Write one file or shards + index; returns the written file paths."""
+def write_safetensors(
+    state_dict: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int, sidecars: bool = False
+) -> list[str]:
+    """Write one file or shards + index; returns the written file paths. ``sidecars``: leave each
+    weight file's digest (hashed as it was written) beside it for the checkpoint's ``COMPLETE``."""
     tensors = _untie(state_dict)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total <= max_shard_bytes:
-        path = os.path.join(out_dir, "model.safetensors")
-        save_file(tensors, path, metadata={"format": "pt"})
-        return [path]
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -120,12 +121,23 @@ def write_safetensors(state_dict: dict[str, torch.Tensor], out_dir: str, max_sha
             size = 0
         shards[-1][name] = t
         size += nbytes
+    if total <= max_shard_bytes:
+        shards = [tensors]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        paths.append(os.path.join(out_dir, fname))
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        path = os.path.join(out_dir, fname)
+        items = list(shard.items())
+        if writable(items):
+            hexdigest, nbytes = write_tensor_file(path, items, {"format": "pt"})
+            if sidecars:
+                write_sidecar(path, hexdigest, nbytes)
+        else:  # a dtype without a code here (float8...): safetensors' writer; COMPLETE hashes it by reading
+            save_file(shard, path, metadata={"format": "pt"})
+        paths.append(path)
         weight_map.update(dict.fromkeys(shard, fname))
+    if len(shards) == 1:
+        return paths
     index = os.path.join(out_dir, "model.safetensors.index.json")
     with open(index, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
@@ -139,8 +151,10 @@ def write_hf_model_dir(
     out_dir: str,
     max_shard_bytes: int,
     fsync: bool = True,
+    sidecars: bool = False,
 ) -> None:
-    """Write weights + the source model's config/tokenizer files to ``out_dir`` (temp dir, then rename)."""
+    """Write weights + the source model's config/tokenizer files to ``out_dir`` (temp dir, then
+    rename); ``sidecars``: the weight files' digests beside them (a checkpoint's model/)."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}")
@@ -150,7 +164,7 @@ def write_hf_model_dir(
     # a durable copy is written for the disk (kicked writeback); a fast one (weight sync) for the
     # page cache, where the inference service reads it right away
     with WritebackKicker(tmp) if fsync else contextlib.nullcontext():
-        written = write_safetensors(state_dict, tmp, max_shard_bytes)
+        written = write_safetensors(state_dict, tmp, max_shard_bytes, sidecars)
         for name in HF_SIDE_FILES:
             src = os.path.join(source_model_dir, name)
             if os.path.exists(src):

@@ -3,7 +3,10 @@
 ``checkpoints/global_step_<N>/`` holds ``model/`` (HF layout), ``optimizer/`` (per-rank engine
 state) and ``state.h5`` (step, data loader position, RNG states, weight versions). It is written
 in a temp dir, fsynced, renamed into place; ``COMPLETE`` is written last and ``latest`` is then
-replaced atomically. A directory without ``COMPLETE`` is never resumed from.
+replaced atomically. A directory without ``COMPLETE`` is never resumed from. ``COMPLETE`` lists
+every file with its size and digest (``digest``): a resume takes the newest complete checkpoint
+whose files still match (``find_resume_checkpoint``), so one damaged after its save is skipped
+with a warning instead of making every requeue of the job crash on it.
 
 One writer per checkpoint folder (the train worker): what a killed writer left behind (temp dirs,
 step dirs without ``COMPLETE``) is removed by the next save, and a checkpoint being pruned loses its
@@ -26,6 +29,7 @@ import h5py
 import numpy as np
 import torch
 
+from nexrl_hpc.checkpoint.digest import complete_record, manifest, verify_checkpoint
 from nexrl_hpc.checkpoint.hf import WritebackKicker, fsync_path
 
 logger = logging.getLogger(__name__)
@@ -117,22 +121,40 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE))
 
 
-def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
-    """Newest complete ``global_step_*`` (the ``latest`` pointer is a hint, the scan is the truth).
+def complete_checkpoints(checkpoint_folder: str) -> list[str]:
+    """Complete ``global_step_*`` dirs, newest first (the ``latest`` pointer is a hint, the scan is
+    the truth).
 
     A complete ``.old-global_step_<N>-<pid>`` counts when ``global_step_<N>`` is not complete: a
     writer killed between moving it aside and renaming its replacement into place left only that."""
     if not os.path.isdir(checkpoint_folder):
-        return None
-    best: tuple[int, int, str] | None = None
+        return []
+    best: dict[int, tuple[int, str]] = {}
     for name in os.listdir(checkpoint_folder):
         m = STEP_DIR.match(name) or OLD_STEP_DIR.match(name)
         path = os.path.join(checkpoint_folder, name)
         if m and is_complete(path):
-            key = (int(m.group(1)), 1 if STEP_DIR.match(name) else 0, path)
-            if best is None or key[:2] > best[:2]:
-                best = key
-    return best[2] if best else None
+            step, rank = int(m.group(1)), 1 if STEP_DIR.match(name) else 0
+            if step not in best or rank > best[step][0]:
+                best[step] = (rank, path)
+    return [best[step][1] for step in sorted(best, reverse=True)]
+
+
+def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
+    """Newest complete checkpoint, its files not checked (``find_resume_checkpoint`` checks them)."""
+    found = complete_checkpoints(checkpoint_folder)
+    return found[0] if found else None
+
+
+def find_resume_checkpoint(checkpoint_folder: str) -> str | None:
+    """Newest complete checkpoint whose files match the digests in its ``COMPLETE``; each newer one
+    that does not is skipped with a warning naming the file."""
+    for path in complete_checkpoints(checkpoint_folder):
+        problem = verify_checkpoint(path, COMPLETE)
+        if problem is None:
+            return path
+        logger.warning("checkpoint %s skipped: %s; trying the previous one", path, problem)
+    return None
 
 
 def _remove_step_dir(path: str) -> None:
@@ -159,6 +181,8 @@ class CheckpointManager:
             save_model(tmp)
             state_path = os.path.join(tmp, STATE_FILE)
             write_state_h5(state_path, state)
+        # the writers' digests of the big files (their sidecars), the small ones read and hashed
+        record = complete_record(step, manifest(tmp))
         fsync_path(state_path)
         fsync_path(tmp)
         old = None
@@ -174,7 +198,7 @@ class CheckpointManager:
         fsync_path(self.folder)
         marker = os.path.join(final, COMPLETE)
         with open(marker, "w") as f:
-            f.write(f"{step}\n")
+            f.write(record)
             f.flush()
             os.fsync(f.fileno())
         fsync_path(final)

@@ -16,20 +16,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from typing import Any
 
 import torch
 
 from nexrl_hpc.checkpoint.tensor_reads import (
-    CHUNK,
     DTYPES,
-    PAGE,
     TensorEntry,
     TensorFileError,
     read_header,
     read_tensors,
 )
+from nexrl_hpc.checkpoint.tensor_writes import write_tensor_file
 
 STRUCTURE_KEY = "nexrl_structure"
 
@@ -78,37 +76,14 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     return tuple(_decode(v, tensors) for v in node["u"])
 
 
-def save_state_file(state: Any, path: str) -> None:
-    """Write ``state`` to ``path`` (no fsync: the checkpoint's writer fsyncs what it wrote)."""
+def save_state_file(state: Any, path: str) -> tuple[str, int]:
+    """Write ``state`` to ``path``; returns the file's (xxh3-128, size), hashed as it was written
+    (no fsync: the checkpoint's writer fsyncs what it wrote)."""
     tensors: list[torch.Tensor] = []
     structure = _encode(state, tensors, "state")
-    # widest elements first: every tensor then starts aligned to its element size (the format
-    # forbids gaps), so a reader can view it in place
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    header: dict[str, Any] = {"__metadata__": {STRUCTURE_KEY: json.dumps(structure)}}
-    offset = 0
-    for i in order:
-        t = tensors[i]
-        nbytes = t.numel() * t.element_size()
-        header[f"t{i}"] = {
-            "dtype": DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    # the data starts on a page boundary (spaces are valid JSON padding): cold reads from an
-    # unaligned offset ran at a third of the speed here (bench/README.md)
-    raw += b" " * (-(8 + len(raw)) % PAGE)
-    with open(path, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for i in order:
-            data = tensors[i].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
-            view = memoryview(data)  # type: ignore[arg-type]
-            for lo in range(0, len(view), CHUNK):
-                f.write(view[lo : lo + CHUNK])
+    return write_tensor_file(
+        path, [(f"t{i}", t) for i, t in enumerate(tensors)], {STRUCTURE_KEY: json.dumps(structure)}
+    )
 
 
 def _live_targets(node: Any, live: Any, found: dict[str, torch.Tensor]) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nexrl_hpc.checkpoint.digest import write_sidecar
 from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
 from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
 
@@ -62,7 +63,10 @@ class TrainerCheckpointIO:
         state = par.full_state_dict(self.model)
         if par.rank == 0:
             state = with_tied_entries(state, par.unwrap(self.model))
-            write_hf_model_dir(state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync)
+            # a durable copy is a checkpoint's: its weight files' digests go into COMPLETE
+            write_hf_model_dir(
+                state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync, sidecars=fsync
+            )
         par.barrier()
 
     def save(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
@@ -74,7 +78,7 @@ class TrainerCheckpointIO:
         opt_dir = os.path.join(local_path, "optimizer")
         os.makedirs(opt_dir, exist_ok=True)
         path = os.path.join(opt_dir, f"rank_{par.rank}.safetensors")
-        save_state_file(
+        hexdigest, size = save_state_file(
             {
                 "optimizer": par.optimizer_state(self.model, self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
@@ -84,6 +88,7 @@ class TrainerCheckpointIO:
             },
             path,
         )
+        write_sidecar(path, hexdigest, size)  # hashed as written: COMPLETE takes it from here
         fsync_path(path)
         par.barrier()
         if par.rank == 0:

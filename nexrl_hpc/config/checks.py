@@ -12,6 +12,7 @@ from nexrl_hpc.config.algorithm_checks import algorithm_problems
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, config_value, g_safe, import_configured
 from nexrl_hpc.runtime.placement import placement_problems
+from nexrl_hpc.runtime.run_files import umask_problem
 
 
 def _check_callable(
@@ -208,6 +209,18 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         ),
         "service.train_service.config.zmq_recv_timeout_ms",
         "must not exceed service.train_service.config.zmq_total_timeout_ms",
+    )
+    if (umask := umask_problem(g_safe(cfg, "runtime.umask"))) is not None:
+        problems.append(ConfigProblem("runtime.umask", umask))
+    check(
+        lambda: (
+            g("service.inference_service.backend") != "local"
+            or g("service.inference_service.max_coalesce")
+            <= g("service.inference_service.local.max_prompts_per_request")
+        ),
+        "service.inference_service.local.max_prompts_per_request",
+        "the local server would refuse the run's own coalesced requests: it must be >= "
+        f"service.inference_service.max_coalesce ({g_safe(cfg, 'service.inference_service.max_coalesce')})",
     )
     problems += algorithm_problems(cfg)
     problems += _deepspeed_problems(cfg)

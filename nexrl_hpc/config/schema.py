@@ -102,6 +102,21 @@ class AgentRolloutConfig(TypedDict):
     workflow_args: dict  # more kwargs of the workflow class
 
 
+class SandboxConfig(TypedDict):
+    """rollout_worker.sandbox: limits of model-written code (nexrl_hpc.agents.sandbox.SandboxLimits)."""
+
+    require_isolation: bool  # false: run the code unisolated where namespaces are unavailable
+    wall_time_s: Annotated[float, Gt(0.0)]
+    cpu_time_s: Annotated[int, Ge(1)]
+    memory_mb: Annotated[int, Ge(1)]  # address space per process
+    max_processes: Annotated[int, Ge(1)]
+    max_output_bytes: Annotated[int, Ge(1)]
+    max_open_files: Annotated[int, Ge(1)]
+    tmp_mb: Annotated[int, Ge(1)]  # each of its private /tmp and /dev/shm
+    unprivileged_uid: Annotated[int, Ge(1)]  # a root-started run's code runs as this uid
+    python_executable: str | None  # null: the run's interpreter
+
+
 class RolloutWorkerConfig(TypedDict):
     type: Literal["simple", "single_turn", "agent"]
     num_workers: Annotated[int, Ge(1)]
@@ -116,6 +131,7 @@ class RolloutWorkerConfig(TypedDict):
     reward_threads: Annotated[int, Ge(1)]  # threads scoring responses off the worker's event loop
     val_kwargs: ValKwargs
     agent: AgentRolloutConfig
+    sandbox: SandboxConfig
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
@@ -279,6 +295,9 @@ class LocalInferenceConfig(TypedDict):
     host: str
     port: Annotated[int, Ge(0), Le(65535)]
     max_batch_size: Annotated[int, Ge(1)]
+    max_n: Annotated[int, Ge(1)]  # per request; more is a 400 naming the key
+    max_prompts_per_request: Annotated[int, Ge(1)]  # >= max_coalesce (config check)
+    max_request_mb: Annotated[int, Ge(1)]  # request body size
     batch_wait_ms: Annotated[float, Ge(0.0)]
     num_threads: Annotated[int, Ge(1)]
     startup_timeout_s: Annotated[float, Gt(0.0)]
@@ -404,6 +423,7 @@ class RuntimeConfig(TypedDict):
     mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)
     gc_freeze_after_setup: bool  # move start-up objects out of the GC's reach (no long gen-2 pauses)
     gc_thresholds: list[Annotated[int, Ge(1)]]  # gc.set_threshold(gen0, gen1, gen2)
+    umask: str | None  # octal, e.g. "077": the run's files and run dir are its user's alone; null: inherited
 
 
 class GroupResources(TypedDict):

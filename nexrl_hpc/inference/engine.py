@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -81,6 +81,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_model_len = int(self.model.config.max_position_embeddings)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.default_stop_ids = stop_token_ids(model_dir, self.tokenizer)  # a request without its own
         self.pad_token_id = self.tokenizer.pad_token_id
@@ -94,19 +95,52 @@ class HFEngine:
 
     # --- public API -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Future:
+        """Queue a request of at most ``max_batch_size`` sequences (``split`` cuts bigger ones)."""
         if self._stopped:
             raise EngineError("engine is stopped")
-        for ids in request.prompts:
-            if len(ids) + request.params.max_tokens > self.max_model_len:
+        if request.num_sequences > self.max_batch_size:
+            raise ValueError(
+                f"{request.num_sequences} sequences in one request, more than the engine's batch of "
+                f"{self.max_batch_size} (service.inference_service.local.max_batch_size)"
+            )
+        self.validate(request.prompts, request.params)
+        self._queue.put(request)
+        return request.future
+
+    def split(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationRequest]:
+        """Requests of at most ``max_batch_size`` sequences each whose outputs, concatenated, are
+        those of ``prompts`` x ``params.n`` in order: one HTTP request never becomes a batch larger
+        than the engine's (a 4,000-prompt x n=4 request ran as one 16,000-row batch before)."""
+        cap = self.max_batch_size
+        if params.n <= cap:
+            per = cap // params.n
+            return [GenerationRequest(prompts[i : i + per], params) for i in range(0, len(prompts), per)]
+        return [
+            GenerationRequest([ids], replace(params, n=min(cap, params.n - done)))
+            for ids in prompts
+            for done in range(0, params.n, cap)
+        ]
+
+    def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """ValueError (a 400) for what the model cannot take: ids outside its vocabulary, a prompt
+        and completion longer than its context, an empty prompt, no tokens to generate."""
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        for i, ids in enumerate(prompts):
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+                # CPU: an IndexError mid-batch; CUDA: a device-side assert that kills the engine
+                raise ValueError(
+                    f"prompt {i}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
+                )
+            if len(ids) + params.max_tokens > self.max_model_len:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{len(ids) + request.params.max_tokens} tokens ({len(ids)} in the prompt, "
-                    f"{request.params.max_tokens} for the completion)."
+                    f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                    f"{params.max_tokens} for the completion)."
                 )
             if not ids:
                 raise ValueError("prompt is empty")
-        self._queue.put(request)
-        return request.future
 
     def load_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> str:
         """Swap in weights from an HF-layout directory between two batches; returns a message."""

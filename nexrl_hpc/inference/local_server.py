@@ -82,6 +82,9 @@ class LocalInferenceServer:
             "--weight-version", str(self.weight_version),
             "--parent-pid", str(os.getpid()),
             "--engine-stop-timeout-s", str(self.config["engine_stop_timeout_s"]),
+            "--max-n", str(self.config["max_n"]),
+            "--max-prompts-per-request", str(self.config["max_prompts_per_request"]),
+            "--max-request-mb", str(self.config["max_request_mb"]),
         ]  # fmt: skip
         if self.attn_implementation:
             cmd += ["--attn-implementation", self.attn_implementation]

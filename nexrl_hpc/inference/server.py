@@ -4,6 +4,12 @@ Request and response fields follow vLLM's so one client talks to both: ``return_
 ``prompt_token_ids``/``token_ids`` per choice, ``logprobs`` gives ``token_logprobs``. Weights reload
 through SGLang's ``/update_weights_from_disk``. Every endpoint but ``/health`` requires the bearer
 key from ``NEXRL_INFERENCE_API_KEY`` when it is set. Binds to the given host (loopback by default).
+
+What one request may cost is bounded (``RequestLimits``, from ``service.inference_service.local``):
+its body size (checked after the key, before a byte of the body is buffered past the cap), ``n``,
+the number of prompts; each prompt is checked against the model (vocabulary, context length) before
+anything is queued, and a request is cut into engine batches of at most ``max_batch_size``
+sequences. Over a limit is a 400 naming the setting.
 """
 
 from __future__ import annotations
@@ -20,18 +26,87 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nexrl_hpc.inference.engine import GenerationOutput, GenerationRequest, HFEngine, SamplingParams
+from nexrl_hpc.inference.engine import GenerationOutput, HFEngine, SamplingParams
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
 API_KEY_ENV = "NEXRL_INFERENCE_API_KEY"
+CONFIG_KEY = "service.inference_service.local"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (``service.inference_service.local.max_*``)."""
+
+    max_n: int
+    max_prompts: int
+    max_body_bytes: int
+
+
+class _Gate:
+    """Pure ASGI, outermost: the key first (headers only, constant-time), then the body, read up
+    to ``max_body_bytes`` and refused past it (a declared Content-Length over the cap is refused
+    before any of it is read). A peer without the key never gets a byte of its body buffered."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        guarded = self.expected is not None and scope["path"] != "/health"
+        if guarded and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected or b""):
+            await _send_error(send, 401, "invalid or missing API key", "AuthenticationError")
+            return
+        too_big = f"request body over {self.max_body_bytes >> 20} MiB ({CONFIG_KEY}.max_request_mb)"
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_body_bytes:
+            await _send_error(send, 400, too_big)
+            return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                await _send_error(send, 400, too_big)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Send, status: int, message: str, err_type: str = "BadRequestError") -> None:
+    payload = json.dumps({"error": {"message": message, "type": err_type, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 class CompletionRequest(BaseModel):
@@ -79,7 +154,9 @@ def _json(payload: dict[str, Any]) -> Response:
     return Response(content=json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
-def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) -> FastAPI:
+def create_app(
+    engine: HFEngine, served_model_name: str, api_key: str | None, limits: RequestLimits
+) -> FastAPI:
     """The FastAPI app; ``engine`` is shared, ``api_key`` (if set) is required on every call but /health."""
 
     @asynccontextmanager
@@ -91,13 +168,18 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
     tokenizer = engine.tokenizer
     id_to_token = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            supplied = request.headers.get("authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "invalid or missing API key", "AuthenticationError")
-        return await call_next(request)
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+
+    def over_limits(n: int, num_prompts: int) -> str | None:
+        """Why a request asks for too much (a 400), or None."""
+        if n > limits.max_n:
+            return f"n={n} is over this server's limit of {limits.max_n} ({CONFIG_KEY}.max_n)"
+        if num_prompts > limits.max_prompts:
+            return (
+                f"{num_prompts} prompts in one request, over this server's limit of {limits.max_prompts} "
+                f"({CONFIG_KEY}.max_prompts_per_request)"
+            )
+        return None
 
     def envelope(
         prefix: str, kind: str, choices: list[dict[str, Any]], n_prompt: int, outputs: list[GenerationOutput]
@@ -119,8 +201,10 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         }
 
     async def run(prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        future = engine.submit(GenerationRequest(prompts=prompts, params=params))
-        return await asyncio.wrap_future(future)
+        """Checked whole first (ValueError: a 400, nothing queued), then cut into engine batches."""
+        engine.validate(prompts, params)
+        futures = [asyncio.wrap_future(engine.submit(part)) for part in engine.split(prompts, params)]
+        return [out for part in await asyncio.gather(*futures) for out in part]
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -145,6 +229,9 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
         if req.stream:
             return _error(400, "stream=true is not supported by this server")
         prompt = req.prompt
+        many = bool(prompt) and not isinstance(prompt, str) and not isinstance(prompt[0], int)
+        if problem := over_limits(req.n, len(prompt) if many else 1):
+            return _error(400, problem)
         if isinstance(prompt, str):
             prompt_ids = [tokenizer(prompt).input_ids]
         elif prompt and isinstance(prompt[0], int):
@@ -199,6 +286,8 @@ def create_app(engine: HFEngine, served_model_name: str, api_key: str | None) ->
             return _error(400, "stream=true is not supported by this server")
         if not tokenizer.chat_template:
             return _error(400, "the model's tokenizer has no chat template; use /v1/completions")
+        if problem := over_limits(req.n, 1):
+            return _error(400, problem)
         try:
             # token ids, or a BatchEncoding holding them (the return type varies across transformers versions)
             prompt: Any = tokenizer.apply_chat_template(
@@ -315,6 +404,11 @@ def main(argv: list[str] | None = None) -> None:
         required=True,
         help="at shutdown, wait this long for the engine loop (service.inference_service.local.engine_stop_timeout_s)",
     )
+    parser.add_argument("--max-n", type=int, required=True, help=f"{CONFIG_KEY}.max_n")
+    parser.add_argument(
+        "--max-prompts-per-request", type=int, required=True, help=f"{CONFIG_KEY}.max_prompts_per_request"
+    )
+    parser.add_argument("--max-request-mb", type=int, required=True, help=f"{CONFIG_KEY}.max_request_mb")
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -345,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         stop_timeout_s=args.engine_stop_timeout_s,
     )
     engine.weight_version = args.weight_version
-    app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None)
+    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_mb << 20)
+    app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None, limits)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 

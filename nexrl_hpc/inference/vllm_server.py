@@ -5,8 +5,10 @@ must not follow them (scripts/install_vllm.sh builds the venv). The server runs 
 group under ``nexrl_hpc.inference.supervise``, so ``stop`` ends vLLM's engine processes too and a
 run that dies without cleaning up does not leave it behind. A fresh API key per start (vLLM's
 ``--api-key``, passed as ``VLLM_API_KEY`` so it is not visible in ``ps``); the weight-reload
-endpoints need ``VLLM_SERVER_DEV_MODE=1``, which is always set (they are reachable only where the
-server binds: loopback by default).
+endpoints need ``VLLM_SERVER_DEV_MODE=1``, which is always set. vLLM's own key covers only ``/v1``,
+so ``nexrl_hpc.inference.vllm_guard`` (copied into a private directory on the server's
+``PYTHONPATH``, loaded with ``--middleware``) requires the key on every path but ``/health``: only
+the run can pause the server or load weights into it.
 """
 
 from __future__ import annotations
@@ -15,20 +17,24 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
 from nexrl_hpc.config.schema import VLLMInferenceConfig
+from nexrl_hpc.inference import vllm_guard
 from nexrl_hpc.inference.local_server import InferenceServerStartError, kill_process_group, log_tail
 
 logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "service.inference_service.vllm"
+GUARD_MODULE = "nexrl_vllm_guard"  # vllm_guard.py under this name in the server's private PYTHONPATH dir
 
 
 def free_port(host: str) -> int:
@@ -78,6 +84,7 @@ class VLLMServer:
         self.base_url: str | None = None
         self.log_path = os.path.join(log_dir, log_name)
         self._deadline = 0.0
+        self._guard_dir: str | None = None
 
     def command(self, port: int) -> list[str]:
         cfg = self.config
@@ -92,6 +99,8 @@ class VLLMServer:
             # model's top_k, repetition_penalty, ...): samples come from the policy the trainer
             # scores, with only the run's own sampling settings; its EOS tokens still stop a response
             "--generation-config", "vllm",
+            # every path but /health needs the key (vLLM's own covers /v1 only): see vllm_guard
+            "--middleware", f"{GUARD_MODULE}.RequireKey",
         ]  # fmt: skip
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]
@@ -101,11 +110,13 @@ class VLLMServer:
             cmd += ["--gpu-memory-utilization", str(cfg["gpu_memory_utilization"])]
         return cmd + [str(a) for a in cfg["extra_args"]]
 
-    def environment(self, base: dict[str, str]) -> dict[str, str]:
+    def environment(self, base: dict[str, str], guard_dir: str) -> dict[str, str]:
         """The server's environment: ``base``, the configured ``env``, the platform from ``device``
-        (vLLM picks CPU or CUDA by VLLM_TARGET_DEVICE at run time), and the run's own settings."""
+        (vLLM picks CPU or CUDA by VLLM_TARGET_DEVICE at run time), and the run's own settings
+        (the key, and ``guard_dir`` first on PYTHONPATH for the key-checking middleware)."""
         env = dict(base)
         env.update({k: str(v) for k, v in self.config["env"].items()})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (guard_dir, env.get("PYTHONPATH", "")) if p)
         env.update(
             VLLM_TARGET_DEVICE=self.config["device"],
             VLLM_API_KEY=self.api_key,
@@ -131,7 +142,9 @@ class VLLMServer:
         port = self.config["port"] or free_port(host)
         url_host = f"[{host}]" if ":" in host else host
         self.base_url = f"http://{url_host}:{port}"
-        env = self.environment(dict(os.environ))
+        self._guard_dir = tempfile.mkdtemp(prefix="nexrl_vllm_guard_")  # 0700: only this user reads it
+        shutil.copyfile(vllm_guard.__file__, os.path.join(self._guard_dir, f"{GUARD_MODULE}.py"))
+        env = self.environment(dict(os.environ), self._guard_dir)
         cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
         cmd += self.command(port)
         with open(self.log_path, "ab") as log:
@@ -180,11 +193,18 @@ class VLLMServer:
     def kill(self) -> None:
         """No graceful stop: the supervisor, the API server and the engine processes get SIGKILL."""
         kill_process_group(self.process)
+        self._remove_guard_dir()
+
+    def _remove_guard_dir(self) -> None:
+        if self._guard_dir is not None:
+            shutil.rmtree(self._guard_dir, ignore_errors=True)
+            self._guard_dir = None
 
     def stop(self) -> None:
         """SIGTERM the server's process group (supervisor, API server, engine), SIGKILL if it lingers."""
         if self.process is None:
             return
+        self._remove_guard_dir()  # imported at start-up: the server no longer needs it
         timeout = self.config["stop_timeout_s"]
         pgid = self.process.pid  # session leader: its pid is the group id
         _signal_group(pgid, signal.SIGTERM)

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
-from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.agents.sandbox import SandboxLimits, check_isolation, set_default_limits
+from nexrl_hpc.config.schema import RLTrainConfig, RolloutWorkerConfig
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import aexecute, execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
@@ -41,11 +42,27 @@ logger = logging.getLogger(__name__)
 _IS_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar("nexrl_is_validate", default=False)
 
 
+def runs_model_code(rw: RolloutWorkerConfig) -> bool:
+    """Whether the configured reward or tools run model-written code (the shipped code reward, the
+    python tool): such a run checks the sandbox's isolation at start-up."""
+    agent = rw["agent"]
+    rewards = [rw["reward_fn"], str(agent["env_args"].get("reward_fn") or "")]
+    tools = [*agent["tools"], *(str(v) for v in agent["tool_map"].values())]
+    return any("nexrl_hpc.agents.rewards.code" in r for r in rewards) or (
+        rw["type"] == "agent" and any(t == "python" or t.endswith(":PythonTool") for t in tools)
+    )
+
+
 class BaseRolloutWorker(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         rw = config["rollout_worker"]
         self._config = config
+        # the sandbox's limits for code run in this process (the code reward, the python tool); a run
+        # that runs model-written code fails here, naming the setting, where isolation is unavailable
+        set_default_limits(SandboxLimits.from_config(rw["sandbox"]))
+        if runs_model_code(rw):
+            check_isolation()
         self._max_concurrency = rw["max_concurrency"]
         self._fetch_size = rw["fetch_size"]
         self._long_poll_s = rw["long_poll_s"]

@@ -18,6 +18,8 @@ from typing import Any
 
 import zmq
 from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
 from nexrl_hpc.trainer.protocol import SignedChannel, key_from_token
@@ -93,7 +95,8 @@ def create_app(
 ) -> FastAPI:
     if not token:
         raise ValueError("the train service needs a bearer token (refusing to serve without one)")
-    app = FastAPI(title="nexrl_hpc train service")
+    # no open schema or docs: they are served below, behind the token like every other route
+    app = FastAPI(title="nexrl_hpc train service", docs_url=None, redoc_url=None, openapi_url=None)
     groups: dict[str, WorkerGroup] = {}
     groups_lock = threading.Lock()
     zctx = zmq.Context()
@@ -152,6 +155,18 @@ def create_app(
 
     ops = {"initialize": "initialize_worker", "init_model": "init_model", "save_checkpoint": "save_checkpoint",
            "load_checkpoint": "load_checkpoint", "export_weights": "export_weights"}  # fmt: skip
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: None = Depends(authorize)) -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(_: None = Depends(authorize)) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc(_: None = Depends(authorize)) -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
     @app.get("/health")
     def health(_: None = Depends(authorize)) -> dict[str, Any]:

@@ -1,4 +1,15 @@
-"""code_reward_fn: run the model's program against the task's tests inside the sandbox."""
+"""code_reward_fn: run the model's program against the task's tests inside the sandbox.
+
+Assert-style tests (a string of Python) need the solution's definitions, so they run in the process
+the solution ran in; that process cannot vouch for itself (the solution could ``sys.exit(0)`` or
+``os._exit(0)`` before the tests, and an exit status of 0 would read as a pass). The verdict
+comes from a supervisor of its own instead, a process the solution never ran in: it starts the
+tests' process, waits until the solution's code has run to its end, only then hands it a fresh
+nonce, and passes the solution only when the tests' process sends that nonce back after the last
+test. The supervisor is not dumpable, so the tests' process cannot read its memory or its stdout
+(where the verdict goes). A solution that deliberately speaks this protocol itself (it can read the
+runner's source) could still forge a pass: that takes targeting the harness, not exiting early.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,63 @@ from typing import Any
 
 from nexrl_hpc.agents.rewards.types import RewardOutput
 from nexrl_hpc.agents.sandbox import SandboxLimits, run_python
+
+# The verdict: the only thing on the supervisor's stdout (the tests' process writes to its stderr).
+_PASS = "PASS"
+_SUPERVISOR = r"""
+import ctypes, os, secrets, subprocess, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: /proc/<this pid>/{mem,fd} closed to the tests' process
+nonce = secrets.token_hex(16).encode()
+down_r, down_w = os.pipe()
+up_r, up_w = os.pipe()
+proc = subprocess.Popen(
+    [sys.executable, "-I", "-B", "runner.py", str(down_r), str(up_w)],
+    pass_fds=(down_r, up_w), stdin=subprocess.DEVNULL, stdout=2, stderr=2,
+)
+os.close(down_r)
+os.close(up_w)
+def read(n):
+    data = b""
+    while len(data) < n:
+        part = os.read(up_r, n - len(data))
+        if not part:
+            break
+        data += part
+    return data
+passed = False
+if read(1) == b"L":  # the solution's code has run to its end
+    os.write(down_w, nonce)
+    passed = read(1 + len(nonce)) == b"P" + nonce
+code = proc.wait()
+if passed and code == 0:
+    print("PASS")
+    sys.exit(0)
+if code == 0:
+    print("the tests did not run to their end (the solution's process exited early)", file=sys.stderr)
+sys.exit(1)
+"""
+_RUNNER = r"""
+import os, sys, traceback
+down, up = int(sys.argv[1]), int(sys.argv[2])
+write, read, exit_now = os.write, os.read, os._exit
+def run(name):
+    try:
+        with open(name) as f:
+            exec(compile(f.read(), name, "exec"), scope)
+    except SystemExit as exc:
+        print("%s exited (SystemExit(%r)) before the tests finished" % (name, exc.code), file=sys.stderr)
+        exit_now(1)
+    except BaseException:
+        traceback.print_exc()
+        exit_now(1)
+scope = {"__name__": "__main__", "__builtins__": __builtins__}
+run("solution.py")
+write(up, b"L")
+nonce = read(down, 64)
+run("tests.py")
+write(up, b"P" + nonce)
+exit_now(0)
+"""
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -33,8 +101,9 @@ def code_reward_fn(
     """1.0 when the code in ``action`` passes every test of ``task_info["tests"]``, else 0.0.
 
     ``tests`` is either a list of ``{"input": stdin, "output": expected_stdout}`` (each run in its
-    own sandbox) or a string of Python (asserts) run after the solution in one sandbox. The
-    metadata names the first failing test and why it failed.
+    own sandbox) or a string of Python (asserts) run after the solution in one sandbox, judged by a
+    supervisor process of its own (the module docstring: why). The metadata names the first failing
+    test and why it failed.
     """
     if "tests" not in task_info:
         raise KeyError(f"code_reward_fn needs task_info['tests']; keys: {sorted(task_info)}")
@@ -43,8 +112,9 @@ def code_reward_fn(
     if not code.strip():
         return RewardOutput(0.0, {"error": "no code in the response"}, False)
     if isinstance(tests, str):
-        result = run_python(f"{code}\n\n{tests}\n", "", limits)
-        passed = result.ok
+        files = {"solution.py": code, "tests.py": tests, "runner.py": _RUNNER}
+        result = run_python(_SUPERVISOR, "", limits, files=files)
+        passed = result.ok and result.stdout == f"{_PASS}\n"
         metadata: dict[str, Any] = {"passed": int(passed), "total": 1, "status": result.status}
         if not passed:
             metadata["error"] = result.error_message()

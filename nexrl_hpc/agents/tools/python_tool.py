@@ -29,7 +29,7 @@ class PythonTool(Tool):
         max_output_chars: int = 2000,
     ) -> None:
         super().__init__(name=name, description=description)
-        self.limits = limits or SandboxLimits()
+        self.limits = limits  # None: the run's (rollout_worker.sandbox), read at each call
         self.max_output_chars = max_output_chars
 
     def forward(self, code: str) -> ToolOutput:  # type: ignore[override]
