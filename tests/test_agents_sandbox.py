@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nexrl_hpc.agents import sandbox
+from nexrl_hpc.agents import sandbox, sandbox_view
 from nexrl_hpc.agents.sandbox import SandboxLimits, SandboxUnavailableError, run_python
 
 # generous wall time: other jobs share this machine's 2 cores; tests of the wall limit set their own
@@ -274,8 +274,10 @@ def test_exit_code_and_traceback_are_reported() -> None:
 def test_missing_namespaces_are_refused_naming_the_setting_or_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_which = sandbox.shutil.which
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "unshare" else real_which(name))
+    real_which = sandbox_view.shutil.which
+    monkeypatch.setattr(
+        sandbox_view.shutil, "which", lambda name: None if name == "unshare" else real_which(name)
+    )
     sandbox._isolation_problem.cache_clear()
     try:
         with pytest.raises(SandboxUnavailableError, match=r"require_isolation=true.*no unshare binary"):

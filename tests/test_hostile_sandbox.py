@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nexrl_hpc.agents import sandbox
+from nexrl_hpc.agents import sandbox, sandbox_view
 from nexrl_hpc.agents.rewards.code import code_reward_fn
 from nexrl_hpc.agents.sandbox import SandboxLimits, SandboxUnavailableError, run_python
 from tests.conftest import compose_config
@@ -58,7 +58,7 @@ def test_run_dir_files_are_out_of_reach(tmp_path: Path) -> None:
     assert pickle.read_bytes() == b"original"
     # the view: system dirs, its own /proc, /dev, /tmp, and the interpreter's prefix (its top directory)
     system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
-    prefixes = {Path(p).parts[1] for p in sandbox._prefixes(sys.executable)}
+    prefixes = {Path(p).parts[1] for p in sandbox_view.interpreter_prefixes(sys.executable)}
     assert set(eval(root)) <= system | prefixes
 
 
@@ -189,8 +189,10 @@ def test_isolation_is_required_by_default_naming_the_setting(monkeypatch: pytest
     """Row 5: where namespaces are unavailable the code does not run, and the run stops at start-up."""
     from nexrl_hpc.rollout.single_turn import SingleTurnRolloutWorker
 
-    real_which = sandbox.shutil.which
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "unshare" else real_which(name))
+    real_which = sandbox_view.shutil.which
+    monkeypatch.setattr(
+        sandbox_view.shutil, "which", lambda name: None if name == "unshare" else real_which(name)
+    )
     sandbox._isolation_problem.cache_clear()
     try:
         marker = f"/tmp/nexrl_ran_{uuid.uuid4().hex}"

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,124 +48,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from nexrl_hpc.agents.sandbox_view import (
+    DEVICES,
+    LAUNCHER,
+    SETUP_EXIT,
+    SETUP_TAG,
+    LaunchPlan,
+    SandboxUnavailableError,
+    plan_launch,
+)
+
 Status = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed"]
 
 REQUIRE_KEY = "rollout_worker.sandbox.require_isolation"
-SETUP_EXIT = 125  # the launcher could not build the sandbox (its stderr line starts with SETUP_TAG)
-SETUP_TAG = "nexrl-sandbox: "
-
-# pivot_root has no libc wrapper: its syscall number per architecture
-_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
-# what the code sees of the host, read-only (when present); symlinks (merged /usr) are recreated
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
-_ETC_FILES = (
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/localtime",
-    "/etc/alternatives",
-)
-_DEVICES = ("null", "zero", "full", "random", "urandom")
-
-# Runs first in the child, as root (of the machine, or of a fresh user namespace): build the
-# private root, pivot into it, then (as PID 1 of the namespace) fork the program, which drops every
-# privilege, sets the limits and becomes the untrusted program. Kept dependency-free (ctypes for
-# mount/prctl): it runs inside the limits and the view it sets up. As PID 1 the kernel would not
-# deliver SIGXCPU/SIGKILL from RLIMIT_CPU to it, so it reports the program's fate as its own exit
-# status (128 + signal, like a shell).
-_LAUNCHER = r"""
-import ctypes, os, resource, sys
-cfg = {cfg!r}
-libc = ctypes.CDLL(None, use_errno=True)
-
-def fail(what):
-    os.write(2, ({tag!r} + what + "\n").encode())
-    os._exit({setup_exit})
-
-def check(ret, what):
-    if ret != 0:
-        fail(what + ": " + os.strerror(ctypes.get_errno()))
-
-def mount(src, dst, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), "mount " + dst)
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-
-def bind_ro(src, dst):
-    if os.path.isdir(src):
-        os.makedirs(dst, mode=0o755, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
-        open(dst, "a").close()
-    mount(src, dst, None, MS_BIND)
-    f = os.statvfs(src).f_flag  # flags a user namespace may not clear: keep them
-    keep = f & (MS_NOEXEC | 1024 | 2048) | ((1 << 21) if f & 4096 else 0)
-    mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
-
-def build_root():
-    root = cfg["root"]
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
-    for path, target in cfg["links"]:
-        os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
-        os.symlink(target, root + path)
-    for src, dst in cfg["binds"]:
-        bind_ro(src, root + dst)
-    os.makedirs(root + "/proc", mode=0o555)
-    mount("/proc", root + "/proc", None, MS_BIND | MS_REC)  # unshare --mount-proc's: this PID namespace
-    os.makedirs(root + "/dev", mode=0o755)
-    mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
-    for name in cfg["devices"]:
-        open(root + "/dev/" + name, "w").close()
-        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
-    for i, name in enumerate(("stdin", "stdout", "stderr")):
-        os.symlink("/proc/self/fd/%d" % i, root + "/dev/" + name)
-    os.symlink("/proc/self/fd", root + "/dev/fd")
-    size = "size=%d,nr_inodes=%d,mode=1777" % (cfg["tmp_bytes"], cfg["tmp_inodes"])
-    for tmp in ("/tmp", "/dev/shm"):
-        os.makedirs(root + tmp, mode=0o755, exist_ok=True)
-        mount("tmpfs", root + tmp, "tmpfs", MS_NOSUID | MS_NODEV, size)
-    for name in os.listdir(cfg["inputs"]):
-        with open(os.path.join(cfg["inputs"], name), "rb") as src, open(root + "/tmp/" + name, "wb") as dst:
-            dst.write(src.read())
-        if cfg["uid"] is not None:
-            os.chown(root + "/tmp/" + name, cfg["uid"], cfg["uid"])
-    mount(None, root + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
-    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.chdir(root)
-    check(libc.syscall(cfg["pivot_root"], b".", b"."), "pivot_root")
-    check(libc.umount2(b".", 2), "detach the old root")  # MNT_DETACH: the host's tree is gone
-    os.chdir("/tmp")
-
-def drop_privileges():
-    for cap in range(64):  # the bounding set: no capability can come back, not even via exec as uid 0
-        if libc.prctl(24, cap, 0, 0, 0) != 0 and ctypes.get_errno() not in (22,):  # PR_CAPBSET_DROP; EINVAL: past the last
-            fail("drop capability %d: %s" % (cap, os.strerror(ctypes.get_errno())))
-    if cfg["uid"] is not None:  # root of the machine: become nobody (clears every capability)
-        os.setgroups([])
-        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
-        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-    elif cfg["isolate"]:  # root of a user namespace: stay uid 0 there, powerless (SECBIT_NOROOT locked)
-        check(libc.prctl(28, 1 | 2 | 8 | 32 | 64 | 128, 0, 0, 0), "securebits")
-        check(libc.prctl(47, 4, 0, 0, 0), "clear ambient capabilities")
-    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
-
-os.umask(0o022)
-if cfg["isolate"]:
-    build_root()
-if os.getpid() == 1:
-    pid = os.fork()
-    while pid:  # as init, reap orphans too (zombies would count against RLIMIT_NPROC)
-        done, status = os.wait()
-        if done == pid:
-            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-if cfg["drop"]:
-    drop_privileges()
-for name, (soft, hard) in cfg["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (soft, hard))
-os.execv(cfg["python"], [cfg["python"], "-I", "-B", cfg["main"]])
-"""
 
 
 @dataclass(frozen=True)
@@ -264,99 +157,6 @@ class SandboxResult:
         return f"{reason}: {last}" if last else reason
 
 
-class SandboxUnavailableError(RuntimeError):
-    """Isolation is required (``rollout_worker.sandbox.require_isolation``) but this machine cannot provide it."""
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How the child is started: the command prefix, the launcher's settings, what that buys."""
-
-    prefix: tuple[str, ...]
-    isolated: bool
-    run_as_uid: int | None
-    binds: tuple[tuple[str, str], ...]
-    links: tuple[tuple[str, str], ...]
-    pivot_root: int
-    notes: tuple[str, ...] = ()
-
-
-def _prefixes(python: str) -> list[str]:
-    """The interpreter's installation directories (its libraries; a venv's and its base's)."""
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
-        return sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
-    given = Path(os.path.abspath(python))
-    return sorted({str(given.parents[1]), str(Path(os.path.realpath(python)).parents[1])})
-
-
-def _covered(path: str, by: list[str]) -> bool:
-    return any(path == b or path.startswith(b.rstrip("/") + "/") for b in by)
-
-
-def _view(python: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """(read-only binds (host path, path in the view), symlinks (path, target)) of the private root.
-
-    An interpreter prefix that is "/" or holds the caller's home or working directory would put the
-    run's files into the view: refused, naming the setting."""
-    binds: list[tuple[str, str]] = []
-    links: list[tuple[str, str]] = []
-    for path in _SYSTEM_DIRS:
-        if os.path.islink(path):
-            links.append((path, os.readlink(path)))
-        elif os.path.isdir(path):
-            binds.append((path, path))
-    bound = [dst for _, dst in binds] + [p for p, _ in links]
-    cwd, home = os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))
-    for prefix in _prefixes(python):
-        real = os.path.realpath(prefix)
-        for place in sorted({os.path.abspath(prefix), real}):
-            if place == "/" or _covered(cwd, [place]) or _covered(home, [place]):
-                raise SandboxUnavailableError(
-                    f"the interpreter's prefix {place} holds {'/' if place == '/' else 'the home or working directory'}"
-                    f" (rollout_worker.sandbox.python_executable={python!r}): the sandbox would show the run's files;"
-                    " use a Python installed in a directory of its own"
-                )
-            # a prefix under a bound or linked system dir is in the view already
-            resolved = os.path.realpath(place)
-            if not _covered(place, bound) and not _covered(resolved, [d for d, _ in binds]):
-                binds.append((real, place))
-                bound.append(place)
-    for path in _ETC_FILES:
-        if os.path.exists(path):
-            binds.append((os.path.realpath(path), path))
-    return tuple(binds), tuple(links)
-
-
-def _plan(limits: SandboxLimits, python: str, isolate: bool) -> _Plan:
-    root = os.geteuid() == 0
-    uid = limits.unprivileged_uid if root else None
-    if not isolate:
-        return _Plan((), False, uid, (), (), 0)
-    unshare = shutil.which("unshare")
-    pivot = _PIVOT_ROOT.get(platform.machine(), 0)
-    if unshare is None:
-        return _Plan((), False, uid, (), (), 0, ("no unshare binary (util-linux)",))
-    if not pivot:
-        return _Plan(
-            (), False, uid, (), (), 0, (f"pivot_root's syscall number unknown on {platform.machine()}",)
-        )
-    user = () if root else ("-r",)  # root creates namespaces directly; others through a user namespace
-    prefix = (
-        unshare,
-        *user,
-        "--net",
-        "--pid",
-        "--ipc",
-        "--uts",
-        "--mount",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
-    )
-    binds, links = _view(python)
-    return _Plan(prefix, True, uid, binds, links, pivot)
-
-
 @functools.lru_cache(maxsize=8)
 def _isolation_problem(python: str, uid: int, euid: int) -> str | None:
     """Why the isolated sandbox cannot run here (None: it can): one trivial run, once per process.
@@ -365,7 +165,7 @@ def _isolation_problem(python: str, uid: int, euid: int) -> str | None:
     ``user.max_user_namespaces``, a /proc that may not be bound), so the whole setup is tried."""
     limits = SandboxLimits(wall_time_s=30.0, cpu_time_s=10, unprivileged_uid=uid, python_executable=python)
     try:
-        plan = _plan(limits, python, isolate=True)
+        plan = plan_launch(limits.unprivileged_uid, python, isolate=True)
     except SandboxUnavailableError as exc:
         return str(exc)
     if not plan.isolated:
@@ -420,14 +220,14 @@ def run_python(
     problem = isolation_problem(limits)
     if problem is not None and limits.require_isolation:
         raise SandboxUnavailableError(_unavailable_message(problem))
-    plan = _plan(limits, python, isolate=problem is None)
+    plan = plan_launch(limits.unprivileged_uid, python, isolate=problem is None)
     if problem is not None:
-        plan = _Plan(plan.prefix, False, plan.run_as_uid, (), (), 0, (f"not isolated: {problem}",))
+        plan = LaunchPlan(plan.prefix, False, plan.run_as_uid, (), (), 0, (f"not isolated: {problem}",))
     return _run(plan, code, stdin, files or {}, limits, python)
 
 
 def _run(
-    plan: _Plan, code: str, stdin: str, files: dict[str, str], limits: SandboxLimits, python: str
+    plan: LaunchPlan, code: str, stdin: str, files: dict[str, str], limits: SandboxLimits, python: str
 ) -> SandboxResult:
     memory = int(limits.memory_mb) << 20
     fsize = int(limits.max_output_bytes) + 1024
@@ -460,7 +260,7 @@ def _run(
             "root": str(work / "root"),
             "binds": list(plan.binds),
             "links": list(plan.links),
-            "devices": list(_DEVICES),
+            "devices": list(DEVICES),
             "tmp_bytes": int(limits.tmp_mb) << 20,
             "tmp_inodes": 4096,
             "inputs": str(inputs),
@@ -471,7 +271,7 @@ def _run(
             "python": os.path.abspath(python),
             "main": "main.py",
         }
-        (work / "launcher.py").write_text(_LAUNCHER.format(cfg=cfg, tag=SETUP_TAG, setup_exit=SETUP_EXIT))
+        (work / "launcher.py").write_text(LAUNCHER.format(cfg=cfg, tag=SETUP_TAG, setup_exit=SETUP_EXIT))
         cwd = str(work)
         if not plan.isolated and plan.run_as_uid is not None:  # the code runs in the host's dir: let it in
             for path in (work, inputs, *inputs.iterdir()):
