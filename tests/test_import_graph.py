@@ -145,3 +145,11 @@ def test_the_graph_sees_module_and_function_level_imports() -> None:
 
 def test_no_import_circle_in_the_package() -> None:
     assert [sorted(c) for c in _package_cycles()] == []
+
+
+def test_no_file_of_the_package_is_over_500_lines() -> None:
+    """Small modules with one job each: a file that grows past 500 lines is split by what it does."""
+    long = {
+        name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, long
