@@ -19,6 +19,7 @@ import copy
 import logging
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
+from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy, plan_micro_batches
 from nexrl_hpc.trainer.parallel import ParallelStrategy, dp_slices
 from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
@@ -91,6 +93,17 @@ def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: floa
         progress = min(max(step - warmup, 0) / span, 1.0)
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's rows: their tensors, whether they are real (not a stand-in pass), their
+    rows in the rank's shard, and their bins (row lists of ``tensors``; one row each unless packed)."""
+
+    tensors: dict[str, torch.Tensor]
+    real: bool
+    rows: torch.Tensor
+    bins: list[list[int]]
 
 
 class PolicyTrainer(TrainServiceClient):
@@ -214,14 +227,26 @@ class PolicyTrainer(TrainServiceClient):
             bounds = [(m, min(m + mini, n)) for m in range(0, n, mini)]
         else:
             raise ValueError(f"no batch plan for operation {operation!r}")
-        micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
-        counts, normalizers, passes = [], [], []
+        lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
+        counts, normalizers, passes, micro = [], [], [], []
         rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for m_start, m_end in bounds:
             slices = dp_slices(m_end - m_start, world)
             counts.append([hi - lo for lo, hi in slices])
-            passes.append(max(1, math.ceil(max(counts[-1]) / micro)))
+            # each rank's micro-batches (row ranges of its slice); every rank runs as many passes
+            micro.append(
+                [
+                    plan_micro_batches(
+                        lengths[m_start + lo : m_start + hi],
+                        actor["ppo_micro_batch_size"],
+                        actor["ppo_max_token_len_per_gpu"],
+                        actor["packing"],
+                    )
+                    for lo, hi in slices
+                ]
+            )
+            passes.append(max(1, max(len(batches) for batches in micro[-1])))
             mask = tensors["response_mask"][m_start:m_end]
             if agg == "token-mean":
                 normalizers.append(float(mask.sum().clamp(min=1.0)))
@@ -245,18 +270,40 @@ class PolicyTrainer(TrainServiceClient):
             "counts": counts,
             "normalizers": normalizers,
             "passes": passes,
+            "micro": micro,
         }
         return plan, shards
 
-    def _micro(self, shard: dict[str, Any], lo: int, hi: int, index: int, micro: int) -> tuple[dict, bool]:
-        """Micro-batch ``index`` of shard rows [lo, hi); (a stand-in row, False) when this rank has none left."""
-        start = lo + index * micro
-        end = min(start + micro, hi)
-        real = start < end
-        if not real:
-            start, end = 0, 1
-        part = {k: v[start:end].to(self.device) for k, v in shard.items() if isinstance(v, torch.Tensor)}
-        return part, real
+    def _micro(self, shard: dict[str, Any], lo: int, batches: list[Any], index: int) -> MicroBatch:
+        """Micro-batch ``index`` of the mini-batch slice starting at shard row ``lo`` (``batches``: its
+        planned micro-batches, bins of slice rows); a stand-in row (not real) when this rank has none left."""
+        real = index < len(batches)
+        bins = batches[index] if real else [[0]]
+        rows = [lo + i for members in bins for i in members] if real else [0]
+        position: dict[int, int] = {}  # slice row -> row of the micro-batch
+        for members in bins:
+            for i in members:
+                position[i] = len(position)
+        index_t = torch.tensor(rows, dtype=torch.long)
+        part = {
+            k: v.index_select(0, index_t).to(self.device)
+            for k, v in shard.items()
+            if isinstance(v, torch.Tensor)
+        }
+        return MicroBatch(part, real, index_t, [[position[i] for i in members] for members in bins])
+
+    def _log_probs(
+        self, micro: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs (and entropy) of a micro-batch: packed (``actor.packing``) or padded."""
+        part = micro.tensors
+        if self._require_cfg()["actor"]["packing"]:
+            return packed_response_log_probs_and_entropy(
+                self.model, part, with_entropy, entropy_grad, micro.bins
+            )
+        if not with_entropy:
+            return response_log_probs(self.model, part), None
+        return response_log_probs_and_entropy(self.model, part, entropy_grad=entropy_grad)
 
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -275,18 +322,16 @@ class PolicyTrainer(TrainServiceClient):
     def compute_log_prob_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> torch.Tensor:
         """Log-probs of this rank's real rows, [rows, R]."""
         par = self._require_parallel()
-        micro = self._require_cfg()["actor"]["ppo_micro_batch_size"]
         was_training = self.model.training
         self.model.eval()
-        rows = plan["counts"][0][par.rank]
-        chunks = []
+        out = torch.zeros((plan["counts"][0][par.rank], shard["responses"].shape[1]))
         for i in range(plan["passes"][0]):
-            part, real = self._micro(shard, 0, rows, i, micro)
-            logp = response_log_probs(self.model, part).cpu()
-            if real:
-                chunks.append(logp)
+            micro = self._micro(shard, 0, plan["micro"][0][par.rank], i)
+            logp = self._log_probs(micro, with_entropy=False)[0].cpu()
+            if micro.real:
+                out[micro.rows] = logp  # packed micro-batches hold their rows in bin order
         self.model.train(was_training)
-        return torch.cat(chunks, dim=0) if chunks else torch.zeros((0, shard["responses"].shape[1]))
+        return out
 
     def update_actor_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
         """One training step over this rank's shard; the metrics are global (reduced over ranks)."""
@@ -299,7 +344,6 @@ class PolicyTrainer(TrainServiceClient):
         actor = cfg["actor"]
         algo = cfg["algorithm"]
         has_behaviour = "behaviour_log_probs" in shard
-        micro = actor["ppo_micro_batch_size"]
         agg = actor["loss_agg_mode"]
         entropy_coeff = actor["entropy_coeff"]
         pg_loss_fn = policy_loss(actor["policy_loss"])
@@ -311,15 +355,20 @@ class PolicyTrainer(TrainServiceClient):
         steps_done = 0
         for _ in range(actor["ppo_epochs"]):
             lo = 0
-            for counts, normalizer, passes in zip(plan["counts"], plan["normalizers"], plan["passes"]):
+            for counts, normalizer, passes, ranges in zip(
+                plan["counts"], plan["normalizers"], plan["passes"], plan["micro"]
+            ):
                 hi = lo + counts[par.rank]
                 par.zero_grad(self.model, self.optimizer)
                 for i in range(passes):
-                    part, real = self._micro(shard, lo, hi, i, micro)
+                    micro = self._micro(shard, lo, ranges[par.rank], i)
+                    part, real = micro.tensors, micro.real
                     weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
-                    logp, entropy = response_log_probs_and_entropy(
-                        self.model, part, entropy_grad=entropy_coeff > 0
+                    logp, maybe_entropy = self._log_probs(
+                        micro, with_entropy=True, entropy_grad=entropy_coeff > 0
                     )
+                    assert maybe_entropy is not None
+                    entropy = maybe_entropy
                     mask = part["response_mask"]
                     if has_behaviour and steps_done == 0 and real:
                         diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
