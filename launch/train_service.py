@@ -33,9 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
     import uvicorn
 
+    from nexrl_hpc.config.location import default_section
+    from nexrl_hpc.rpc.preauth import WireLimits
     from nexrl_hpc.trainer.api_server import create_app
 
-    app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20)
+    limits = WireLimits.from_config(default_section("runtime.rpc"))  # the shipped runtime.rpc defaults
+    app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20, limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -37,6 +37,15 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any
     return validate_config(compose_raw(overrides))  # type: ignore[return-value]
 
 
+def wire_limits(**changes: Any) -> Any:
+    """A run's pre-authentication limits (``runtime.rpc``, a ``WireLimits``), with ``changes``."""
+    import dataclasses
+
+    from nexrl_hpc.rpc.preauth import WireLimits
+
+    return dataclasses.replace(WireLimits.from_config(compose_config()["runtime"]["rpc"]), **changes)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from nexrl_hpc.models.tiny import materialize_base_model

@@ -30,13 +30,13 @@ WIRE_ERRORS: tuple[type[Exception], ...] = (
     msgpack.ExtraData,
     msgpack.FormatError,
     msgpack.StackError,
+    OverflowError,
 )
 ZERO_COPY_BYTES = 64 << 10  # frames from this size are sent zero-copy; smaller ones are cheaper copied
 HOLD_REPLY_BYTES = 16 << 10  # quick replies up to this size may share one message with others
 HELD_BATCH_BYTES = 256 << 10  # a batch of held replies goes out at this size or count at the latest
 HELD_BATCH_REPLIES = 64
 BATCH_REQUESTS = 64  # queued quick requests to one peer leave together at this count at the latest
-MAX_LANE_CONNECTIONS = 4096  # accepted lane connections per endpoint (beyond: refused, counted)
 
 
 class MessageTooLarge(ValueError):

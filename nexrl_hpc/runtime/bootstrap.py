@@ -22,6 +22,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
+from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.runtime.placement import (
     SERVICE_GROUPS,
     TEACHER_GROUP,
@@ -114,6 +115,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
         long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1),
         lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
+        limits=WireLimits.from_config(rpc),
     )
     directory = Directory(rank, endpoint, registry, locations)
     directory_box.append(directory)
@@ -191,6 +193,7 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
         host=host,
         max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
         idle_tick_s=ts["idle_tick_s"],
+        limits=WireLimits.from_config(config["runtime"]["rpc"]),
     )
 
 
