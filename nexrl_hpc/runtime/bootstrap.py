@@ -161,13 +161,19 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
     grank, size = group_comm.Get_rank(), group_comm.Get_size()
     local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
     timeout = timedelta(seconds=ts["collective_timeout_s"])
-    # group rank 0's store binds a port of the kernel's choosing and keeps it: picking a "free" port
-    # first and binding it later lost it to another connection's ephemeral port (EADDRINUSE, seen)
-    store = (
-        dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        if grank == 0
-        else None
-    )
+    # group rank 0's store listens on a socket bound here, to the run's interface and a port of the
+    # kernel's choosing: given a port, TCPStore binds every interface (it is not authenticated, see
+    # docs/security.md); picking a "free" port first and binding it later lost it to another
+    # connection's ephemeral port (EADDRINUSE, seen)
+    store = None
+    if grank == 0:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(128)
+        store = dist.TCPStore(
+            host, listener.getsockname()[1], size, is_master=True, timeout=timeout, wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns the descriptor from here on
+        )  # fmt: skip
     port = group_comm.bcast(store.port if store is not None else None, root=0)
     if store is None:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
