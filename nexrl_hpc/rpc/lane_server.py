@@ -9,7 +9,8 @@ counted, logged with its address and closed.
 
 Before a connection has sent a valid signed message (the caller's first is a small hello), it may
 announce at most ``preauth_max_bytes`` and must authenticate within ``preauth_timeout_s``; at most
-``preauth_max_connections`` such connections wait at once (a new one closes the oldest). An
+``preauth_max_connections`` such connections wait at once (beyond, the oldest is closed:
+``preauth.over_cap``). An
 authenticated connection that stops midway through a message for ``preauth_timeout_s`` is closed.
 
 The lane's sockets wait in a selector of their own (epoll on Linux): the endpoint's IO thread polls
@@ -36,7 +37,7 @@ from nexrl_hpc.rpc.codec import encode, encode_exception
 from nexrl_hpc.rpc.invoke import Invoker, raiser
 from nexrl_hpc.rpc.lane import RECV_BYTES, SENDMSG_MAX_BUFFERS, LaneReader, drop_sent, lane_parts, listen_lane
 from nexrl_hpc.rpc.limits import WIRE_ERRORS, MessageTooLarge, message_size, over_limit
-from nexrl_hpc.rpc.preauth import WireLimits
+from nexrl_hpc.rpc.preauth import WireLimits, has_unread_bytes, over_cap
 from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, check_request, open_message, seal_message
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class LaneServer:
         if paused is not None and now >= paused:
             self._accepts_paused_until = None
             self._selector.register(self._listener_fd, _READ)
+        self._cap(now)
         timeout = self._limits.preauth_timeout_s
         while self._unauthed:
             fd, client = next(iter(self._unauthed.items()))
@@ -150,15 +152,6 @@ class LaneServer:
                 self._accepts_paused_until = time.monotonic() + 1.0
                 return
             peer = f"{address[0]}:{address[1]}"
-            cap = self._limits.preauth_max_connections
-            while len(self._unauthed) >= cap:  # the oldest waiting one makes room (never the run's own)
-                old_fd, old = next(iter(self._unauthed.items()))
-                self._reject(
-                    f"direct lane: over {cap} connections waiting to authenticate "
-                    "(runtime.rpc.preauth_max_connections): closed the oldest",
-                    old.peer,
-                )
-                self._drop(old_fd)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             fd = sock.fileno()
@@ -167,6 +160,24 @@ class LaneServer:
             self.clients[fd] = client
             self._unauthed[fd] = client
             self._selector.register(fd, _READ)
+            self._cap(client.since)
+
+    def _cap(self, now: float) -> None:
+        """Close the oldest connections waiting to authenticate while over the cap (never the run's own)."""
+        cap = self._limits.preauth_max_connections
+        if not over_cap(len(self._unauthed), float("inf"), cap):
+            return
+        for fd, client in list(self._unauthed.items()):  # oldest first
+            if not over_cap(len(self._unauthed), now - client.since, cap):
+                return
+            if has_unread_bytes(client.socket):  # its first message is here: read it first
+                continue
+            self._reject(
+                f"direct lane: over {cap} connections waiting to authenticate "
+                "(runtime.rpc.preauth_max_connections): closed the oldest",
+                client.peer,
+            )
+            self._drop(fd)
 
     def _read(self, fd: int, client: LaneClient) -> None:
         try:

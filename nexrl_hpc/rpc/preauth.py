@@ -12,7 +12,11 @@ with a password derived from the key (checked by ``ZapHandler``, on the thread o
 ``ConnectionWatch``): a peer
 without it never gets past the handshake, which libzmq ends after ``HANDSHAKE_IVL``; ``MAXMSGSIZE`` is
 the pre-authentication budget, and every frame the run sends is at most ``FRAME_BYTES`` (bigger
-parts are cut, see ``cut_frames``). The password travels in clear like the rest of the wire: it
+parts are cut, see ``cut_frames``).
+
+The cap closes the oldest waiting connection once it had ``CAP_GRACE_S`` to authenticate (a burst
+of new connections does not push out a legitimate one whose first message is on its way), and at
+once beyond ``HARD_CAP_FACTOR`` times the cap (descriptors stay bounded whatever the burst). The password travels in clear like the rest of the wire: it
 keeps out peers that can reach a port, not those that can read the network (docs/security.md).
 
 Threads: pure functions and constants, except ``ZapHandler`` (used by the connection watch's thread).
@@ -20,10 +24,13 @@ Threads: pure functions and constants, except ``ZapHandler`` (used by the connec
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import logging
 import os
 import resource
+import struct
+import termios
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +43,8 @@ FRAME_BYTES = (
     256 << 10
 )  # no ZMQ frame the run sends is larger: runtime.rpc.preauth_max_bytes is at least this
 FD_RESERVE = 256  # descriptors kept free for the run's own files beyond the connection caps
+CAP_GRACE_S = 0.5  # the cap closes a waiting connection only once it had this long to authenticate...
+HARD_CAP_FACTOR = 2  # ...unless this many times the cap are waiting (then the oldest goes at once)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PLAIN_USERNAME = b"nexrl"
 
@@ -124,14 +133,14 @@ def ensure_fd_room(listeners: int, limits: WireLimits) -> None:
     descriptor limit with ``FD_RESERVE`` to spare (raising the soft limit up to the hard one if
     needed); a ``ValueError`` naming the setting if they cannot."""
     open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
-    needed = open_now + listeners * limits.preauth_max_connections + FD_RESERVE
+    needed = open_now + listeners * HARD_CAP_FACTOR * limits.preauth_max_connections + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     if hard != resource.RLIM_INFINITY and hard < needed:
         raise ValueError(
             f"runtime.rpc.preauth_max_connections={limits.preauth_max_connections}: {listeners} port(s) x "
-            f"{limits.preauth_max_connections} + {open_now} open + {FD_RESERVE} kept for the run's files "
+            f"{HARD_CAP_FACTOR * limits.preauth_max_connections} + {open_now} open + {FD_RESERVE} kept for the run's files "
             f"= {needed} descriptors, over the hard limit {hard} (ulimit -Hn): lower the setting"
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
@@ -181,3 +190,18 @@ class ZapHandler:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def over_cap(waiting: int, oldest_age_s: float, cap: int) -> bool:
+    """Whether the oldest of ``waiting`` unauthenticated connections (waiting ``oldest_age_s``) must go."""
+    return waiting > HARD_CAP_FACTOR * cap or (waiting > cap and oldest_age_s >= CAP_GRACE_S)
+
+
+def has_unread_bytes(sock: Any) -> bool:
+    """Whether socket ``sock`` (anything with ``fileno``) has received bytes nobody read yet: a
+    connection whose first message is already here (behind a burst of others) is not the one the
+    cap closes."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+    except OSError:
+        return False

@@ -4,8 +4,8 @@ libzmq accepts every TCP connection and drops the bad ones silently. ``Connectio
 thread of its own per listening socket that answers the context's ZAP requests (``preauth.py``:
 PLAIN with the password derived from the key), reads the socket's monitor and keeps the
 connections that have not authenticated yet under ``preauth_max_connections``: over it, the oldest
-is closed (so a flood cannot lock out the run's own ranks, and descriptors stay free for the run's
-files). A connection counts as authenticated once a valid signed message came from it (``mark``,
+is closed (``over_cap``: so a flood cannot lock out the run's own ranks, and descriptors stay free
+for the run's files). A connection counts as authenticated once a valid signed message came from it (``mark``,
 by the receiving thread, with the frame's source descriptor) or once it has outlived the handshake
 timeout (libzmq ends handshakes that take longer: whoever is still there passed PLAIN). Every
 connection closed before it authenticated — wrong or no credentials, not a ZMQ peer, an oversized
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from nexrl_hpc.rpc.preauth import WireLimits, ZapHandler
+from nexrl_hpc.rpc.preauth import WireLimits, ZapHandler, over_cap
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,12 @@ class ConnectionWatch:
                     break
                 del self._unmarked[fd]
                 conn.marked = True
-            while len(self._unmarked) > self._limits.preauth_max_connections:
+            while self._unmarked:
                 fd, conn = next(iter(self._unmarked.items()))
+                if not over_cap(
+                    len(self._unmarked), now - conn.accepted, self._limits.preauth_max_connections
+                ):
+                    break
                 del self._unmarked[fd]
                 conn.evicted = True
                 doomed.append((fd, conn))

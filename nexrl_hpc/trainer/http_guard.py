@@ -8,7 +8,8 @@ uvicorn keeps a connection that never completes its request for as long as the p
   authenticated body is bounded by ``preauth_max_bytes`` (413 naming the setting);
 - ``GuardedH11Protocol`` (uvicorn's h11 protocol): a connection must deliver a complete request head
   within ``preauth_timeout_s`` (of its start, or of its previous response), and at most
-  ``preauth_max_connections`` connections wait for one at a time (a new one closes the oldest).
+  ``preauth_max_connections`` connections wait for one at a time (beyond, the oldest is closed:
+  ``preauth.over_cap``).
   Idle keep-alive connections end after uvicorn's ``timeout_keep_alive``.
 
 Threads: everything runs on uvicorn's event loop.
@@ -24,7 +25,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from nexrl_hpc.rpc.preauth import WireLimits
+from nexrl_hpc.rpc.preauth import CAP_GRACE_S, WireLimits, has_unread_bytes, over_cap
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +87,31 @@ def guarded_protocol(limits: WireLimits) -> type[H11Protocol]:
             self._waiting_since = time.monotonic()
             self._waiting_after: Any = None  # the request cycle before the awaited head
             self._head_deadline: Any = self.loop.call_later(limits.preauth_timeout_s, self._head_late)
-            waiting: list[Any] = [
-                c for c in self.connections if getattr(c, "_head_deadline", None) is not None
-            ]
-            if len(waiting) > limits.preauth_max_connections:
-                oldest = min(waiting, key=lambda c: c._waiting_since)
+            self._cap()
+            self.loop.call_later(CAP_GRACE_S, self._cap)  # once the new one had its grace
+
+        def _cap(self) -> None:
+            """Close the oldest connections waiting for a request head while over the cap."""
+            now = time.monotonic()
+            waiting: list[Any] = sorted(
+                (c for c in self.connections if getattr(c, "_head_deadline", None) is not None),
+                key=lambda c: c._waiting_since,
+            )
+            cap = limits.preauth_max_connections
+            count = len(waiting)
+            for conn in waiting:  # oldest first
+                if not over_cap(count, now - conn._waiting_since, cap):
+                    return
+                sock = conn.transport.get_extra_info("socket")
+                if sock is not None and has_unread_bytes(sock):  # its request is here: served first
+                    continue
                 logger.warning(
                     "train service: over %d connections waiting for a request "
                     "(runtime.rpc.preauth_max_connections): closed the oldest",
-                    limits.preauth_max_connections,
+                    cap,
                 )
-                oldest._head_late()
+                conn._head_late()
+                count -= 1
 
         def handle_events(self) -> None:
             super().handle_events()
