@@ -159,9 +159,51 @@ def stream(sock: socket.socket, prefix: bytes, total: int, piece: bytes) -> int:
     return sent
 
 
+_COMMAND = b"\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+READY = b"\x04" + bytes([len(_COMMAND)]) + _COMMAND  # a NULL handshake's READY command, as a DEALER
+
+
 def greeting(mechanism: bytes) -> bytes:
     """A ZMTP 3.0 greeting."""
     return b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00" + mechanism.ljust(20, b"\x00") + b"\x00" * 32
+
+
+def flood_zmq(address: str, total: int = 150 * MiB) -> dict[str, int]:
+    """Row 1's attacks on a ZMQ port: frames flagged MORE after a NULL handshake, and a huge PLAIN
+    HELLO; returns the bytes each got out before the port closed it."""
+    port = int(address.rsplit(":", 1)[1])
+    big_more = b"\x03" + struct.pack(">Q", MiB - 64) + b"\x00" * (MiB - 64)  # a 1 MiB frame flagged MORE
+    sent = {}
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        sent["null"] = stream(s, greeting(b"NULL") + READY, total, big_more)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        sent["hello"] = stream(
+            s, greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", total), total, b"\x00" * MiB
+        )
+    return sent
+
+
+def flood_lane(address: str, total: int = 150 * MiB) -> list[int]:
+    """Row 2's attack on a lane: big unsigned messages announced on two connections; bytes sent."""
+    port = int(address.rsplit(":", 1)[1])
+    sent = []
+    for _ in range(2):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            head = b"NXL1" + struct.pack(">IQQ", 1, total // 2, total // 2)
+            sent.append(stream(s, head, total // 2, b"\x00" * MiB))
+    return sent
+
+
+def idle_connections(addresses: list[str], n: int) -> list[socket.socket]:
+    """Row 3's attack: ``n`` connections to each port that never say anything (non-blocking)."""
+    socks = []
+    for address in addresses:
+        port = int(address.rsplit(":", 1)[1])
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setblocking(False)
+            socks.append(s)
+    return socks
 
 
 def assert_memory_flat(target: Target, before: int, what: str) -> None:
@@ -179,19 +221,10 @@ def test_150_mib_of_unsigned_more_frames_cost_the_endpoint_nothing(warm: Target)
     of it is buffered (PLAIN refuses the handshake; frames are bounded by the pre-auth budget)."""
     target = warm
     before, rejected = target.rss(), target.rejected()
+    sent = flood_zmq(target.address)  # the issue's attack (NULL + MORE frames), and a 150 MiB HELLO
     more = b"\x01" + bytes([255]) + b"\x00" * 255  # a short frame flagged MORE (ZMTP 3: flags, size)
-    big_more = b"\x03" + struct.pack(">Q", MiB - 64) + b"\x00" * (MiB - 64)  # a 1 MiB frame flagged MORE
-    command = b"\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
-    ready = b"\x04" + bytes([len(command)]) + command
-    sent = {}
-    with socket.create_connection(("127.0.0.1", target.port)) as s:  # the issue's attack: NULL + MORE frames
-        sent["null"] = stream(s, greeting(b"NULL") + ready, 150 * MiB, big_more)
-    with socket.create_connection(("127.0.0.1", target.port)) as s:  # PLAIN, a 150 MiB HELLO
-        sent["hello"] = stream(
-            s, greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", 150 * MiB), 150 * MiB, b"\x00" * MiB
-        )
     with socket.create_connection(("127.0.0.1", target.port)) as s:  # many small MORE frames
-        sent["small"] = stream(s, greeting(b"NULL") + ready, 16 * MiB, more * 4096)
+        sent["small"] = stream(s, greeting(b"NULL") + READY, 16 * MiB, more * 4096)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)  # a real ZMQ peer, credentials derived from a guessed key
     dealer.setsockopt(zmq.LINGER, 0)
@@ -203,9 +236,7 @@ def test_150_mib_of_unsigned_more_frames_cost_the_endpoint_nothing(warm: Target)
     time.sleep(0.5)
     dealer.close()
     ctx.term()
-    assert sent["null"] < 32 * MiB and sent["hello"] < 32 * MiB, (
-        sent
-    )  # closed early (what was in flight aside)
+    assert sent["null"] < 32 * MiB and sent["hello"] < 32 * MiB, sent  # closed early (in flight aside)
     assert_memory_flat(target, before, "unsigned MORE frames")
     n = target.call("add", 1)
     assert target.call("peek", direct=True) == n  # still serving, both paths
@@ -217,10 +248,7 @@ def test_150_mib_of_lane_bytes_cost_the_endpoint_nothing(warm: Target) -> None:
     announcing more is refused at once, and messages within it are dropped at the signature."""
     target = warm
     before, rejected = target.rss(), target.rejected()
-    for _ in range(2):  # the issue's attack: big messages announced on two connections
-        with socket.create_connection(("127.0.0.1", target.lane_port)) as s:
-            head = b"NXL1" + struct.pack(">IQQ", 1, 75 * MiB, 75 * MiB)
-            assert stream(s, head, 75 * MiB, b"\x00" * MiB) < 8 * MiB  # closed at the header
+    assert all(n < 32 * MiB for n in flood_lane(target.lane))  # the issue's attack: closed at the header
     budget = target.limits.preauth_max_bytes - 64
     for _ in range(75):  # messages within the budget: each is read, fails its signature, is dropped
         with socket.create_connection(("127.0.0.1", target.lane_port)) as s:
