@@ -31,7 +31,7 @@ from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
 from nexrl_hpc.rpc.lane import lane_parts
 from nexrl_hpc.rpc.limits import MessageTooLarge
-from nexrl_hpc.rpc.preauth import secure_client
+from nexrl_hpc.rpc.preauth import FRAME_BYTES, cut_frames, join_frames, secure_client
 from nexrl_hpc.rpc.server import reply_batch, request_batch
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
@@ -492,6 +492,35 @@ def test_direct_calls_carry_tensors_both_ways(pair: Any) -> None:
     with pytest.raises(MessageTooLarge, match="exceeds runtime.rpc.max_message_mb"):
         execute(h.mirror, torch.randn(512, 1024))  # refused before sending
     assert client._direct.peers[1].count == 1  # the connection was neither broken nor lost
+
+
+def test_big_parts_travel_cut_into_frames_within_the_peers_frame_limit() -> None:
+    """Every frame on the ZMQ path is at most FRAME_BYTES (a ROUTER's frame limit is the pre-auth
+    budget, here its smallest): a 600 KiB tensor and a 300 KiB payload are cut into frames and
+    arrive whole, both ways."""
+    key, limits = secrets.token_bytes(32), wire_limits(preauth_max_bytes=FRAME_BYTES)
+    registry = ModuleRegistry()
+    registry.add("counter", Counter())
+    ends = [
+        RpcEndpoint(rank, "127.0.0.1", key, 4 << 20, 4, 10.0, lookup, direct_sockets_per_peer=0,
+                    long_poll_threads=2, limits=limits)
+        for rank, lookup in ((0, ModuleRegistry().lookup), (1, registry.lookup))
+    ]  # fmt: skip
+    try:
+        ends[0].connect({1: ends[1].address})
+        ends[1].connect({0: ends[0].address})
+        tensor = torch.randn(150 << 10)  # 600 KiB
+        words = ["x" * 100] * 3000  # ~300 KiB of msgpack
+        out = execute(RemoteModuleHandle(ends[0], 1, "counter", Counter).echo, {"t": tensor, "w": words})
+        assert torch.equal(out["t"], tensor) and out["w"] == words
+        assert ends[0].stats()["rejected"] == 0 and ends[1].stats()["rejected"] == 0
+        parts = [b"a" * 10, bytes(range(256)) * 3000]
+        frames, counts = cut_frames(parts)
+        assert counts == [1, 3] and max(len(f) for f in frames) <= FRAME_BYTES
+        assert join_frames(frames, counts) == parts
+    finally:
+        for e in ends:
+            e.close()
 
 
 def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any, caplog: Any) -> None:
