@@ -19,7 +19,7 @@ from nexrl_hpc.rpc.codec import RemoteError, decode, encode
 from nexrl_hpc.rpc.direct import DirectPool
 from nexrl_hpc.rpc.invoke import Invoker
 from nexrl_hpc.rpc.lane_server import LaneServer
-from nexrl_hpc.rpc.limits import Rejections, message_size, over_limit
+from nexrl_hpc.rpc.limits import LOG_BURST, LOG_WINDOW_S, Rejections, message_size, over_limit
 from nexrl_hpc.rpc.preauth import secure_client, secure_server
 from nexrl_hpc.rpc.server import IoServer
 from nexrl_hpc.rpc.watch import ConnectionWatch
@@ -87,6 +87,15 @@ def test_limits_name_the_size_and_count_every_rejection(caplog: Any) -> None:
     assert rejections.count == 2
     assert "rank 7: rejected a message from 10.0.0.1:5: bad signature" in caplog.text
     assert "from <unknown peer>: too short" in caplog.text
+    caplog.clear()
+    flood = Rejections(8)
+    for i in range(LOG_BURST + 100):  # a flood: every one counted, not every one logged
+        flood.reject("closed before it authenticated", f"10.0.0.2:{i}")
+    assert flood.count == LOG_BURST + 100 and caplog.text.count("rank 8: rejected") == LOG_BURST
+    flood._window_start -= LOG_WINDOW_S  # the next window: the rest is summed up in one line
+    flood.reject("bad signature", "10.0.0.2:1")
+    assert "rank 8: 100 more rejections not logged one by one" in caplog.text
+    assert caplog.text.count("rank 8: rejected") == LOG_BURST + 1
 
 
 def test_invoker_runs_encodes_and_names_the_rank_of_an_error() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import zmq
 
+from nexrl_hpc.rpc.limits import Rejections
 from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.rpc.watch import ConnectionWatch
 from nexrl_hpc.trainer.group_comm import GroupComm
@@ -62,15 +63,14 @@ class TrainerRank:
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._watch: ConnectionWatch | None = None
-        self._dropped = 0  # connections that never authenticated (counted by the watch's thread)
-        self._dropped_lock = threading.Lock()
+        self._dropped = Rejections("trainer rank 0")  # connections that never authenticated (the watch's)
         if self.rank == 0:
             ensure_fd_room(1, limits)
             self._ctx = zmq.Context()
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 1000)
             self._channel.prepare_server(self._router)
-            self._watch = ConnectionWatch(self._router, key, limits, self._drop, "trainer rank 0")
+            self._watch = ConnectionWatch(self._router, key, limits, self._dropped.reject, "trainer rank 0")
             if port:
                 self._router.bind(f"tcp://{host}:{port}")
                 self.address = f"tcp://{host}:{port}"
@@ -81,16 +81,11 @@ class TrainerRank:
     @property
     def rejected(self) -> int:
         """Messages and connections dropped before anything was decoded."""
-        return self._channel.rejected + self._dropped
+        return self._channel.rejected + self._dropped.count
 
     def _rank0_router(self) -> zmq.Socket:
         assert self._router is not None, "only trainer rank 0 serves clients"
         return self._router
-
-    def _drop(self, reason: str, peer: str) -> None:
-        with self._dropped_lock:
-            self._dropped += 1
-        logger.warning("trainer rank 0: rejected a connection from %s: %s", peer or "<unknown peer>", reason)
 
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` (rank 0) or until rank 0 says stop (others). Raises if the group broke
