@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import shutil
@@ -37,13 +38,18 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any
     return validate_config(compose_raw(overrides))  # type: ignore[return-value]
 
 
+@functools.cache
+def _shipped_wire_limits() -> Any:
+    from nexrl_hpc.rpc.preauth import WireLimits
+
+    return WireLimits.from_config(compose_config()["runtime"]["rpc"])
+
+
 def wire_limits(**changes: Any) -> Any:
     """A run's pre-authentication limits (``runtime.rpc``, a ``WireLimits``), with ``changes``."""
     import dataclasses
 
-    from nexrl_hpc.rpc.preauth import WireLimits
-
-    return dataclasses.replace(WireLimits.from_config(compose_config()["runtime"]["rpc"]), **changes)
+    return dataclasses.replace(_shipped_wire_limits(), **changes)
 
 
 @pytest.fixture(scope="session")

@@ -282,7 +282,8 @@ def attack(address: str, key_guess: bytes, marker: Path) -> None:
         {"t": "req", "id": 1, "src": 9, "to": 1, "s": "attacker", "q": 1, "m": "counter", "f": "add"}
     )
     payload, _ = encode([[1000], {}])
-    dealer.send_multipart(seal(key_guess, envelope, [payload]), zmq.NOBLOCK)
+    with contextlib.suppress(zmq.Again):  # no connection to queue on: refused at the handshake
+        dealer.send_multipart(seal(key_guess, envelope, [payload]), zmq.NOBLOCK)
     time.sleep(0.2)
     dealer.close()
     # 3. a pickled object whose __reduce__ would create a file (unsigned, no credentials)
@@ -290,7 +291,8 @@ def attack(address: str, key_guess: bytes, marker: Path) -> None:
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(address)
     Evil.path = str(marker)
-    dealer.send_multipart([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())], zmq.NOBLOCK)
+    with contextlib.suppress(zmq.Again):
+        dealer.send_multipart([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())], zmq.NOBLOCK)
     time.sleep(0.2)
     dealer.close()
     ctx.term()
