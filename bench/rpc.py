@@ -33,6 +33,7 @@ from nexrl_hpc.core.execute import (  # noqa: E402
 )
 from nexrl_hpc.rpc.endpoint import RpcEndpoint  # noqa: E402
 from nexrl_hpc.rpc.handles import ModuleRegistry, RemoteModuleHandle  # noqa: E402
+from nexrl_hpc.rpc.preauth import WireLimits  # noqa: E402
 
 
 class Echo:
@@ -86,6 +87,11 @@ def trajectory(i: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def wire_limits() -> WireLimits:
+    """A run's pre-authentication limits (``runtime.rpc``)."""
+    return WireLimits.from_config(default_config()["runtime"]["rpc"])
+
+
 def serve(conn: Any) -> None:
     key = conn.recv()
     registry = ModuleRegistry()
@@ -93,8 +99,9 @@ def serve(conn: Any) -> None:
     registry.add("trajectory_pool", make_pool())
     configure_gc_like_a_run()
     endpoint = RpcEndpoint(
-        1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=2
-    )
+        1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=2,
+        limits=wire_limits(),
+    )  # fmt: skip
     conn.send((endpoint.address, endpoint.lane_address))
     address, lane = conn.recv()
     endpoint.connect({0: address}, {0: lane})
@@ -142,6 +149,7 @@ def bench_nexrl(calls: int) -> dict[str, float]:
         ModuleRegistry().lookup,
         direct_sockets_per_peer=4,
         long_poll_threads=2,
+        limits=wire_limits(),
     )
     client.connect({1: address}, {1: lane})
     parent.send((client.address, client.lane_address))

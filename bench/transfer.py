@@ -42,7 +42,16 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from nexrl_hpc.config.location import default_section  # noqa: E402
+from nexrl_hpc.rpc.preauth import WireLimits  # noqa: E402
+from nexrl_hpc.rpc.watch import ConnectionWatch  # noqa: E402
 from nexrl_hpc.trainer.protocol import SignedChannel  # noqa: E402
+
+
+def wire_limits() -> WireLimits:
+    """A run's pre-authentication limits (the shipped ``runtime.rpc``)."""
+    return WireLimits.from_config(default_section("runtime.rpc"))
+
 
 PATHS = ("bulk", "pickle", "bare", "bare_chunks")
 _TIMEOUT_S = 120.0
@@ -84,9 +93,12 @@ def rank0(conn: Any) -> None:
         s = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         socks[path] = s
-    conn.send({p: f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for p, s in socks.items()})
-    channel = SignedChannel(key, 2 * nbytes, name="rank0")  # what trainer rank 0 runs
-    channel.prepare(socks["bulk"])
+    channel = SignedChannel(key, 2 * nbytes, wire_limits(), name="rank0")  # what trainer rank 0 runs
+    channel.prepare_server(socks["bulk"])
+    watch = ConnectionWatch(socks["bulk"], key, wire_limits(), lambda reason, peer: None, "rank0")  # noqa: F841
+    addresses = {p: f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for p, s in socks.items()}
+    channel.me = addresses["bulk"]
+    conn.send(addresses)
     into, got = np.empty(nbytes, dtype=np.uint8), 0  # the bare_chunks path's reused buffer
     poller = zmq.Poller()
     for s in socks.values():
@@ -96,12 +108,12 @@ def rank0(conn: Any) -> None:
             if sock is socks["bulk"]:
                 msg = channel.feed(sock.recv_multipart(copy=False))
                 if msg is not None:
-                    rid, header, tensors = msg
+                    rid, sender, header, tensors = msg
                     ack = {"kind": "ack", "op_id": header["op_id"], "rejected": channel.rejected}
                     if header.get("check"):
                         ack["digest"] = digest(tensors)
                     del msg, tensors  # the batch is "handed to the trainer" and dropped
-                    channel.send(sock, ack, routing_id=rid)
+                    channel.send(sock, ack, sender, routing_id=rid)
             elif sock is socks["pickle"]:
                 rid = sock.recv()
                 batch = sock.recv_pyobj()  # NexRL: pickle.loads of the whole frame
@@ -148,9 +160,14 @@ def main() -> None:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVTIMEO, int(_TIMEOUT_S * 1000))
-        s.connect(address)
+        if path != "bulk":  # the bulk socket connects with the channel's credentials (below)
+            s.connect(address)
         socks[path] = s
-    client = SignedChannel(key, 1 << 20, name="driver", chunk_bytes=chunk_bytes)  # TrainGroupClient's
+    client = SignedChannel(
+        key, 1 << 20, wire_limits(), name="driver", chunk_bytes=chunk_bytes
+    )  # the client's
+    client.prepare_client(socks["bulk"])
+    socks["bulk"].connect(addresses["bulk"])
     ops = itertools.count()
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in batch.values()])  # the bare frame's bytes
 
@@ -159,15 +176,16 @@ def main() -> None:
         client.send(
             socks["bulk"],
             {"kind": "data", "op_id": op_id, "operation": "update_actor", "check": check},
+            addresses["bulk"],
             batch,
         )
         while True:  # the client's wait for the ACK (a result message arrives whole: one feed)
             msg = client.feed(socks["bulk"].recv_multipart(copy=False))
             if msg is not None:
                 break
-        if msg[1].get("op_id") != op_id:
+        if msg[2].get("op_id") != op_id:
             raise RuntimeError(f"no valid ACK for {op_id}")
-        return msg[1]
+        return msg[2]
 
     def pickled() -> None:
         socks["pickle"].send_pyobj(batch)

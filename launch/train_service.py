@@ -3,7 +3,8 @@
     NEXRL_TRAIN_SERVICE_TOKEN=... python -m launch.train_service --host 127.0.0.1 --port 8000
 
 Binds loopback unless told otherwise; refuses to start without a bearer token (from the
-environment variable named by ``--token-env``). Worker groups register themselves:
+environment variable named by ``--token-env``). The HTTP port keeps the run's pre-authentication
+limits (``runtime.rpc.preauth_*`` of the shipped config; ``nexrl_hpc/trainer/http_guard.py``). Worker groups register themselves:
 ``torchrun --nproc_per_node=N -m launch.train_worker --api-server-url URL --identifier ID``.
 """
 
@@ -33,10 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
     import uvicorn
 
+    from nexrl_hpc.config.location import default_section
+    from nexrl_hpc.rpc.preauth import WireLimits
     from nexrl_hpc.trainer.api_server import create_app
+    from nexrl_hpc.trainer.http_guard import BearerFirst, guarded_protocol
 
-    app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    limits = WireLimits.from_config(default_section("runtime.rpc"))  # the shipped runtime.rpc defaults
+    app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20, limits)
+    uvicorn.run(
+        BearerFirst(app, token, limits.preauth_max_bytes),  # the token before a byte of a body is read
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        http=guarded_protocol(limits),  # a request head within the timeout; waiting connections capped
+        timeout_keep_alive=5,
+    )
     return 0
 
 

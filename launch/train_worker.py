@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from nexrl_hpc.config.location import default_section
+    from nexrl_hpc.rpc.preauth import WireLimits
     from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
     from nexrl_hpc.trainer.protocol import key_from_token
     from nexrl_hpc.trainer.trainer_rank import TrainerRank
@@ -70,15 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         world_size=world_size,
         timeout=timedelta(seconds=args.collective_timeout_s),
     )
-    trainer = TrainerRank(
-        PolicyTrainer(engine=args.backend),
-        torch.device(args.device),
-        key_from_token(token, args.identifier),
-        host=args.host,
-        port=args.port,
-        max_message_bytes=args.max_message_mb << 20,
-        idle_tick_s=args.idle_tick_s,
-    )
     http = httpx.Client(
         base_url=args.api_server_url, headers={"Authorization": f"Bearer {token}"}, timeout=30
     )
@@ -86,6 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         _post(http, "/register_worker_group", {"identifier": ident, "world_size": world_size})
     dist.barrier()  # the group exists before anyone reports into it
+    # this start's session (drawn by the API server at registration): the group key derives from it
+    info = http.get("/get_worker_group_info", params={"identifier": ident})
+    if info.status_code != 200:
+        raise RuntimeError(f"/get_worker_group_info: HTTP {info.status_code}: {info.text[:300]}")
+    trainer = TrainerRank(
+        PolicyTrainer(engine=args.backend),
+        torch.device(args.device),
+        key_from_token(token, ident, info.json()["session"]),
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_mb << 20,
+        idle_tick_s=args.idle_tick_s,
+        limits=WireLimits.from_config(default_section("runtime.rpc")),  # the shipped runtime.rpc defaults
+    )
     me = {
         "identifier": ident,
         "rank": rank,

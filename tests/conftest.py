@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import shutil
@@ -35,6 +36,20 @@ def compose_raw(overrides: list[str] | tuple[str, ...] = ()) -> Any:
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The validated, resolved config the launcher would run with."""
     return validate_config(compose_raw(overrides))  # type: ignore[return-value]
+
+
+@functools.cache
+def _shipped_wire_limits() -> Any:
+    from nexrl_hpc.rpc.preauth import WireLimits
+
+    return WireLimits.from_config(compose_config()["runtime"]["rpc"])
+
+
+def wire_limits(**changes: Any) -> Any:
+    """A run's pre-authentication limits (``runtime.rpc``, a ``WireLimits``), with ``changes``."""
+    import dataclasses
+
+    return dataclasses.replace(_shipped_wire_limits(), **changes)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import JsonlDataLoader
 from tests.conftest import CONFIG_DIR, REPO
+from tests.test_hostile_wire import flood_lane, flood_zmq, idle_connections, still_open
 from tests.test_rpc import attack, attack_lane
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +66,8 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
-    """mpirun -n 4 learns the default task like local mode; every rank's port survives attacks."""
+    """mpirun -n 4 learns the default task like local mode; every rank's port survives attacks
+    (hostile input, and issue 21's pre-authentication floods and idle connections)."""
     run_dir = tmp_path / "mpi"
     proc = subprocess.Popen(
         mpirun(4, [f"run_dir={run_dir}", "seed=5"]),
@@ -86,9 +88,20 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     lanes = [r["lane_address"] for r in ranks]  # every rank's direct lane (blocking @quick calls)
     for address in lanes:
         attack_lane(address, secrets.token_bytes(32), marker)
+    # the pre-authentication attacks (issue 21): 150 MiB of MORE frames and a 150 MiB handshake
+    # frame on every ZMQ port, 150 MiB announced on every lane, 200 idle connections on every port
+    for address in ports:
+        assert all(n < 32 << 20 for n in flood_zmq(address).values()), address
+    for address in lanes:
+        assert all(n < 32 << 20 for n in flood_lane(address)), address
+    idle = idle_connections(ports + lanes, 200)
     ports += lanes
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
+    left = still_open(idle)  # closed by the run long before its end (preauth_timeout_s)
+    for s in idle:
+        s.close()
+    assert left == 0
     assert not marker.exists()
     rows = metrics(run_dir)
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
@@ -96,7 +109,8 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
-    assert steps[-1]["rpc/rejected"] >= 4 * len(ports)  # every attack on every port was counted
+    # every attack on every port was counted: the inputs, the floods, each idle connection
+    assert steps[-1]["rpc/rejected"] >= 4 * len(ports) + 2 * len(ports) + 200 * len(ports)
     for name in (
         "config.yaml",
         "data/validation.jsonl",

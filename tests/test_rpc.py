@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
@@ -30,11 +31,13 @@ from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry, RemoteModuleHandle
 from nexrl_hpc.rpc.lane import lane_parts
 from nexrl_hpc.rpc.limits import MessageTooLarge
+from nexrl_hpc.rpc.preauth import FRAME_BYTES, cut_frames, join_frames, secure_client
 from nexrl_hpc.rpc.server import reply_batch, request_batch
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.types import Batch
 from nexrl_hpc.validate.validator import Validator
 from nexrl_hpc.weight_sync.controller import WeightSyncController
+from tests.conftest import wire_limits
 
 
 def test_codec_round_trip_without_pickle() -> None:
@@ -118,8 +121,9 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
     counter = Counter()
     registry.add("counter", counter)
     server = RpcEndpoint(
-        1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=8
-    )
+        1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=8,
+        limits=wire_limits(),
+    )  # fmt: skip
     client = RpcEndpoint(
         0,
         "127.0.0.1",
@@ -130,6 +134,7 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
         ModuleRegistry().lookup,
         direct_sockets_per_peer=4,
         long_poll_threads=8,
+        limits=wire_limits(),
     )
     client.connect({1: server.address}, {1: server.lane_address})
     server.connect({0: client.address}, {0: client.lane_address})  # replies travel to the caller's ROUTER
@@ -245,45 +250,56 @@ class Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-def raw_zmtp_client(port: int) -> socket.socket:
-    """A raw TCP peer that completes a ZMTP 3.0 NULL handshake as a DEALER."""
+def raw_zmtp_client(port: int, mechanism: bytes = b"NULL") -> socket.socket:
+    """A raw TCP peer that sends a ZMTP 3.0 greeting (and, for NULL, a DEALER's READY); the run's
+    sockets speak PLAIN and close it."""
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(
-        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
     )
-    props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    cmd = b"\x05READY" + props
-    s.sendall(b"\x04" + bytes([len(cmd)]) + cmd)
-    s.recv(64)
+    if mechanism == b"NULL":
+        props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        cmd = b"\x05READY" + props
+        s.sendall(b"\x04" + bytes([len(cmd)]) + cmd)
     return s
 
 
 def attack(address: str, key_guess: bytes, marker: Path) -> None:
-    """The four hostile inputs the mpi mode must survive, against one listening endpoint."""
+    """The hostile inputs the mpi mode must survive, against one listening ZMQ socket: none of them
+    gets past the handshake (PLAIN with the password derived from the key)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     # 1. random bytes
     with socket.create_connection((host, int(port))) as s:
         s.sendall(os.urandom(512))
         time.sleep(0.2)
     ctx = zmq.Context()
+    # 2. a well-formed request signed with a guessed key, over credentials derived from it
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, key_guess, wire_limits())
+    dealer.connect(address)
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "to": 1, "s": "attacker", "q": 1, "m": "counter", "f": "add"}
+    )
+    payload, _ = encode([[1000], {}])
+    with contextlib.suppress(zmq.Again):  # no connection to queue on: refused at the handshake
+        dealer.send_multipart(seal(key_guess, envelope, [payload]), zmq.NOBLOCK)
+    time.sleep(0.2)
+    dealer.close()
+    # 3. a pickled object whose __reduce__ would create a file (unsigned, no credentials)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(address)
-    # 2. a well-formed request signed with the wrong key
-    envelope = msgpack.packb(
-        {"t": "req", "id": 1, "src": 9, "s": "attacker", "q": 1, "m": "counter", "f": "add"}
-    )
-    payload, _ = encode([[1000], {}])
-    dealer.send_multipart(seal(key_guess, envelope, [payload]))
-    # 3. a pickled object whose __reduce__ would create a file (unsigned)
     Evil.path = str(marker)
-    dealer.send_multipart([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())])
+    with contextlib.suppress(zmq.Again):
+        dealer.send_multipart([b"\x00" * 32, pickle.dumps(Evil()), pickle.dumps(Evil())], zmq.NOBLOCK)
     time.sleep(0.2)
     dealer.close()
     ctx.term()
     # 4. a frame header announcing 2 GiB
     s = raw_zmtp_client(int(port))
-    s.sendall(b"\x02" + struct.pack(">Q", 2**31))
+    with contextlib.suppress(OSError):
+        s.sendall(b"\x02" + struct.pack(">Q", 2**31))
     time.sleep(0.2)
     s.close()
 
@@ -294,16 +310,39 @@ def test_hostile_input_is_dropped_counted_and_nothing_runs(pair: Any, tmp_path: 
     caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     attack(server.address, secrets.token_bytes(32), marker)
     deadline = time.monotonic() + 5
-    while "oversized" not in caplog.text and time.monotonic() < deadline:
+    while server.stats()["rejected"] < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    # each input is counted at least once (a connection can also be counted when it is torn down)
+    # each input is counted at least once (a DEALER refused at the handshake retries)
     assert server.stats()["rejected"] >= 4
-    assert caplog.text.count("bad signature") == 2  # wrong key; the pickle (never unpickled)
-    assert "oversized frame" in caplog.text  # the 2 GiB header: libzmq drops the connection
-    assert "not a ZMQ peer" in caplog.text or "frame(s), expected a signature" in caplog.text  # random bytes
-    assert "from 127.0.0.1" in caplog.text  # logged with the peer address
+    assert "refused a ZMQ connection from 127.0.0.1: wrong credentials" in caplog.text  # the guessed key
+    assert "closed before it authenticated" in caplog.text and "from 127.0.0.1:" in caplog.text
+    assert "bad signature" not in caplog.text  # nothing got as far as the signature check
     assert not marker.exists() and counter.n == 0
     assert execute(handle(client).add) == 1  # still serving
+
+
+def test_a_message_signed_with_another_key_over_an_authenticated_connection_is_dropped(
+    pair: Any, caplog: Any
+) -> None:
+    """Past the handshake the signature still decides: a wrong key is counted and nothing runs."""
+    client, server, counter, key = pair
+    caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, key, wire_limits())
+    dealer.connect(server.address)
+    envelope = msgpack.packb(
+        {"t": "req", "id": 1, "src": 9, "to": 1, "s": "attacker", "q": 1, "m": "counter", "f": "add"}
+    )
+    payload, _ = encode([[1000], {}])
+    dealer.send_multipart(seal(secrets.token_bytes(32), envelope, [payload]))
+    deadline = time.monotonic() + 5
+    while server.stats()["rejected"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.stats()["rejected"] == 1 and "bad signature" in caplog.text and counter.n == 0
+    dealer.close()
+    ctx.term()
 
 
 def test_a_replayed_signed_message_is_rejected(pair: Any) -> None:
@@ -311,9 +350,10 @@ def test_a_replayed_signed_message_is_rejected(pair: Any) -> None:
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, key, wire_limits())
     dealer.connect(server.address)
     envelope = msgpack.packb(
-        {"t": "req", "id": 1, "src": 9, "s": "recorded", "q": 5, "m": "counter", "f": "add"}
+        {"t": "req", "id": 1, "src": 9, "to": 1, "s": "recorded", "q": 5, "m": "counter", "f": "add"}
     )
     payload, _ = encode([[10], {}])
     frames = seal(key, envelope, [payload])
@@ -456,12 +496,41 @@ def test_direct_calls_carry_tensors_both_ways(pair: Any) -> None:
     assert client._direct.peers[1].count == 1  # the connection was neither broken nor lost
 
 
+def test_big_parts_travel_cut_into_frames_within_the_peers_frame_limit() -> None:
+    """Every frame on the ZMQ path is at most FRAME_BYTES (a ROUTER's frame limit is the pre-auth
+    budget, here its smallest): a 600 KiB tensor and a 300 KiB payload are cut into frames and
+    arrive whole, both ways."""
+    key, limits = secrets.token_bytes(32), wire_limits(preauth_max_bytes=FRAME_BYTES)
+    registry = ModuleRegistry()
+    registry.add("counter", Counter())
+    ends = [
+        RpcEndpoint(rank, "127.0.0.1", key, 4 << 20, 4, 10.0, lookup, direct_sockets_per_peer=0,
+                    long_poll_threads=2, limits=limits)
+        for rank, lookup in ((0, ModuleRegistry().lookup), (1, registry.lookup))
+    ]  # fmt: skip
+    try:
+        ends[0].connect({1: ends[1].address})
+        ends[1].connect({0: ends[0].address})
+        tensor = torch.randn(150 << 10)  # 600 KiB
+        words = ["x" * 100] * 3000  # ~300 KiB of msgpack
+        out = execute(RemoteModuleHandle(ends[0], 1, "counter", Counter).echo, {"t": tensor, "w": words})
+        assert torch.equal(out["t"], tensor) and out["w"] == words
+        assert ends[0].stats()["rejected"] == 0 and ends[1].stats()["rejected"] == 0
+        parts = [b"a" * 10, bytes(range(256)) * 3000]
+        frames, counts = cut_frames(parts)
+        assert counts == [1, 3] and max(len(f) for f in frames) <= FRAME_BYTES
+        assert join_frames(frames, counts) == parts
+    finally:
+        for e in ends:
+            e.close()
+
+
 def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any, caplog: Any) -> None:
     """Small messages travel as one frame; the same key, length and signature checks apply."""
     client, server, counter, key = pair
     caplog.set_level("WARNING", logger="nexrl_hpc.rpc")
     envelope = msgpack.packb(
-        {"t": "req", "id": 1, "src": 9, "s": "packer", "q": 1, "m": "counter", "f": "add"}
+        {"t": "req", "id": 1, "src": 9, "to": 1, "s": "packer", "q": 1, "m": "counter", "f": "add"}
     )
     payload, _ = encode([[3], {}])
     (good,) = seal_message(key, envelope, payload, [])
@@ -471,6 +540,7 @@ def test_packed_single_frame_messages_are_verified_like_multipart_ones(pair: Any
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, key, wire_limits())
     dealer.connect(server.address)
     for frame in (wrong_key, good[:20], overlong, good[:-1]):
         dealer.send(frame)
@@ -500,6 +570,7 @@ def test_without_direct_sockets_quick_calls_take_the_queued_path(pair: Any) -> N
         ModuleRegistry().lookup,
         direct_sockets_per_peer=0,
         long_poll_threads=8,
+        limits=wire_limits(),
     )
     try:
         plain.connect({1: server.address})

@@ -14,17 +14,20 @@ import pytest
 import zmq
 
 from nexrl_hpc.core.execute import quick
-from nexrl_hpc.rpc.calls import Calls, CallTimeout, PeerDeadError
+from nexrl_hpc.rpc.calls import Calls, CallTimeout, PeerDeadError, new_call_ids
 from nexrl_hpc.rpc.codec import RemoteError, decode, encode
 from nexrl_hpc.rpc.direct import DirectPool
 from nexrl_hpc.rpc.invoke import Invoker
 from nexrl_hpc.rpc.lane_server import LaneServer
-from nexrl_hpc.rpc.limits import Rejections, message_size, over_limit
+from nexrl_hpc.rpc.limits import LOG_BURST, LOG_WINDOW_S, Rejections, message_size, over_limit
+from nexrl_hpc.rpc.preauth import secure_client, secure_server
 from nexrl_hpc.rpc.server import IoServer
 from nexrl_hpc.rpc.watch import ConnectionWatch
 from nexrl_hpc.rpc.wire import SequenceGuard, open_message, seal_message
+from tests.conftest import wire_limits
 
 KEY = secrets.token_bytes(32)
+LIMITS = wire_limits()
 
 
 class Adder:
@@ -59,11 +62,15 @@ def receive(router: zmq.Socket, timeout_s: float = 5.0) -> tuple[dict[str, Any],
 
 @pytest.fixture
 def router() -> Iterator[tuple[zmq.Context, zmq.Socket, str]]:
+    """A caller rank's ROUTER as the run sets it up (PLAIN, its watch answering ZAP)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_server(sock, LIMITS)
+    watch = ConnectionWatch(sock, KEY, LIMITS, lambda reason, peer: None, "caller")
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     yield ctx, sock, f"tcp://127.0.0.1:{port}"
+    watch.close()
     sock.close()
     ctx.term()
 
@@ -80,6 +87,15 @@ def test_limits_name_the_size_and_count_every_rejection(caplog: Any) -> None:
     assert rejections.count == 2
     assert "rank 7: rejected a message from 10.0.0.1:5: bad signature" in caplog.text
     assert "from <unknown peer>: too short" in caplog.text
+    caplog.clear()
+    flood = Rejections(8)
+    for i in range(LOG_BURST + 100):  # a flood: every one counted, not every one logged
+        flood.reject("closed before it authenticated", f"10.0.0.2:{i}")
+    assert flood.count == LOG_BURST + 100 and caplog.text.count("rank 8: rejected") == LOG_BURST
+    flood._window_start -= LOG_WINDOW_S  # the next window: the rest is summed up in one line
+    flood.reject("bad signature", "10.0.0.2:1")
+    assert "rank 8: 100 more rejections not logged one by one" in caplog.text
+    assert caplog.text.count("rank 8: rejected") == LOG_BURST + 1
 
 
 def test_invoker_runs_encodes_and_names_the_rank_of_an_error() -> None:
@@ -98,23 +114,26 @@ def test_invoker_runs_encodes_and_names_the_rank_of_an_error() -> None:
 
 def test_calls_sign_requests_complete_replies_and_batch_queued_quick_requests(router: Any) -> None:
     ctx, sock, address = router
-    calls = Calls(0, KEY, 1 << 20, 5.0)
+    calls = Calls(0, KEY, 1 << 20, 5.0, LIMITS, new_call_ids())
     calls.connect(ctx, 1, address)
+    hello, _ = receive(sock)  # the DEALER says hello first: the peer's watch counts it authenticated
+    assert {k: hello[k] for k in ("t", "src", "to", "q")} == {"t": "hi", "src": 0, "to": 1, "q": 1}
     first = calls.call_async(1, "adder", "peek", (), {}, quick=True)
     envelope, rest = receive(sock)
-    assert {k: envelope[k] for k in ("t", "src", "m", "f", "q")} == {
-        "t": "req", "src": 0, "m": "adder", "f": "peek", "q": 1,
+    assert {k: envelope[k] for k in ("t", "src", "to", "m", "f", "q")} == {
+        "t": "req", "src": 0, "to": 1, "m": "adder", "f": "peek", "q": 2,
     }  # fmt: skip
     assert decode(bytes(rest[0]), []) == [[], {}]
     # while it is unanswered, the next quick requests wait in the outbox ...
     queued = [calls.call_async(1, "adder", "peek", (i,), {}, quick=True) for i in range(2)]
     assert len(calls.peers[1].outbox) == 2 and not sock.poll(100)
     body, _ = encode(41)
-    calls.complete(envelope["id"], body, [], True)
+    assert not calls.complete(envelope["id"], body, [], True, 2)  # from another rank: not its answer
+    assert calls.complete(envelope["id"], body, [], True, 1)
     assert first.result(timeout=1) == 41 and calls.peers[1].quick_in_flight == 2
     calls.flush_outboxes()  # ... and leave as one signed message when an answer came in
     batch, rest = receive(sock)
-    assert batch["t"] == "reqs" and batch["q"] == 2 and not calls.peers[1].outbox
+    assert batch["t"] == "reqs" and batch["q"] == 3 and batch["to"] == 1 and not calls.peers[1].outbox
     items = msgpack.unpackb(bytes(rest[0]), raw=False)
     assert [(m, f, decode(p, [])) for _, m, f, p in items] == [
         ("adder", "peek", [[0], {}]), ("adder", "peek", [[1], {}]),
@@ -156,11 +175,14 @@ def test_the_direct_pool_calls_a_lane_server_and_reuses_its_connection() -> None
     adder.n = 9
     server_rejections, client_rejections = Rejections(1), Rejections(0)
     lanes = LaneServer(
-        1, "127.0.0.1", KEY, 1 << 20, SequenceGuard(), Invoker(1, lookup_for(adder)), server_rejections.reject
-    )
+        1, "127.0.0.1", KEY, 1 << 20, SequenceGuard(), Invoker(1, lookup_for(adder)), server_rejections.reject,
+        LIMITS,
+    )  # fmt: skip
     end = serve_in_thread(lanes)
     dead: dict[int, str] = {}
-    pool = DirectPool(0, KEY, 1 << 20, 5.0, 2, SequenceGuard(), client_rejections.reject, dead)
+    pool = DirectPool(
+        0, KEY, 1 << 20, 5.0, 2, SequenceGuard(), client_rejections.reject, dead, new_call_ids()
+    )
     pool.add_peer(1, lanes.address)
     pool.add_peer(2, None)
     try:
@@ -195,23 +217,38 @@ def test_the_io_server_answers_a_request_batch_with_one_reply_batch(router: Any)
     adder.n = 5
     guard, rejections = SequenceGuard(), Rejections(1)
     invoker = Invoker(1, lookup_for(adder))
-    calls = Calls(1, KEY, 1 << 20, 5.0)
-    lanes = LaneServer(1, "127.0.0.1", KEY, 1 << 20, guard, invoker, rejections.reject)
+    calls = Calls(1, KEY, 1 << 20, 5.0, LIMITS, new_call_ids())
+    lanes = LaneServer(1, "127.0.0.1", KEY, 1 << 20, guard, invoker, rejections.reject, LIMITS)
+    server_ctx = zmq.Context()  # a rank's own context: one ZAP handler per context
     server = IoServer(
-        1, ctx, "127.0.0.1", KEY, 1 << 20, 2, 2, calls, lanes, invoker, guard, rejections.reject
+        1,
+        server_ctx,
+        "127.0.0.1",
+        KEY,
+        1 << 20,
+        2,
+        2,
+        calls,
+        lanes,
+        invoker,
+        guard,
+        rejections.reject,
+        LIMITS,
     )
     calls.io_thread = server.thread
-    calls.connect(ctx, 0, caller_address)  # replies go to the caller's ROUTER
+    calls.connect(server_ctx, 0, caller_address)  # replies go to the caller's ROUTER
     server.start()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    secure_client(dealer, KEY, LIMITS)
     dealer.connect(server.address)
     try:
+        assert receive(caller_router)[0]["t"] == "hi"  # the server's DEALER back to the caller
         items = [[10 + i, "adder", "peek", encode([[], {}])[0]] for i in range(3)]
-        envelope = msgpack.packb({"t": "reqs", "src": 0, "s": "caller", "q": 1})
+        envelope = msgpack.packb({"t": "reqs", "src": 0, "to": 1, "s": "caller", "q": 1})
         dealer.send_multipart(seal_message(KEY, envelope, msgpack.packb(items), []))
         reply, rest = receive(caller_router)
-        assert reply["t"] == "reps" and reply["s"].startswith("1:")
+        assert reply["t"] == "reps" and reply["s"].startswith("1:") and (reply["src"], reply["to"]) == (1, 0)
         assert [(i, ok, decode(body, [])) for i, ok, body in msgpack.unpackb(rest[0])] == [
             (10, True, 5), (11, True, 5), (12, True, 5),
         ]  # fmt: skip
@@ -224,22 +261,29 @@ def test_the_io_server_answers_a_request_batch_with_one_reply_batch(router: Any)
         dealer.close()
         server.stop()
         calls.close()
+        server_ctx.term()
 
 
-def test_the_connection_watch_reports_a_peer_that_never_speaks_zmtp(router: Any) -> None:
-    _, sock, address = router
+def test_the_connection_watch_reports_a_peer_that_never_speaks_zmtp() -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_server(sock, LIMITS)
     rejected: list[tuple[str, str]] = []
-    watch = ConnectionWatch(sock, lambda reason, peer: rejected.append((reason, peer)), "test")
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" * 4)
-        time.sleep(0.2)
-    deadline = time.monotonic() + 5
-    while not rejected and time.monotonic() < deadline:
-        if watch.socket.poll(100):
-            watch.drain()
-    watch.close()
-    assert rejected, "nothing reported"
+    watch = ConnectionWatch(sock, KEY, LIMITS, lambda reason, peer: rejected.append((reason, peer)), "test")
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n" * 4)
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while not rejected and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch.close()
+        sock.close()
+        ctx.term()
+    assert len(rejected) == 1, rejected
     reason, peer = rejected[0]
-    assert "handshake" in reason
+    assert "closed before it authenticated" in reason
     assert peer == "" or peer.startswith("127.0.0.1:")

@@ -25,7 +25,7 @@ from nexrl_hpc.trainer.group_client import ApiServerControl, TrainGroupClient
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.trainer.protocol import TrainerRankError, key_from_token
 from nexrl_hpc.trainer.worker import TrainWorker
-from tests.conftest import REPO, compose_config
+from tests.conftest import REPO, compose_config, wire_limits
 from tests.test_policy_trainer import make_batch
 
 pytestmark = pytest.mark.e2e
@@ -90,11 +90,12 @@ def connect(url: str, identifier: str, model_dir: str, recv_timeout_ms: int = 12
     info = control.wait_ready(120)
     return TrainGroupClient(
         info["endpoints"]["0"],
-        key_from_token(TOKEN, identifier),
+        key_from_token(TOKEN, identifier, info["session"]),
         control,
         recv_timeout_ms=recv_timeout_ms,
         total_timeout_ms=600_000,
         max_message_bytes=1 << 30,
+        limits=wire_limits(),
         model_path=model_dir,
     )
 
@@ -254,7 +255,7 @@ def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_colle
     import gc
     import threading
 
-    client = TrainGroupClient("tcp://127.0.0.1:9", b"k" * 32, None, 1000, 1000, 1 << 20)  # type: ignore[arg-type]
+    client = TrainGroupClient("tcp://127.0.0.1:9", b"k" * 32, None, 1000, 1000, 1 << 20, wire_limits())  # type: ignore[arg-type]
     client.cycle = client  # type: ignore[attr-defined]  # only the cyclic collector can free it now
     ctx = client._ctx
     del client

@@ -7,6 +7,7 @@ as ``nexrl_hpc/configs`` (setup.py's build step), so an installed package runs f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 CONFIG_NAME = "rl_train"
 """The top-level config file (``rl_train.yaml``)."""
@@ -23,3 +24,14 @@ def config_dir() -> str:
         f"no Hydra config tree found: neither {_PACKAGE / 'configs'} (an installed wheel) nor "
         f"{_PACKAGE.parent / 'configs'} (a source checkout) holds {CONFIG_NAME}.yaml"
     )
+
+
+def default_section(dotted: str) -> dict:
+    """One section of the shipped defaults (``rl_train.yaml``), e.g. ``runtime.rpc``, for the
+    standalone tools that run without a Hydra config (the train service, its workers)."""
+    from omegaconf import OmegaConf
+
+    node: Any = OmegaConf.load(Path(config_dir()) / f"{CONFIG_NAME}.yaml")
+    for part in dotted.split("."):
+        node = node[part]
+    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]

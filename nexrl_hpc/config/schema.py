@@ -416,6 +416,12 @@ class RpcConfig(TypedDict):
         int, Ge(0)
     ]  # caller-owned direct-lane connections for blocking @quick calls
     call_timeout_s: Annotated[float, Gt(0.0)]
+    preauth_max_bytes: Annotated[int, Ge(262144)]  # before authentication; ZMQ's frame limit (>= FRAME_BYTES)
+    preauth_timeout_s: Annotated[
+        float, Gt(0.0)
+    ]  # to authenticate; the longest stall midway through a message
+    preauth_max_connections: Annotated[int, Ge(1)]  # unauthenticated connections per listening port
+    heartbeat_s: Annotated[float, Gt(0.0)]  # ZMQ heartbeat interval (silent for 3: dropped)
 
 
 class RuntimeConfig(TypedDict):

@@ -15,15 +15,23 @@ Locks and threads:
   a ``Peer.lock`` is taken.
 - ``complete`` and ``expire`` run on the endpoint's IO thread; the rest on any thread.
 - ``dead`` is written by ``fail_peer`` (one writer at a time) and read without a lock.
+
+Every message names its recipient (``to``) and sender rank (``src``) under the signature; call ids
+come from one counter per endpoint shared with the direct lanes (``call_ids``), starting at a random
+point, and a reply completes a call only if it comes from the rank the call went to. A DEALER
+authenticates with the ZMTP PLAIN password derived from the key and sends a hello at once, so the
+peer's ROUTER counts the connection as authenticated (``nexrl_hpc/rpc/watch.py``); parts over
+``FRAME_BYTES`` travel cut into frames (the peer's frame limit is the pre-authentication budget).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -40,6 +48,7 @@ from nexrl_hpc.rpc.limits import (
     message_size,
     over_limit,
 )
+from nexrl_hpc.rpc.preauth import FRAME_BYTES, WireLimits, cut_frames, secure_client
 from nexrl_hpc.rpc.wire import seal_message
 
 _SNDMORE = int(zmq.SNDMORE)
@@ -80,10 +89,10 @@ class RpcFuture(Future):
 class Peer:
     """The sending side towards one rank: a DEALER any thread may use, one at a time (``lock``)."""
 
-    __slots__ = ("socket", "lock", "address", "quick_in_flight", "outbox", "outbox_bytes")
+    __slots__ = ("socket", "lock", "address", "rank", "quick_in_flight", "outbox", "outbox_bytes")
 
-    def __init__(self, sock: zmq.Socket, address: str):
-        self.socket, self.lock, self.address = sock, threading.Lock(), address
+    def __init__(self, sock: zmq.Socket, address: str, rank: int):
+        self.socket, self.lock, self.address, self.rank = sock, threading.Lock(), address, rank
         # asynchronous quick calls (under ``lock``): how many are unanswered, and the requests that
         # wait for an answer before leaving together (Nagle's rule, per peer)
         self.quick_in_flight = 0
@@ -108,10 +117,13 @@ class Calls:
         key: bytes,
         max_message_bytes: int,
         call_timeout_s: float,
+        limits: WireLimits,
+        call_ids: Iterator[int],
         resolve_handle: Callable[[str], Any] | None = None,
     ):
         self.rank = rank
         self._key = key
+        self._limits = limits
         self._max_bytes = max_message_bytes
         self._call_timeout = call_timeout_s
         self._resolve_handle = resolve_handle
@@ -122,17 +134,21 @@ class Calls:
         self._local = threading.local()
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._ids = call_ids
         self._sender_ids = itertools.count()
 
     def connect(self, ctx: zmq.Context, rank: int, address: str) -> None:
-        """Open a DEALER to ``rank``'s ROUTER at ``address``."""
+        """Open a DEALER to ``rank``'s ROUTER at ``address`` and say hello (authenticates it there)."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}".encode())
+        secure_client(sock, self._key, self._limits)
         sock.connect(address)
-        self.peers[rank] = Peer(sock, address)
+        peer = Peer(sock, address, rank)
+        self.peers[rank] = peer
+        with peer.lock:
+            self._send_locked(peer, {"t": "hi", "src": self.rank, "to": rank}, b"", [])
 
     # --- calls ----------------------------------------------------------------------------------
     def call_async(
@@ -171,9 +187,9 @@ class Calls:
                     else:
                         future.send_queued = lambda: self.flush_outbox(peer)
                     return future
-                error = self._send_locked(peer, self.request(call_id, module, method), payload, [])
+                error = self._send_locked(peer, self.request(call_id, rank, module, method), payload, [])
         else:
-            error = self.send(peer, self.request(call_id, module, method), payload, buffers)
+            error = self.send(peer, self.request(call_id, rank, module, method), payload, buffers)
         if error is not None:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
@@ -193,19 +209,25 @@ class Calls:
             return PeerDeadError(f"no connection to rank {rank}; {module}.{method} not sent")
         return peer
 
-    def request(self, call_id: int, module: str, method: str) -> dict[str, Any]:
-        return {"t": "req", "id": call_id, "src": self.rank, "m": module, "f": method}
+    def request(self, call_id: int, rank: int, module: str, method: str) -> dict[str, Any]:
+        return {"t": "req", "id": call_id, "src": self.rank, "to": rank, "m": module, "f": method}
 
     # --- answers (IO thread) --------------------------------------------------------------------
-    def complete(self, call_id: int, body: bytes, buffers: list[bytes], ok: bool) -> None:
+    def complete(self, call_id: int, body: bytes, buffers: list[bytes], ok: bool, src: int) -> bool:
+        """Resolve call ``call_id`` with a reply from rank ``src``; False when that call went to
+        another rank (the reply is not its answer and is dropped)."""
         with self._pending_lock:
-            pending = self._pending.pop(call_id, None)
-        if pending is None:
-            return
+            pending = self._pending.get(call_id)
+            if pending is None:  # late: the call already timed out or failed
+                return True
+            if pending.rank != src:
+                return False
+            del self._pending[call_id]
         if pending.quick_peer is not None:
             self._quick_answered([pending])
         if not pending.future.done():
             pending.future.set_result((body, buffers, ok))
+        return True
 
     def expire(self, now: float) -> None:
         with self._pending_lock:
@@ -264,9 +286,11 @@ class Calls:
         items, peer.outbox, peer.outbox_bytes = peer.outbox, [], 0
         if len(items) == 1:
             call_id, module, method, payload = items[0]
-            self._send_locked(peer, self.request(call_id, module, method), payload, [])
+            self._send_locked(peer, self.request(call_id, peer.rank, module, method), payload, [])
         else:
-            self._send_locked(peer, {"t": "reqs", "src": self.rank}, msgpack.packb(items), [])
+            self._send_locked(
+                peer, {"t": "reqs", "src": self.rank, "to": peer.rank}, msgpack.packb(items), []
+            )
 
     def _send_locked(
         self, peer: Peer, envelope: dict[str, Any], payload: bytes, buffers: list[Any]
@@ -277,6 +301,11 @@ class Calls:
             local.seq = 0
         local.seq += 1
         envelope["s"], envelope["q"] = local.sender, local.seq
+        if buffers or len(payload) > FRAME_BYTES:  # the peer takes frames up to its pre-auth budget
+            parts, counts = cut_frames([payload, *buffers])
+            if counts is not None:
+                envelope["k"] = counts
+                payload, buffers = parts[0], parts[1:]
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
         size = message_size(frames)
         if size > self._max_bytes:  # the receiver would drop it: fail here, loudly
@@ -298,6 +327,12 @@ class Calls:
                 p.future.set_exception(
                     PeerDeadError(f"endpoint of rank {self.rank} closed; {p.what} abandoned")
                 )
+
+
+def new_call_ids() -> Iterator[int]:
+    """Call ids of one endpoint (ZMQ and lanes alike), from a random start: unique per caller, and
+    a reply recorded from another process never matches a call of this one."""
+    return itertools.count(secrets.randbits(40) + 1)
 
 
 def _send_frames(sock: zmq.Socket, frames: list[Any], copy: bool, routing_id: bytes | None = None) -> None:

@@ -4,8 +4,11 @@ The caller borrows a TCP connection to the peer's direct lane (``nexrl_hpc/rpc/l
 its signed request, blocks reading the reply itself and gives the connection back: no thread
 hand-off on either side and no libzmq IO threads in between. At most ``max_per_peer`` connections
 per peer; a caller that finds them all lent gets None from ``borrow`` (it takes the queued path).
-Each connection signs with a sender id of its own, so its sequence numbers stay in order. A
-connection left mid-call (timeout, error) may still get a late reply: it is closed, never reused.
+Each connection signs with a sender id of its own, so its sequence numbers stay in order, and
+opens with a small signed hello (the lane server gives a connection only a small pre-authentication
+budget until one arrives). Requests name the peer (``to``), replies must name this rank and the
+call's id. A connection left mid-call (timeout, error) may still get a late reply: it is closed,
+never reused.
 
 Locks and threads: any caller thread. ``_lock`` guards every peer's idle list and connection
 count (held only to borrow, give back or count, never during I/O); a borrowed connection belongs
@@ -20,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -29,7 +32,7 @@ from nexrl_hpc.rpc.calls import CallTimeout, PeerDeadError
 from nexrl_hpc.rpc.codec import decode, encode
 from nexrl_hpc.rpc.lane import RECV_BYTES, LaneReader, connect_lane, lane_parts, send_parts
 from nexrl_hpc.rpc.limits import WIRE_ERRORS, MessageTooLarge, message_size, over_limit
-from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message, seal_message
+from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, check_request, open_message, seal_message
 
 DIRECT_WAKE_S = 0.1  # a direct caller looks at deadline, dead peers and close this often
 
@@ -68,6 +71,7 @@ class DirectPool:
         guard: SequenceGuard,
         reject: Callable[[str, str], None],
         dead: Mapping[int, str],
+        call_ids: Iterator[int],
         resolve_handle: Callable[[str], Any] | None = None,
     ):
         self.rank = rank
@@ -82,7 +86,7 @@ class DirectPool:
         self.peers: dict[int, LanePeer] = {}
         self.closing = False
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._ids = call_ids
         self._connection_ids = itertools.count()
 
     def add_peer(self, rank: int, lane: str | None) -> None:
@@ -160,10 +164,15 @@ class DirectPool:
         """Send the request on ``direct`` and read its reply: (value or remote exception, ok)."""
         call_id = next(self._ids)
         payload, buffers = encode([list(args), kwargs])
+        parts: list[Any] = []
+        if direct.seq == 0:  # a new connection: the hello authenticates it before the request
+            direct.seq += 1
+            hello = {"t": "hi", "src": self.rank, "to": rank, "s": direct.sender, "q": direct.seq}
+            parts = lane_parts(seal_message(self._key, msgpack.packb(hello), b"", []))
         direct.seq += 1
         envelope = {
-            "t": "req", "id": call_id, "src": self.rank, "m": module, "f": method, "s": direct.sender,
-            "q": direct.seq,
+            "t": "req", "id": call_id, "src": self.rank, "to": rank, "m": module, "f": method,
+            "s": direct.sender, "q": direct.seq,
         }  # fmt: skip
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
         size = message_size(frames)
@@ -171,7 +180,7 @@ class DirectPool:
             raise MessageTooLarge(f"{module}.{method}: {over_limit(size, self._max_bytes)}")
         sock = direct.socket
         try:
-            send_parts(sock, lane_parts(frames))
+            send_parts(sock, parts + lane_parts(frames))
         except OSError as exc:
             raise PeerDeadError(
                 f"rank {rank}: direct lane failed ({exc}); {module}.{method} not sent"
@@ -217,11 +226,14 @@ class DirectPool:
         try:
             envelope_bytes, rest = open_message(self._key, frames, self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            if not isinstance(envelope, dict) or envelope.get("t") != "rep" or not rest:
+            check_request(envelope, self.rank, ("rep",))
+            if not rest:
                 raise RejectedMessage("not a reply")
-            self._guard.check(str(envelope["s"]), int(envelope["q"]))
-            if envelope["id"] != call_id:
-                raise RejectedMessage(f"a reply to call {envelope['id']}, expected {call_id}")
+            if envelope["id"] != call_id or envelope["src"] != rank:
+                raise RejectedMessage(
+                    f"a reply to call {envelope['id']} from rank {envelope['src']}, expected {call_id} from {rank}"
+                )
+            self._guard.check(envelope["s"], envelope["q"])
         except WIRE_ERRORS as exc:
             self._reject(f"direct lane: {exc}", _sock_peer(sock))
             raise ConnectionError(f"rank {rank}: rejected reply on the direct lane ({exc})") from exc

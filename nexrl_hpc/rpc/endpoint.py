@@ -12,8 +12,10 @@
   it before decoding, completes replies, dispatches requests (quick ones at once, long polls and
   the rest in thread pools) and sends small quick replies of a receive burst together.
 - ``LaneServer`` (``lane_server.py``): the peer side of the direct lane, driven by the IO thread.
-- ``ConnectionWatch`` (``watch.py``): the ROUTER's monitor (connections that never speak ZMTP, or
-  that libzmq drops for an oversized frame), owned by the IO server.
+- ``ConnectionWatch`` (``watch.py``): the ROUTER's guard on a thread of its own (ZAP: the PLAIN
+  password derived from the key; the cap on connections waiting to authenticate; every connection
+  closed before it authenticated, counted), owned by the IO server.
+- ``preauth.py``: the pre-authentication limits every listening port keeps (``WireLimits``).
 - the limits (``limits.py``): the size limit and its error, batch bounds, and ``Rejections``, the
   count of everything dropped (``stats()["rejected"]``).
 
@@ -29,11 +31,12 @@ from typing import Any
 
 import zmq
 
-from nexrl_hpc.rpc.calls import Calls
+from nexrl_hpc.rpc.calls import Calls, new_call_ids
 from nexrl_hpc.rpc.direct import DirectPool
 from nexrl_hpc.rpc.invoke import Invoker
 from nexrl_hpc.rpc.lane_server import LaneServer
 from nexrl_hpc.rpc.limits import Rejections
+from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.rpc.server import IoServer
 from nexrl_hpc.rpc.wire import SequenceGuard
 
@@ -54,22 +57,25 @@ class RpcEndpoint:
         *,
         direct_sockets_per_peer: int,
         long_poll_threads: int,
+        limits: WireLimits,
     ):
         self.rank = rank
+        ensure_fd_room(2, limits)  # the ROUTER and the lane
         self._ctx = zmq.Context()
         guard = SequenceGuard()
         self._rejections = Rejections(rank)
         reject = self._rejections.reject
-        self._calls = Calls(rank, key, max_message_bytes, call_timeout_s, resolve_handle)
+        call_ids = new_call_ids()
+        self._calls = Calls(rank, key, max_message_bytes, call_timeout_s, limits, call_ids, resolve_handle)
         self._direct = DirectPool(
             rank, key, max_message_bytes, call_timeout_s, direct_sockets_per_peer, guard, reject,
-            self._calls.dead, resolve_handle,
+            self._calls.dead, call_ids, resolve_handle,
         )  # fmt: skip
         invoker = Invoker(rank, lookup, resolve_handle)
-        self._lanes = LaneServer(rank, host, key, max_message_bytes, guard, invoker, reject)
+        self._lanes = LaneServer(rank, host, key, max_message_bytes, guard, invoker, reject, limits)
         self._server = IoServer(
             rank, self._ctx, host, key, max_message_bytes, server_threads, long_poll_threads,
-            self._calls, self._lanes, invoker, guard, reject,
+            self._calls, self._lanes, invoker, guard, reject, limits,
         )  # fmt: skip
         self.address = self._server.address
         self.lane_address = self._lanes.address

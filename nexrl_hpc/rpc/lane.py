@@ -58,10 +58,11 @@ def drop_sent(views: list[memoryview], sent: int) -> None:
 
 class LaneReader:
     """Cuts a byte stream into messages (lists of frames); raises ``RejectedMessage`` on anything
-    that is not a well-formed message within ``max_bytes``."""
+    that is not a well-formed message within ``max_bytes`` (the lane server raises it once the
+    connection has authenticated: before, a message may be at most the pre-authentication budget)."""
 
     def __init__(self, max_bytes: int):
-        self._max_bytes = max_bytes
+        self.max_bytes = max_bytes
         self._buf = bytearray()
         self._lengths: list[int] | None = None
         self._body_at = 0
@@ -75,12 +76,17 @@ class LaneReader:
         self._buf += data
         messages: list[list[bytes]] = []
         while True:
-            message = self._next_message()
+            message = self.next_message()
             if message is None:
                 return messages
             messages.append(message)
 
-    def _next_message(self) -> list[bytes] | None:
+    def add(self, data: bytes) -> None:
+        """Buffer ``data``; take the messages one at a time with ``next_message``."""
+        self._buf += data
+
+    def next_message(self) -> list[bytes] | None:
+        """The next whole message buffered, or None."""
         buf = self._buf
         if self._lengths is None:
             if len(buf) < _HEAD.size:
@@ -90,9 +96,9 @@ class LaneReader:
                 raise RejectedMessage("not a lane message (bad magic)")
             if not 1 <= count <= MAX_FRAMES:
                 raise RejectedMessage(f"a lane message announcing {count} frames")
-            if total > self._max_bytes:
+            if total > self.max_bytes:
                 raise RejectedMessage(
-                    f"a lane message announcing {total} bytes exceeds the {self._max_bytes}-byte limit"
+                    f"a lane message announcing {total} bytes exceeds the {self.max_bytes}-byte limit"
                 )
             lengths_end = _HEAD.size + count * _LENGTH.size
             if len(buf) < lengths_end:

@@ -1,11 +1,17 @@
 """The lane server: answers blocking ``@quick`` calls on the direct lane (``nexrl_hpc/rpc/lane.py``).
 
 Accepts TCP connections on the lane's listening socket, reads signed requests from them, checks
-each (size, HMAC, sender sequence) before decoding it, runs the quick method right away and writes
-the reply on the same connection. Only ``@quick`` methods are served; anything else is answered
-with a ``PermissionError``. Writes never block: what the kernel does not take waits for the socket
-to become writable. A connection that sends anything but well-formed signed requests is counted,
-logged with its address and closed.
+each (size, HMAC, recipient, sender sequence) before decoding it, runs the quick method right away
+and writes the reply on the same connection. Only ``@quick`` methods are served; anything else is
+answered with a ``PermissionError``. Writes never block: what the kernel does not take waits for
+the socket to become writable. A connection that sends anything but well-formed signed requests is
+counted, logged with its address and closed.
+
+Before a connection has sent a valid signed message (the caller's first is a small hello), it may
+announce at most ``preauth_max_bytes`` and must authenticate within ``preauth_timeout_s``; at most
+``preauth_max_connections`` such connections wait at once (beyond, the oldest is closed:
+``preauth.over_cap``). An
+authenticated connection that stops midway through a message for ``preauth_timeout_s`` is closed.
 
 The lane's sockets wait in a selector of their own (epoll on Linux): the endpoint's IO thread polls
 only its descriptor (``fileno``) next to the ROUTER, so a rank with hundreds of lane connections
@@ -30,8 +36,9 @@ import msgpack
 from nexrl_hpc.rpc.codec import encode, encode_exception
 from nexrl_hpc.rpc.invoke import Invoker, raiser
 from nexrl_hpc.rpc.lane import RECV_BYTES, SENDMSG_MAX_BUFFERS, LaneReader, drop_sent, lane_parts, listen_lane
-from nexrl_hpc.rpc.limits import MAX_LANE_CONNECTIONS, WIRE_ERRORS, MessageTooLarge, message_size, over_limit
-from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message, seal_message
+from nexrl_hpc.rpc.limits import WIRE_ERRORS, MessageTooLarge, message_size, over_limit
+from nexrl_hpc.rpc.preauth import WireLimits, has_unread_bytes, over_cap
+from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, check_request, open_message, seal_message
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +48,15 @@ _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 class LaneClient:
     """The server side of one accepted lane connection."""
 
-    __slots__ = ("socket", "peer", "reader", "unsent", "waiting", "sender", "seq")
+    __slots__ = ("socket", "peer", "reader", "unsent", "waiting", "sender", "seq", "authed", "since")
 
-    def __init__(self, sock: socket.socket, peer: str, sender: str, max_bytes: int):
+    def __init__(self, sock: socket.socket, peer: str, sender: str, preauth_bytes: int, now: float):
         self.socket, self.peer, self.sender, self.seq = sock, peer, sender, 0
-        self.reader = LaneReader(max_bytes)
+        self.reader = LaneReader(preauth_bytes)  # raised to the message limit once authenticated
         self.unsent: list[memoryview] = []  # reply bytes the kernel has not taken yet
         self.waiting = False  # registered for writability (``unsent`` is not empty)
+        self.authed = False  # a valid signed message came in
+        self.since = now  # accepted at (before authentication), or the last bytes received at
 
 
 class LaneServer:
@@ -62,10 +71,12 @@ class LaneServer:
         guard: SequenceGuard,
         invoker: Invoker,
         reject: Callable[[str, str], None],
+        limits: WireLimits,
     ):
         self.rank = rank
         self._key = key
         self._max_bytes = max_message_bytes
+        self._limits = limits
         self._guard = guard
         self._invoker = invoker
         self._reject = reject
@@ -74,6 +85,8 @@ class LaneServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener_fd, _READ)
         self.clients: dict[int, LaneClient] = {}  # by file descriptor
+        self._unauthed: dict[int, LaneClient] = {}  # not authenticated yet, oldest first
+        self._next_stall_check = 0.0
         self._accepts_paused_until: float | None = None
         self._sender_prefix = f"{rank}:{os.getpid()}:io"  # + ">lane<n>", one sender per connection
         self._connection_ids = itertools.count()
@@ -88,11 +101,29 @@ class LaneServer:
             self._on_event(key.fd, what)
 
     def tick(self, now: float) -> None:
-        """Resume accepting once a pause after a failed accept is over."""
+        """Resume accepting once a pause after a failed accept is over; close connections that did
+        not authenticate in time, and (every second) authenticated ones stalled midway."""
         paused = self._accepts_paused_until
         if paused is not None and now >= paused:
             self._accepts_paused_until = None
             self._selector.register(self._listener_fd, _READ)
+        self._cap(now)
+        timeout = self._limits.preauth_timeout_s
+        while self._unauthed:
+            fd, client = next(iter(self._unauthed.items()))
+            if now - client.since < timeout:
+                break
+            self._reject(
+                f"direct lane: not authenticated within {timeout:g} s (runtime.rpc.preauth_timeout_s)",
+                client.peer,
+            )
+            self._drop(fd)
+        if now >= self._next_stall_check:
+            self._next_stall_check = now + 1.0
+            for fd, client in list(self.clients.items()):
+                if client.authed and not client.reader.idle and now - client.since >= timeout:
+                    self._reject(f"direct lane: a message stalled midway for {timeout:g} s", client.peer)
+                    self._drop(fd)
 
     def _on_event(self, fd: int, what: int) -> None:
         if fd == self._listener_fd:
@@ -121,16 +152,32 @@ class LaneServer:
                 self._accepts_paused_until = time.monotonic() + 1.0
                 return
             peer = f"{address[0]}:{address[1]}"
-            if len(self.clients) >= MAX_LANE_CONNECTIONS:
-                sock.close()
-                self._reject(f"direct lane: over {MAX_LANE_CONNECTIONS} connections", peer)
-                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             fd = sock.fileno()
             sender = f"{self._sender_prefix}>lane{next(self._connection_ids)}"
-            self.clients[fd] = LaneClient(sock, peer, sender, self._max_bytes)
+            client = LaneClient(sock, peer, sender, self._limits.preauth_max_bytes, time.monotonic())
+            self.clients[fd] = client
+            self._unauthed[fd] = client
             self._selector.register(fd, _READ)
+            self._cap(client.since)
+
+    def _cap(self, now: float) -> None:
+        """Close the oldest connections waiting to authenticate while over the cap (never the run's own)."""
+        cap = self._limits.preauth_max_connections
+        if not over_cap(len(self._unauthed), float("inf"), cap):
+            return
+        for fd, client in list(self._unauthed.items()):  # oldest first
+            if not over_cap(len(self._unauthed), now - client.since, cap):
+                return
+            if has_unread_bytes(client.socket):  # its first message is here: read it first
+                continue
+            self._reject(
+                f"direct lane: over {cap} connections waiting to authenticate "
+                "(runtime.rpc.preauth_max_connections): closed the oldest",
+                client.peer,
+            )
+            self._drop(fd)
 
     def _read(self, fd: int, client: LaneClient) -> None:
         try:
@@ -142,23 +189,40 @@ class LaneServer:
         if not data:
             self._drop(fd)
             return
+        if client.authed:
+            client.since = time.monotonic()  # progress: not stalled
+        reader = client.reader
+        reader.add(data)
         try:
-            messages = client.reader.feed(data)
-            for frames in messages:
+            while (frames := reader.next_message()) is not None:
                 self._serve(client, frames)
+                if not client.authed:  # the first valid message: the full limit from now on
+                    client.authed = True
+                    client.since = time.monotonic()
+                    reader.max_bytes = self._max_bytes
+                    self._unauthed.pop(fd, None)
         except WIRE_ERRORS as exc:
             self._reject(f"direct lane: {exc}", client.peer)
+            self._drop(fd)
+            return
+        except Exception as exc:  # a bug must cost one connection, never the IO thread
+            logger.exception("rank %d: direct lane request from %s failed", self.rank, client.peer)
+            self._reject(f"direct lane: {type(exc).__name__}: {exc}", client.peer)
             self._drop(fd)
             return
         self._flush(fd, client)
 
     def _serve(self, client: LaneClient, frames: list[bytes]) -> None:
-        """Check, run and answer one request (raises what a bad message raises, before decoding)."""
+        """Check, run and answer one request (raises what a bad message raises, before decoding);
+        a hello only authenticates the connection."""
         envelope_bytes, rest = open_message(self._key, frames, self._max_bytes)
         envelope = msgpack.unpackb(envelope_bytes, raw=False)
-        if not isinstance(envelope, dict) or envelope.get("t") != "req" or not rest:
-            raise RejectedMessage("not a request")
-        self._guard.check(str(envelope["s"]), int(envelope["q"]))
+        kind = check_request(envelope, self.rank, ("req", "hi"))
+        if not rest:
+            raise RejectedMessage("no payload")
+        self._guard.check(envelope["s"], envelope["q"])
+        if kind == "hi":
+            return
         fn = self._invoker.find(envelope["m"], envelope["f"])
         if not getattr(fn, "__nexrl_quick__", False):
             fn = raiser(
@@ -168,7 +232,10 @@ class LaneServer:
             )
         ok, body, out_buffers = self._invoker.run(fn, rest[0], rest[1:])
         client.seq += 1
-        reply = {"t": "rep", "id": envelope["id"], "ok": ok, "s": client.sender, "q": client.seq}
+        reply = {
+            "t": "rep", "id": envelope["id"], "ok": ok, "src": self.rank, "to": envelope["src"],
+            "s": client.sender, "q": client.seq,
+        }  # fmt: skip
         frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
         size = message_size(frames_out)
         if size > self._max_bytes:
@@ -198,6 +265,7 @@ class LaneServer:
 
     def _drop(self, fd: int) -> None:
         client = self.clients.pop(fd, None)
+        self._unauthed.pop(fd, None)
         if client is None:
             return
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -30,13 +31,13 @@ WIRE_ERRORS: tuple[type[Exception], ...] = (
     msgpack.ExtraData,
     msgpack.FormatError,
     msgpack.StackError,
+    OverflowError,
 )
 ZERO_COPY_BYTES = 64 << 10  # frames from this size are sent zero-copy; smaller ones are cheaper copied
 HOLD_REPLY_BYTES = 16 << 10  # quick replies up to this size may share one message with others
 HELD_BATCH_BYTES = 256 << 10  # a batch of held replies goes out at this size or count at the latest
 HELD_BATCH_REPLIES = 64
 BATCH_REQUESTS = 64  # queued quick requests to one peer leave together at this count at the latest
-MAX_LANE_CONNECTIONS = 4096  # accepted lane connections per endpoint (beyond: refused, counted)
 
 
 class MessageTooLarge(ValueError):
@@ -55,20 +56,40 @@ def over_limit(size: int, max_bytes: int) -> str:
     return f"a {size}-byte message exceeds runtime.rpc.max_message_mb ({max_bytes >> 20} MB)"
 
 
-class Rejections:
-    """Dropped messages and connections of one rank: counted (``count``) and logged."""
+LOG_BURST = 50  # rejections logged one by one per LOG_WINDOW_S; beyond, counted and summed up
+LOG_WINDOW_S = 10.0
 
-    def __init__(self, rank: int):
-        self._rank = rank
+
+class Rejections:
+    """Dropped messages and connections of one rank: counted (``count``) and logged — one line
+    each up to ``LOG_BURST`` per ``LOG_WINDOW_S``, then one line for the rest, so a flood does
+    not fill the disk with the run's log."""
+
+    def __init__(self, rank: int | str):
+        self._who = f"rank {rank}" if isinstance(rank, int) else rank
         self._lock = threading.Lock()
         self._count = 0
+        self._window_start = 0.0
+        self._in_window = 0
+        self._quiet = 0
 
     def reject(self, reason: str, peer: str) -> None:
+        now = time.monotonic()
         with self._lock:
             self._count += 1
-        logger.warning(
-            "rank %d: rejected a message from %s: %s", self._rank, peer or "<unknown peer>", reason
-        )
+            if now - self._window_start >= LOG_WINDOW_S:
+                quiet, self._quiet = self._quiet, 0
+                self._window_start, self._in_window = now, 0
+            else:
+                quiet = 0
+            self._in_window += 1
+            log = self._in_window <= LOG_BURST
+            if not log:
+                self._quiet += 1
+        if quiet:
+            logger.warning("%s: %d more rejections not logged one by one", self._who, quiet)
+        if log:
+            logger.warning("%s: rejected a message from %s: %s", self._who, peer or "<unknown peer>", reason)
 
     @property
     def count(self) -> int:

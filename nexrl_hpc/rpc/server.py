@@ -12,7 +12,13 @@ Asynchronous calls to ``@quick`` methods that arrive together (pipelined) are an
 the IO thread holds their small replies until the end of the receive burst and sends one signed
 message per caller rank (at most 64 replies, 256 KiB), which halves the messages both sides handle.
 
-Threads and locks: the ROUTER, the watch, the held replies and everything the lane server owns are
+The IO thread survives any message: everything a signed envelope carries is checked for kind,
+recipient and types before it is used (``check_request``), and whatever still goes wrong with one
+message is logged, counted and costs that message only. The ROUTER is guarded by a
+``ConnectionWatch`` (ZAP, the pre-authentication cap); a valid message marks its connection
+authenticated there.
+
+Threads and locks: the ROUTER, the held replies and everything the lane server owns are
 IO thread only (no locks). Replies of pool threads are sent through ``Calls.send`` (the peer's lock).
 """
 
@@ -39,8 +45,9 @@ from nexrl_hpc.rpc.limits import (
     WIRE_ERRORS,
     MessageTooLarge,
 )
+from nexrl_hpc.rpc.preauth import WireLimits, join_frames, secure_server
 from nexrl_hpc.rpc.watch import ConnectionWatch
-from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, open_message
+from nexrl_hpc.rpc.wire import RejectedMessage, SequenceGuard, check_request, open_message
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,7 @@ class IoServer:
         invoker: Invoker,
         guard: SequenceGuard,
         reject: Callable[[str, str], None],
+        limits: WireLimits,
     ):
         self.rank = rank
         self._key = key
@@ -89,10 +97,10 @@ class IoServer:
         self._reject = reject
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        secure_server(self._router, limits)  # frames up to the pre-auth budget; PLAIN before any frame
+        self._watch = ConnectionWatch(self._router, key, limits, reject, f"rank {rank}")
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._watch = ConnectionWatch(self._router, reject, f"rank {rank}")
         self._held_replies: dict[int, HeldReplies] = {}  # small quick replies per caller rank
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         # long polls wait on threads of their own: with them in the pool above, 16 waiting fetches
@@ -121,7 +129,6 @@ class IoServer:
         calls, lanes = self._calls, self._lanes
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._watch.socket, zmq.POLLIN)
         lane_fd = lanes.fileno()
         poller.register(lane_fd, zmq.POLLIN)
         next_deadline_check = time.monotonic() + 0.1
@@ -141,19 +148,21 @@ class IoServer:
                     # a large (multipart) message: held replies do not wait for its check
                     if self._held_replies and len(msg) > 2:
                         self._send_held_replies()
-                    self._on_message(msg)
+                    try:
+                        self._on_message(msg)
+                    except Exception as exc:  # a bug costs this message, never the IO thread
+                        logger.exception("rank %d: a message failed on the IO thread", self.rank)
+                        self._reject(f"{type(exc).__name__}: {exc}", _peer_address(msg[0]))
                 self._send_held_replies()
                 calls.flush_outboxes()  # answers came in: the requests queued behind them leave
-            if self._watch.socket in events:
-                self._watch.drain(self.closing)
             now = time.monotonic()
             if now >= next_deadline_check:
                 calls.expire(now)
                 calls.flush_outboxes()
                 next_deadline_check = now + 0.1
                 lanes.tick(now)
-        self._router.close(linger=0)
         self._watch.close()
+        self._router.close(linger=0)
         lanes.close()
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
@@ -161,30 +170,45 @@ class IoServer:
         try:
             envelope_bytes, rest = open_message(self._key, [f.buffer for f in frames], self._max_bytes)
             envelope = msgpack.unpackb(envelope_bytes, raw=False)
-            kind = envelope.get("t") if isinstance(envelope, dict) else None
-            if kind not in ("req", "reqs", "rep", "reps") or not rest:
-                raise RejectedMessage("neither a request nor a reply")
-            self._guard.check(str(envelope["s"]), int(envelope["q"]))
+            kind = check_request(envelope, self.rank, _KINDS)
+            if not rest:
+                raise RejectedMessage("no payload")
+            self._guard.check(envelope["s"], envelope["q"])
+            if "k" in envelope:  # parts cut into frames
+                rest = join_frames(rest, envelope["k"])
             replies = reply_batch(rest[0]) if kind == "reps" else None
             requests = request_batch(rest[0]) if kind == "reqs" else None
         except WIRE_ERRORS as exc:
             self._reject(str(exc), _peer_address(routing_id))
             return
+        if self._watch.unmarked:  # connections wait to authenticate: this one has
+            self._watch.mark(frames[0].get(zmq.SRCFD))
+        src = envelope["src"]
+        if kind == "hi":
+            return
         if replies is not None:
             for call_id, ok, body in replies:
-                self._calls.complete(call_id, body, [], ok)
+                self._complete(call_id, body, [], ok, src, routing_id)
             return
         if requests is not None:
-            src = envelope["src"]
             for call_id, module, method, payload in requests:
                 self._dispatch({"id": call_id, "src": src, "m": module, "f": method}, payload, [])
             return
         if kind == "req":
             self._dispatch(envelope, rest[0], rest[1:])
             return
-        self._calls.complete(
-            envelope["id"], bytes(rest[0]), [bytes(b) for b in rest[1:]], bool(envelope["ok"])
+        self._complete(
+            envelope["id"], bytes(rest[0]), [bytes(b) for b in rest[1:]], envelope["ok"], src, routing_id
         )
+
+    def _complete(
+        self, call_id: int, body: bytes, buffers: list[bytes], ok: bool, src: int, routing_id: zmq.Frame
+    ) -> None:
+        if not self._calls.complete(call_id, body, buffers, ok, src):
+            self._reject(
+                f"a reply from rank {src} to call {call_id}, which went to another rank",
+                _peer_address(routing_id),
+            )
 
     def _dispatch(self, envelope: dict[str, Any], payload: Any, buffers: list[Any]) -> None:
         """A checked request: a quick method is answered right here (no thread hand-off), a long
@@ -219,7 +243,7 @@ class IoServer:
         if peer is None:
             logger.warning("rank %d: no connection back to rank %s for a reply", self.rank, envelope["src"])
             return
-        reply = {"t": "rep", "id": envelope["id"], "ok": ok}
+        reply = {"t": "rep", "id": envelope["id"], "ok": ok, "src": self.rank, "to": src}
         error = self._calls.send(peer, reply, body, out_buffers)
         if error is not None:
             reply["ok"] = False
@@ -237,9 +261,14 @@ class IoServer:
             items, peer = held.items, self._calls.peers[src]
             if len(items) == 1:
                 call_id, ok, body = items[0]
-                self._calls.send(peer, {"t": "rep", "id": call_id, "ok": ok}, body, [])
+                self._calls.send(
+                    peer, {"t": "rep", "id": call_id, "ok": ok, "src": self.rank, "to": src}, body, []
+                )
             else:
-                self._calls.send(peer, {"t": "reps"}, msgpack.packb(items), [])
+                self._calls.send(peer, {"t": "reps", "src": self.rank, "to": src}, msgpack.packb(items), [])
+
+
+_KINDS = ("req", "reqs", "rep", "reps", "hi")
 
 
 def request_batch(payload: Any) -> list[tuple[int, str, str, bytes]]:

@@ -6,6 +6,11 @@ parts cannot be re-cut). A message of a header and one small payload travels as 
 (per-frame sends and receives were a third of a small call's cost). A message is checked — frame
 count, sizes, signature, sender sequence number — before a single byte of it is decoded; anything
 that fails is dropped and counted.
+
+Every envelope names its kind (the direction: ``req``/``reqs``/``hi`` go to a server, ``rep``/``reps``
+back to a caller), its sender rank (``src``) and its recipient rank (``to``), all under the
+signature: a message meant for another rank is rejected (``check_request``) before the replay guard
+sees it, so it cannot resolve another rank's pending call, and cannot use up a sequence number.
 """
 
 from __future__ import annotations
@@ -92,6 +97,39 @@ def open_message(key: bytes, frames: list[Any], max_bytes: int) -> tuple[bytes, 
     if not hmac.compare_digest(frame[:SIG_BYTES].tobytes(), expected):
         raise RejectedMessage("bad signature")
     return header, [payload]
+
+
+# the fields every kind of envelope must carry, and their types (besides t, src, to, s, q)
+_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
+    "req": (("id", int), ("m", str), ("f", str)),
+    "reqs": (),
+    "hi": (),
+    "rep": (("id", int), ("ok", bool)),
+    "reps": (),
+}
+
+
+def check_request(envelope: Any, rank: int, kinds: tuple[str, ...]) -> str:
+    """The kind of a verified envelope meant for ``rank``; ``RejectedMessage`` for anything else
+    (another recipient, another kind, a missing or mistyped field): nothing downstream may fail on it."""
+    if type(envelope) is not dict:
+        raise RejectedMessage("the envelope is not a map")
+    kind = envelope.get("t")
+    if kind not in kinds:
+        raise RejectedMessage(f"unexpected message kind {kind!r}")
+    to = envelope.get("to")
+    if to != rank or type(to) is not int:
+        raise RejectedMessage(f"a message for rank {to!r} (replayed or misrouted)")
+    if (
+        type(envelope.get("src")) is not int
+        or type(envelope.get("s")) is not str
+        or type(envelope.get("q")) is not int
+    ):
+        raise RejectedMessage("malformed envelope (src, s or q)")
+    for name, kind_type in _FIELDS[kind]:
+        if type(envelope.get(name)) is not kind_type:
+            raise RejectedMessage(f"malformed envelope ({name})")
+    return kind
 
 
 class SequenceGuard:

@@ -22,6 +22,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
+from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.runtime.placement import (
     SERVICE_GROUPS,
     TEACHER_GROUP,
@@ -114,6 +115,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
         long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1),
         lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
+        limits=WireLimits.from_config(rpc),
     )
     directory = Directory(rank, endpoint, registry, locations)
     directory_box.append(directory)
@@ -159,13 +161,19 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
     grank, size = group_comm.Get_rank(), group_comm.Get_size()
     local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
     timeout = timedelta(seconds=ts["collective_timeout_s"])
-    # group rank 0's store binds a port of the kernel's choosing and keeps it: picking a "free" port
-    # first and binding it later lost it to another connection's ephemeral port (EADDRINUSE, seen)
-    store = (
-        dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        if grank == 0
-        else None
-    )
+    # group rank 0's store listens on a socket bound here, to the run's interface and a port of the
+    # kernel's choosing: given a port, TCPStore binds every interface (it is not authenticated, see
+    # docs/security.md); picking a "free" port first and binding it later lost it to another
+    # connection's ephemeral port (EADDRINUSE, seen)
+    store = None
+    if grank == 0:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(128)
+        store = dist.TCPStore(
+            host, listener.getsockname()[1], size, is_master=True, timeout=timeout, wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns the descriptor from here on
+        )  # fmt: skip
     port = group_comm.bcast(store.port if store is not None else None, root=0)
     if store is None:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
@@ -191,6 +199,7 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
         host=host,
         max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
         idle_tick_s=ts["idle_tick_s"],
+        limits=WireLimits.from_config(config["runtime"]["rpc"]),
     )
 
 

@@ -4,13 +4,17 @@ Training data never passes through here: clients send batches to trainer rank 0 
 server keeps, per identifier (``student``, ``teacher``, ...), the group's size, each rank's endpoint,
 host, pid and last heartbeat; it relays ``execute`` and the batch-less operations (initialize,
 init_model, save/load checkpoint, export) to rank 0 over ZMQ, signed with the key derived from the
-bearer token. Every endpoint requires ``Authorization: Bearer <token>``.
+bearer token and the group's session: a random value drawn each time a group registers (every
+start of it), handed to its ranks and clients with the group's info, so that messages captured
+before a restart fail the signature after it. Every endpoint requires ``Authorization: Bearer
+<token>``.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
+from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.trainer.protocol import SignedChannel, key_from_token
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 class WorkerGroup:
     identifier: str
     world_size: int
+    session: str = field(default_factory=lambda: secrets.token_hex(16))  # new at every registration
     endpoints: dict[int, str | None] = field(default_factory=dict)
     hosts: dict[int, str] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)
@@ -56,6 +62,7 @@ class WorkerGroup:
         return {
             "identifier": self.identifier,
             "world_size": self.world_size,
+            "session": self.session,
             "ready": len(self.endpoints) == self.world_size and self.endpoints.get(0) is not None,
             "endpoints": {str(r): e for r, e in self.endpoints.items() if e},
             "ranks": ranks,
@@ -91,7 +98,7 @@ class Operation(BaseModel):
 
 
 def create_app(
-    token: str, heartbeat_timeout_s: float, relay_timeout_s: float, max_message_bytes: int
+    token: str, heartbeat_timeout_s: float, relay_timeout_s: float, max_message_bytes: int, limits: WireLimits
 ) -> FastAPI:
     if not token:
         raise ValueError("the train service needs a bearer token (refusing to serve without one)")
@@ -124,12 +131,13 @@ def create_app(
             if group.relay is None or group.relay[2] != endpoint:
                 sock = zctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                chan = SignedChannel(key_from_token(token, group.identifier), max_message_bytes, name="api")
-                chan.prepare(sock)
+                key = key_from_token(token, group.identifier, group.session)
+                chan = SignedChannel(key, max_message_bytes, limits, name="api")
+                chan.prepare_client(sock)
                 sock.connect(endpoint)
                 group.relay = (sock, chan, endpoint)
             sock, chan, _ = group.relay
-            chan.send(sock, header)
+            chan.send(sock, header, endpoint)
             deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
@@ -146,7 +154,7 @@ def create_app(
                 message = chan.feed(sock.recv_multipart(copy=False))
                 if message is None:
                     continue
-                _, reply, _ = message
+                _, _, reply, _ = message
                 if reply.get("op_id") != header["op_id"] or reply["kind"] not in (expect, "result"):
                     continue
                 if reply["kind"] == "result" and not reply["ok"]:
@@ -182,9 +190,10 @@ def create_app(
             old = groups.get(body.identifier)
             if old is not None and old.relay is not None:
                 old.relay[0].close(linger=0)
-            groups[body.identifier] = WorkerGroup(body.identifier, body.world_size)
+            group = WorkerGroup(body.identifier, body.world_size)
+            groups[body.identifier] = group
         logger.info("worker group %s registered (%d ranks)", body.identifier, body.world_size)
-        return {"ok": True}
+        return {"ok": True, "session": group.session}
 
     @app.post("/report_worker_endpoint")
     def report_worker_endpoint(body: ReportEndpoint, _: None = Depends(authorize)) -> dict[str, Any]:

@@ -74,6 +74,7 @@ def _client(
         from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 
         return PolicyTrainer(model_dir)
+    from nexrl_hpc.rpc.preauth import WireLimits
     from nexrl_hpc.trainer.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
     from nexrl_hpc.trainer.protocol import key_from_token
 
@@ -92,7 +93,11 @@ def _client(
         assert url is not None  # the config checks require it for direct-zmq
         api = ApiServerControl(url, token, identifier, ts["heartbeat_timeout_s"])
         info = api.wait_ready(ts["connect_timeout_s"])
-        address, key, control = info["endpoints"]["0"], key_from_token(token, identifier), api
+        address, key, control = (
+            info["endpoints"]["0"],
+            key_from_token(token, identifier, info["session"]),
+            api,
+        )
     else:
         raise ValueError(f"{service_key}.backend={backend!r} is not available")
     return TrainGroupClient(
@@ -102,5 +107,6 @@ def _client(
         recv_timeout_ms=ts["config"]["zmq_recv_timeout_ms"],
         total_timeout_ms=ts["config"]["zmq_total_timeout_ms"],
         max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
+        limits=WireLimits.from_config(config["runtime"]["rpc"]),
         model_path=model_dir,
     )

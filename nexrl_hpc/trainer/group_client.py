@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import zmq
 
+from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.trainer.batch_contract import check_batch
 from nexrl_hpc.trainer.protocol import SignedChannel, TrainerRankError
 from nexrl_hpc.trainer.service import TrainServiceClient
@@ -70,6 +71,7 @@ class TrainGroupClient(TrainServiceClient):
         recv_timeout_ms: int,
         total_timeout_ms: int,
         max_message_bytes: int,
+        limits: WireLimits,
         model_path: str | None = None,
     ):
         self.address = address
@@ -77,11 +79,11 @@ class TrainGroupClient(TrainServiceClient):
         self._recv_timeout_s = recv_timeout_ms / 1000
         self._total_timeout_s = total_timeout_ms / 1000
         self._model_path = model_path
-        self._channel = SignedChannel(key, max_message_bytes, name="client")
+        self._channel = SignedChannel(key, max_message_bytes, limits, name="client")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._channel.prepare(self._sock)
+        self._channel.prepare_client(self._sock)
         self._sock.connect(address)
         # an unclosed client must not hang the garbage collector: collected in a reference cycle,
         # the context's __del__ no longer sees its socket (weakrefs are cleared first) and its
@@ -96,7 +98,7 @@ class TrainGroupClient(TrainServiceClient):
         return f"{operation}-{self._prefix}-{next(self._ids)}"
 
     def send(self, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
-        self._channel.send(self._sock, header, tensors)
+        self._channel.send(self._sock, header, self.address, tensors)
 
     def wait_result(
         self, op_id: str, operation: str, timeout_s: float, kind: str = "result"
@@ -122,7 +124,7 @@ class TrainGroupClient(TrainServiceClient):
             message = self._channel.feed(self._sock.recv_multipart(copy=False))
             if message is None:
                 continue  # part of a longer answer, or dropped and counted (never taken for the real one)
-            _, header, tensors = message
+            _, _, header, tensors = message
             if header.get("op_id") != op_id or header["kind"] != kind:
                 continue  # a late answer to an operation that already timed out
             if kind == "result" and not header["ok"]:

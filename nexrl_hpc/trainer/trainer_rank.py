@@ -8,6 +8,11 @@ rows and per-rank status gather on rank 0, and the result goes back to the clien
 data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay short and
 a dead rank is noticed. A collective that fails breaks the group for good: every later request
 gets that error (torch.distributed groups cannot heal).
+
+Rank 0's ROUTER keeps the run's pre-authentication limits (``nexrl_hpc/rpc/preauth.py``): PLAIN
+with the password derived from the group key, checked on its ``ConnectionWatch``'s thread (so a
+handshake never waits for a training step), frames at most the budget, connections waiting to
+authenticate capped. Messages must name rank 0's address as their recipient.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 import torch
 import zmq
 
+from nexrl_hpc.rpc.limits import Rejections
+from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.rpc.watch import ConnectionWatch
 from nexrl_hpc.trainer.group_comm import GroupComm
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
@@ -29,6 +36,7 @@ from nexrl_hpc.trainer.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, Signed
 logger = logging.getLogger(__name__)
 _STOPPED: dict[str, Any] = {"ok": True, "error": None}
 _MAX_PENDING = 4  # batches held between their ACK and their execute signal
+Client = tuple[bytes, str]  # a client of rank 0: its ROUTER routing id and its channel's sender id
 
 
 class TrainerRank:
@@ -39,45 +47,45 @@ class TrainerRank:
         key: bytes,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_message_bytes: int = 8 << 30,
-        idle_tick_s: float = 1.0,
+        *,
+        max_message_bytes: int,
+        idle_tick_s: float,
+        limits: WireLimits,
     ):
         self.policy_trainer = policy_trainer
         self.comm = GroupComm(device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._idle_tick_s = idle_tick_s
-        self._channel = SignedChannel(key, max_message_bytes, name=f"trainer{self.rank}")
-        self._pending: dict[str, tuple[bytes, str, dict[str, torch.Tensor]]] = {}
+        self._channel = SignedChannel(key, max_message_bytes, limits, name=f"trainer{self.rank}")
+        self._pending: dict[str, tuple[Client, str, dict[str, torch.Tensor]]] = {}
         self.broken: str | None = None
         self.address: str | None = None
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._watch: ConnectionWatch | None = None
-        self._dropped = 0  # connections that never sent a valid message (counted by the watch)
+        self._dropped = Rejections("trainer rank 0")  # connections that never authenticated (the watch's)
         if self.rank == 0:
+            ensure_fd_room(1, limits)
             self._ctx = zmq.Context()
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 1000)
-            self._channel.prepare(self._router)
+            self._channel.prepare_server(self._router)
+            self._watch = ConnectionWatch(self._router, key, limits, self._dropped.reject, "trainer rank 0")
             if port:
                 self._router.bind(f"tcp://{host}:{port}")
                 self.address = f"tcp://{host}:{port}"
             else:
                 self.address = f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
-            self._watch = ConnectionWatch(self._router, self._drop, "trainer rank 0")
+            self._channel.me = self.address  # what clients name as the recipient
 
     @property
     def rejected(self) -> int:
         """Messages and connections dropped before anything was decoded."""
-        return self._channel.rejected + self._dropped
+        return self._channel.rejected + self._dropped.count
 
     def _rank0_router(self) -> zmq.Socket:
         assert self._router is not None, "only trainer rank 0 serves clients"
         return self._router
-
-    def _drop(self, reason: str, peer: str) -> None:
-        self._dropped += 1
-        logger.warning("trainer rank 0: rejected a connection from %s: %s", peer or "<unknown peer>", reason)
 
     def serve(self, stop: threading.Event) -> None:
         """Run until ``stop`` (rank 0) or until rank 0 says stop (others). Raises if the group broke
@@ -99,20 +107,19 @@ class TrainerRank:
         assert router is not None and watch is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(watch.socket, zmq.POLLIN)
         tick_s = self._idle_tick_s
         last_tick = time.monotonic()
         while not stop.is_set():
             events = dict(poller.poll(int(tick_s * 1000)))
-            if watch.socket in events:
-                watch.drain()
             if router in events:
                 frames = router.recv_multipart(copy=False)
                 message = self._channel.feed(frames)
                 if message is not None:
-                    client, header, tensors = message
-                    assert client is not None
-                    self._on_message(client, header, tensors)
+                    routing_id, sender, header, tensors = message
+                    assert routing_id is not None
+                    if watch.unmarked:  # connections wait to authenticate: this one has
+                        watch.mark(frames[1].get(zmq.SRCFD))
+                    self._on_message((routing_id, sender), header, tensors)
             elif self.broken is None and time.monotonic() - last_tick >= tick_s:
                 last_tick = time.monotonic()
                 self._group_step({"op": "tick"}, None, lambda: None)
@@ -125,7 +132,7 @@ class TrainerRank:
             except Exception as exc:  # a follower already gone: nothing to stop there
                 logger.warning("trainer group stop: %s", exc)
 
-    def _on_message(self, client: bytes, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def _on_message(self, client: Client, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         kind, op_id = header["kind"], str(header.get("op_id", ""))
         if kind == "data":
             operation = header.get("operation")
@@ -138,16 +145,14 @@ class TrainerRank:
                 logger.warning("trainer rank 0: dropped the data of %s (never executed)", dropped)
             self._pending[op_id] = (client, operation, tensors)
             logger.debug("data for %s %s received; ACK", operation, op_id)
-            self._channel.send(self._rank0_router(), {"kind": "ack", "op_id": op_id}, routing_id=client)
+            self._send(client, {"kind": "ack", "op_id": op_id})
         elif kind == "execute":
             entry = self._pending.pop(op_id, None)
             if entry is None:
                 self._reply(client, op_id, error=f"execute for {op_id}: no data received for it (not ACKed)")
                 return
             if client != entry[0]:  # relayed by the API server: it only needs to know it started
-                self._channel.send(
-                    self._rank0_router(), {"kind": "started", "op_id": op_id}, routing_id=client
-                )
+                self._send(client, {"kind": "started", "op_id": op_id})
             data_client, operation, batch = entry
             self._run(data_client, op_id, operation, batch, {})
         elif kind == "call":
@@ -160,7 +165,7 @@ class TrainerRank:
             self._reply(client, op_id, error=f"unknown message kind {kind!r}")
 
     def _run(
-        self, client: bytes, op_id: str, operation: str, batch: dict[str, torch.Tensor] | None, args: dict
+        self, client: Client, op_id: str, operation: str, batch: dict[str, torch.Tensor] | None, args: dict
     ) -> None:
         if self.broken is not None:
             self._reply(client, op_id, error=f"trainer group is broken: {self.broken}")
@@ -205,7 +210,7 @@ class TrainerRank:
 
     def _reply(
         self,
-        client: bytes,
+        client: Client,
         op_id: str,
         value: Any = None,
         tensors: dict[str, torch.Tensor] | None = None,
@@ -213,10 +218,16 @@ class TrainerRank:
     ) -> None:
         header = {"kind": "result", "op_id": op_id, "ok": error is None, "value": value, "error": error}
         try:
-            self._channel.send(self._rank0_router(), header, tensors, routing_id=client)
+            self._send(client, header, tensors)
         except ValueError as exc:  # result over the size limit
             header.update(ok=False, value=None, error=str(exc))
-            self._channel.send(self._rank0_router(), header, routing_id=client)
+            self._send(client, header)
+
+    def _send(
+        self, client: Client, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        routing_id, sender = client
+        self._channel.send(self._rank0_router(), header, sender, tensors, routing_id=routing_id)
 
     # --- every rank -------------------------------------------------------------------------------
     def _execute(

@@ -6,7 +6,8 @@ when the tensor bytes exceed ``chunk_bytes``, by ``n`` *chunk* messages
 chunk index and count) plus the sender id; ``body`` is msgpack: the user header, the tensor specs
 (name, dtype, shape, offset) and the stream layout (total bytes, chunk size). Tensors are laid end
 to end in one byte stream (each at a 64-byte aligned offset); chunk ``i`` carries bytes
-``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of it, as zero-copy slices of the sender's tensors.
+``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of it, as zero-copy slices of the sender's tensors,
+none over ``FRAME_BYTES`` (the receiving socket's frame limit is the pre-authentication budget).
 Chunks must arrive in order over the head's connection (ZMQ keeps a connection's order).
 ``header`` is plain msgpack data; tensors may have any dtype in ``DTYPES`` (bfloat16 included),
 any shape (empty too) and arrive with the same dtype, shape and bytes. No pickle anywhere.
@@ -39,6 +40,7 @@ import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from nexrl_hpc.rpc.preauth import FRAME_BYTES
 from nexrl_hpc.rpc.wire import RejectedMessage
 
 HEAD = b"NXB1H"
@@ -47,7 +49,7 @@ TAG_BYTES = 16
 ALIGN = 64
 DEFAULT_CHUNK_BYTES = 4 << 20  # 1-8 MiB measured alike in bench/transfer.py; 4 MiB stays in L3
 MAX_SENDER_ID_BYTES = 255
-MAX_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = FRAME_BYTES  # the head's body is one frame: within every receiver's frame limit
 HEAD_META = struct.Struct(">16sQ")  # nonce, seq (+ sender id)
 CHUNK_META = struct.Struct(">16sQII")  # nonce, seq, chunk index, chunk count (+ sender id)
 _KDF_INPUT = struct.Struct(">c16sQI")

@@ -141,11 +141,12 @@ class _Partial:
 class BulkReceiver:
     """Reassembles and verifies bulk messages from one socket's stream of ZMQ messages.
 
-    ``max_bytes`` bounds the tensor bytes of one message; ``pool_bytes`` (default
-    ``min(max_bytes, 1 GiB)``, 0 disables) bounds the receive buffers kept for reuse (``BufferPool``). A sender has at most one message in
-    flight (its chunks follow its head on one connection; chunks from another connection are
-    refused), so a new head from a sender drops the sender's unfinished message; ``chunk_timeout_s`` bounds how long an unfinished one waits for its
-    next chunk. Not thread-safe: one receiving thread.
+        ``max_bytes`` bounds the tensor bytes of one message; ``pool_bytes`` (default
+        ``min(max_bytes, 1 GiB)``, 0 disables) bounds the receive buffers kept for reuse (``BufferPool``). A sender has at most one message in
+        flight (its chunks follow its head on one connection; chunks from another connection are
+        refused), so a new head from a sender drops the sender's unfinished message; ``chunk_timeout_s`` bounds how long an unfinished one waits for its
+        next chunk. With ``recipient`` set, a message whose header does not name it in ``to`` is
+    dropped before the replay guard sees it. Not thread-safe: one receiving thread.
     """
 
     def __init__(
@@ -156,12 +157,14 @@ class BulkReceiver:
         guard: SequenceGuard | None = None,
         name: str = "bulk receiver",
         pool_bytes: int | None = None,
+        recipient: str | None = None,
     ):
         self._key = bulk_key(key)
         self.max_bytes = max_bytes
         self.chunk_timeout_s = chunk_timeout_s
         self._guard = guard or SequenceGuard()
         self._name = name
+        self.recipient = recipient  # when set, a head's header must say {"to": recipient, ...}
         self.pool = BufferPool(min(max_bytes, 1 << 30) if pool_bytes is None else pool_bytes)
         self._partials: dict[tuple[bytes | None, str], _Partial] = {}  # by (routing id, sender id)
         self._last_logged: tuple[str, int] | None = None
@@ -242,12 +245,25 @@ class BulkReceiver:
         key = one_time_key(self._key, b"H", nonce, seq, 0, sender.encode())
         try:
             verify(key, [meta, body, *data], tag.tobytes())
-            self._guard.check(sender, seq)
         except RejectedMessage as exc:
             raise _rejected(msg_id, str(exc)) from None
         # verified: decode the body (still checked: a key holder's bug must not crash the receiver)
         try:
             header, specs, total, chunk_bytes, n_chunks = _parse_body(body, self.max_bytes)
+        except (ValueError, TypeError, KeyError, RuntimeError, msgpack.UnpackException) as exc:
+            raise _rejected(msg_id, f"bad head body: {exc}") from None
+        # meant for another receiver (replayed or misrouted): dropped before the replay guard, so
+        # that it cannot use up the sender's sequence number here
+        if self.recipient is not None and (
+            not isinstance(header, dict) or header.get("to") != self.recipient
+        ):
+            to = header.get("to") if isinstance(header, dict) else None
+            raise _rejected(msg_id, f"meant for {to!r}, not {self.recipient!r} (replayed or misrouted)")
+        try:
+            self._guard.check(sender, seq)
+        except RejectedMessage as exc:
+            raise _rejected(msg_id, str(exc)) from None
+        try:
             if n_chunks != (0 if total <= chunk_bytes else math.ceil(total / chunk_bytes)):
                 raise ValueError("inconsistent chunk count")
             if n_chunks == 0 and inline != total:

@@ -7,7 +7,7 @@ API (one ``BulkSender`` per sending thread)::
 
 ``socket`` is a DEALER (or PAIR/PUSH), or a ROUTER when ``routing_id`` is given. ``sender_id``
 must be unique per ``BulkSender`` in the job (its sequence numbers must increase). No frame
-exceeds ``max(chunk_bytes, MAX_BODY_BYTES)``.
+exceeds ``FRAME_BYTES`` (``nexrl_hpc/rpc/preauth.py``): data is cut into frames of at most that.
 
 Why chunks. ZMQ hands a multipart message over only once all of it is in, so one big message
 would serialise MAC, transfer and verification. With chunks the sender's MAC of chunk ``i + 1``
@@ -36,6 +36,7 @@ from nexrl_hpc.rpc.bulk.format import (
     CHUNK_META,
     DEFAULT_CHUNK_BYTES,
     DTYPES,
+    FRAME_BYTES,
     HEAD,
     HEAD_META,
     MAX_BODY_BYTES,
@@ -133,10 +134,11 @@ def _cut(segments: list[tuple[int, memoryview]], start: int, end: int) -> list[A
         if offset >= end:
             break
         if offset > pos:
-            frames.append(bytes(offset - pos))
+            frames.append(bytes(offset - pos))  # an alignment gap: under 64 bytes
             pos = offset
         stop = min(seg_end, end)
-        frames.append(view[pos - offset : stop - offset])
+        for at in range(pos, stop, FRAME_BYTES):  # no frame over the receivers' frame limit
+            frames.append(view[at - offset : min(at + FRAME_BYTES, stop) - offset])
         pos = stop
     if pos < end:  # cannot happen: the stream ends with the last tensor
         frames.append(bytes(end - pos))
