@@ -28,7 +28,7 @@ from nexrl_hpc.checkpoint.manager import (
 )
 from nexrl_hpc.checkpoint.state_file import load_state_file, save_state_file
 from nexrl_hpc.trainer.api_server import create_app
-from tests.conftest import run_train
+from tests.conftest import run_train, wire_limits
 from tests.test_mpi import FAST, metrics
 
 
@@ -139,7 +139,7 @@ def test_a_run_resumes_from_the_previous_checkpoint_and_its_files_are_private(tm
 
 
 def test_train_api_server_schema_and_docs_need_the_token() -> None:
-    client = TestClient(create_app("t0ken", 5.0, 5.0, 1 << 20))
+    client = TestClient(create_app("t0ken", 5.0, 5.0, 1 << 20, wire_limits()))
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
