@@ -10,6 +10,7 @@ from typing import Any
 
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
+from nexrl_hpc.runtime.network import spec_problem
 from nexrl_hpc.runtime.placement import placement_problems
 
 
@@ -241,6 +242,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         "off_policy_correction=tis truncates the importance weight at is_cap: it must be a number",
     )
     problems += _teacher_problems(cfg)
+    problems += bind_address_problems(cfg)
     problems += _deepspeed_problems(cfg)
     problems += hardware_problems(cfg)
     problems += _inference_backend_problems(cfg)
@@ -269,6 +271,21 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "model.tiny.tokenizer.alphabet",
             "must not be empty",
         )
+    return problems
+
+
+def bind_address_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """The form of the bind-address settings (each rank resolves them on its own host at start)."""
+    problems = []
+    for key, unspecified_ok in (
+        ("runtime.rpc.interface", False),  # exchanged with the other ranks: must be reachable
+        ("service.inference_service.local.host", True),  # the rank's own server: 0.0.0.0 is a choice
+        ("service.inference_service.vllm.host", True),
+    ):
+        value = g_safe(cfg, key)
+        problem = spec_problem(value, allow_unspecified=unspecified_ok) if value is not None else None
+        if problem:
+            problems.append(ConfigProblem(key, problem))
     return problems
 
 

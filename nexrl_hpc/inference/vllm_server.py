@@ -25,6 +25,7 @@ import httpx
 
 from nexrl_hpc.config.schema import VLLMInferenceConfig
 from nexrl_hpc.inference.local_server import InferenceServerStartError, kill_process_group, log_tail
+from nexrl_hpc.runtime.network import resolve_bind_address
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,14 @@ class VLLMServer:
         self.log_path = os.path.join(log_dir, log_name)
         self._deadline = 0.0
 
-    def command(self, port: int) -> list[str]:
+    def command(self, port: int, host: str | None = None) -> list[str]:
+        """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
         cfg = self.config
         cmd = [
             cfg["python"], "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
-            "--host", cfg["host"],
+            "--host", host or cfg["host"],
             "--port", str(port),
             "--dtype", cfg["dtype"],
             # vLLM's neutral sampling defaults, not the model's generation_config.json (an instruct
@@ -127,13 +129,15 @@ class VLLMServer:
                 f"{CONFIG_KEY}.python={python!r} is not an executable: run `bash scripts/install_vllm.sh`"
             )
         os.makedirs(self.log_dir, exist_ok=True)
-        host = self.config["host"]
+        host = resolve_bind_address(
+            self.config["host"], f"{CONFIG_KEY}.host", ipv6=True, allow_unspecified=True
+        ).address
         port = self.config["port"] or free_port(host)
         url_host = f"[{host}]" if ":" in host else host
         self.base_url = f"http://{url_host}:{port}"
         env = self.environment(dict(os.environ))
         cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
-        cmd += self.command(port)
+        cmd += self.command(port, host)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
