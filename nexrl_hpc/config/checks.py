@@ -10,7 +10,6 @@ from typing import Any
 
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
-from nexrl_hpc.runtime.network import spec_problem
 from nexrl_hpc.runtime.placement import placement_problems
 
 
@@ -276,6 +275,8 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
 def bind_address_problems(cfg: Mapping) -> list[ConfigProblem]:
     """The form of the bind-address settings (each rank resolves them on its own host at start)."""
+    from nexrl_hpc.runtime.network import spec_problem  # imports config.validate: not at module level
+
     problems = []
     for key, unspecified_ok in (
         ("runtime.rpc.interface", False),  # exchanged with the other ranks: must be reachable
