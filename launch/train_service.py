@@ -17,7 +17,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.train_service", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind: an IP, an interface (eth0, ib0), a CIDR network or 'hostname' (default: loopback)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN", help="environment variable with the token"
@@ -30,13 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
         return 2
+    from nexrl_hpc.config.validate import ConfigError
+    from nexrl_hpc.runtime.network import resolve_bind_address
+
+    try:
+        host = resolve_bind_address(args.host, "--host", ipv6=True, allow_unspecified=True).address
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
     import uvicorn
 
     from nexrl_hpc.trainer.api_server import create_app
 
     app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=host, port=args.port, log_level="warning")
     return 0
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.helpers.hosts import DevHosts, Outsider
+from tests.helpers.hosts import DevHosts, Outsider, listening_addresses
 from tests.test_mpi import FAST, assert_trained_as_planned, metrics
 
 pytestmark = pytest.mark.e2e
@@ -79,6 +79,15 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
         wait_until(lambda: ranks_file.exists() or proc.poll() is not None, 600, "the ranks' addresses")
         assert ranks_file.exists(), proc.communicate()[1][-3000:]
         ranks = json.loads(ranks_file.read_text())
+        # each rank listens on its host's eth0 address only: not on loopback, not on every interface
+        netns = {n["name"]: n["netns"] for n in two_hosts.nodes}
+        node_addresses = {n["name"]: n["address"] for n in two_hosts.nodes}
+        for r in ranks:
+            listening = listening_addresses(netns[r["node"]], r["pid"])
+            assert listening and {a.rsplit(":", 1)[0] for a in listening} == {node_addresses[r["node"]]}, (
+                r,
+                listening,
+            )
         zmq_ports = [r["address"] for r in ranks] + [
             r["trainer_address"] for r in ranks if r["trainer_address"]
         ]
@@ -100,7 +109,6 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
     assert "#SBATCH hetjob" in submission and "--het-group=0-1" in submission and "--mpi=pmi2" in submission
     assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
     # two hosts, each rank announcing its own host's eth0 address (never loopback)
-    node_addresses = {n["name"]: n["address"] for n in two_hosts.nodes}
     hosts = {r["group"]: r["host"] for r in ranks}
     assert hosts["driver"] == hosts["trainer"] != hosts["rollout"]
     for r in ranks:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers.hosts import DevHosts
+from tests.helpers.hosts import DevHosts, listening_addresses
 from tests.test_mpi import (
     assert_trained_as_planned,
     declared_dead_at,
@@ -130,17 +130,32 @@ def test_fsdp2_trainer_group_across_hosts_learns(
     slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
 ) -> None:
     """One FSDP2 trainer rank per host: the trainer group's TCPStore, gloo and batch port over eth0
-    (cyclic distribution: ranks 0, 2, 4 on one host, 1, 3 on the other)."""
+    (ranks 0, 2, 4 on one host, 1, 3 on the other: trainer ranks 1 and 2 apart)."""
     run_dir = tmp_path / "fsdp"
-    proc = subprocess.run(
-        ["srun", "--mpi=pmi2", "-N2", "-n5", "--distribution=cyclic", "--kill-on-bad-exit=1", sys.executable, "-m",
+    n1, n2 = (n["name"] for n in two_hosts.nodes)
+    proc = subprocess.Popen(
+        ["srun", "--mpi=pmi2", "-n5", "--distribution=arbitrary", f"--nodelist={n1},{n2},{n1},{n2},{n1}",
+         "--kill-on-bad-exit=1", sys.executable, "-m",
          "launch.train", "launch_mode=mpi", f"run_dir={run_dir}", "seed=2", "service.train_service.engine=fsdp",
          "service.train_service.world_size=2", f"runtime.rpc.interface={two_hosts.interface}"],
-        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    try:
+        wait_for_steps(run_dir, proc, steps=1, timeout=600)
+        ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+        # trainer rank 0 serves the group's TCPStore and batch port: on its eth0 address only
+        node = {n["name"]: n for n in two_hosts.nodes}[ranks[1]["node"]]
+        listening = listening_addresses(node["netns"], ranks[1]["pid"])
+        assert len(listening) >= 4 and {a.rsplit(":", 1)[0] for a in listening} == {node["address"]}, (
+            listening
+        )
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert [r["group"] for r in ranks] == ["driver", "trainer", "trainer", "rollout", "rollout"]
+    assert [r["node"] for r in ranks] == [n1, n2, n1, n2, n1]
     trainers = [r for r in ranks if r["group"] == "trainer"]
     assert trainers[0]["host"] != trainers[1]["host"]  # one trainer rank per host
     assert trainers[0]["trainer_address"].startswith(trainers[0]["address"].rsplit(":", 1)[0])  # its eth0

@@ -179,16 +179,22 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, bind: BindAddres
     grank, size = group_comm.Get_rank(), group_comm.Get_size()
     local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
     timeout = timedelta(seconds=ts["collective_timeout_s"])
-    # group rank 0's store binds a port of the kernel's choosing and keeps it: picking a "free" port
-    # first and binding it later lost it to another connection's ephemeral port (EADDRINUSE, seen)
-    store = (
-        dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        if grank == 0
-        else None
-    )
-    port = group_comm.bcast(store.port if store is not None else None, root=0)
+    # group rank 0's store listens on a socket bound here to its own address (TCPStore would
+    # listen on every interface) on a port of the kernel's choosing, kept from the start: picking a
+    # "free" port first and binding it later lost it to another connection's ephemeral port
+    # (EADDRINUSE, seen). The others connect to rank 0's address, not their own.
+    store = None
+    if grank == 0:
+        listener = socket.create_server((host, 0), backlog=max(128, 2 * size))
+        store = dist.TCPStore(host, listener.getsockname()[1], size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
+    master = group_comm.bcast((host, store.port) if store is not None else None, root=0)
+    # every rank has the address before rank 0 leaves MPI for the store: MPICH moves a message to
+    # another node only while its sender is inside MPI (no progress thread), and rank 0 next
+    # waits in the store for ranks that would wait forever for that message (seen across hosts)
+    group_comm.barrier()
     if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(master[0], master[1], size, is_master=False, timeout=timeout)
     os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
     if ts["device"] == "cuda":
         if not torch.cuda.is_available():

@@ -51,6 +51,14 @@ def dev_hosts(env: dict[str, str] | None = None) -> DevHosts:
     return DevHosts(**json.loads(path.read_text()))
 
 
+def listening_addresses(netns: str, pid: int) -> list[str]:
+    """The TCP addresses (host:port) process ``pid`` listens on in network namespace ``netns``."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "ss", "-Htlnp"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
 class Outsider:
     """Processes on the outsider host: a network namespace on the dev cluster's network that is part
     of no job (``ip netns exec``; needs root, as the dev cluster does). Its processes see the same
