@@ -172,7 +172,7 @@ def resolve_bind_address(
                         key,
                         f"{what} is not an address of this host ({socket.gethostname()}: {_describe(found)})",
                     )
-                ]  # fmt: skip
+                ]
             )
         return BindAddress(str(literal), holder, literal.is_loopback)
     if "/" in spec:
@@ -186,7 +186,7 @@ def resolve_bind_address(
                         f"no {versions} address of this host ({socket.gethostname()}) is in {net} "
                         f"(its addresses: {_describe(found)})",
                     )
-                ]  # fmt: skip
+                ]
             )
         name, iface = inside[0]
         return BindAddress(str(iface.ip), name, iface.ip.is_loopback)
@@ -202,7 +202,7 @@ def resolve_bind_address(
                     f"{why} on this host ({socket.gethostname()}; interfaces with addresses: "
                     f"{', '.join(names) or 'none'})",
                 )
-            ]  # fmt: skip
+            ]
         )
     first = min(mine, key=lambda i: i.version)  # IPv4 first
     return BindAddress(str(first.ip), spec, first.ip.is_loopback)
