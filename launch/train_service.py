@@ -18,7 +18,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.train_service", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind: an IP, an interface (eth0, ib0), a CIDR network or 'hostname' (default: loopback)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN", help="environment variable with the token"
@@ -30,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(args.token_env, "")
     if not token:
         print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
+        return 2
+    from nexrl_hpc.config.validate import ConfigError
+    from nexrl_hpc.runtime.network import resolve_bind_address
+
+    try:
+        host = resolve_bind_address(args.host, "--host", ipv6=True, allow_unspecified=True).address
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][train_service][%(levelname)s] %(message)s")
     import uvicorn
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20, limits)
     uvicorn.run(
         BearerFirst(app, token, limits.preauth_max_bytes),  # the token before a byte of a body is read
-        host=args.host,
+        host=host,
         port=args.port,
         log_level="warning",
         http=guarded_protocol(limits),  # a request head within the timeout; waiting connections capped

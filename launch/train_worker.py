@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-server-url", required=True)
     p.add_argument("--identifier", required=True, help="worker group name (e.g. student, teacher)")
     p.add_argument("--backend", choices=["single", "fsdp", "deepspeed"], default="fsdp", help="train engine")
-    p.add_argument("--host", default="127.0.0.1", help="interface rank 0 binds for clients")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="what rank 0 binds for clients, resolved on its host: an IP, an interface (eth0, ib0), "
+                   "a CIDR network or 'hostname'")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN")
@@ -47,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(args.token_env, "")
     if not token:
         print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
+        return 2
+    from nexrl_hpc.config.validate import ConfigError
+    from nexrl_hpc.runtime.network import resolve_bind_address
+
+    try:
+        host = resolve_bind_address(args.host, "--host").address
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     logging.basicConfig(
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         PolicyTrainer(engine=args.backend),
         torch.device(args.device),
         key_from_token(token, ident, info.json()["session"]),
-        host=args.host,
+        host=host,
         port=args.port,
         max_message_bytes=args.max_message_mb << 20,
         idle_tick_s=args.idle_tick_s,

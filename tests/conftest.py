@@ -19,6 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from nexrl_hpc.config import register_resolvers, validate_config
 from nexrl_hpc.config.location import config_dir
+from tests.helpers.hosts import DevHosts, Outsider, dev_hosts
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = config_dir()
@@ -137,3 +138,23 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     env["SLURM_CONF"] = f"{env['NEXRL_SLURM_DIR']}/etc/slurm.conf"
     assert shutil.which("srun")
     yield env
+
+
+@pytest.fixture(scope="session")
+def slurm_hosts(slurm_cluster: dict[str, str]) -> DevHosts:
+    """The dev cluster's hosts: two network namespaces, or one host (loopback) and the reason."""
+    return dev_hosts(slurm_cluster)
+
+
+@pytest.fixture
+def two_hosts(slurm_hosts: DevHosts) -> DevHosts:
+    """For tests whose point is a job across hosts: they fail (not skip) on a one-host dev cluster."""
+    if not slurm_hosts.two_hosts:
+        pytest.fail(f"this test needs the dev cluster's two hosts, but it runs on one: {slurm_hosts.reason}")
+    return slurm_hosts
+
+
+@pytest.fixture
+def outsider(two_hosts: DevHosts) -> Outsider:
+    """A host on the dev cluster's network that is in no job (tests/helpers/hosts.py)."""
+    return Outsider(two_hosts)

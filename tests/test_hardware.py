@@ -185,7 +185,9 @@ def test_slurm_gpu_ranks_must_ask_for_gpus() -> None:
     got = _problems([*gpu_slurm, "service.inference_service.vllm.tensor_parallel_size=2"])
     assert "tensor_parallel_size=2" in got["placement.resources.rollout.gpus_per_rank"]
     # a driver without a GPU makes a heterogeneous job: job-level sizing keys cannot apply
-    cfg = compose_config([*gpu_slurm, "placement.resources.driver.gpus_per_rank=0"])
+    cfg = compose_config(
+        [*gpu_slurm, "placement.resources.driver.gpus_per_rank=0", "runtime.rpc.interface=ib0"]
+    )
     problems = {p.path: p.message for p in check_slurm_job(cfg)}
     assert set(problems) == {"launcher.nodes"} and "heterogeneous" in problems["launcher.nodes"]
 

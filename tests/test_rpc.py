@@ -250,10 +250,10 @@ class Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-def raw_zmtp_client(port: int, mechanism: bytes = b"NULL") -> socket.socket:
+def raw_zmtp_client(port: int, mechanism: bytes = b"NULL", host: str = "127.0.0.1") -> socket.socket:
     """A raw TCP peer that sends a ZMTP 3.0 greeting (and, for NULL, a DEALER's READY); the run's
     sockets speak PLAIN and close it."""
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     s.sendall(
         b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
     )
@@ -297,7 +297,7 @@ def attack(address: str, key_guess: bytes, marker: Path) -> None:
     dealer.close()
     ctx.term()
     # 4. a frame header announcing 2 GiB
-    s = raw_zmtp_client(int(port))
+    s = raw_zmtp_client(int(port), host=host)
     with contextlib.suppress(OSError):
         s.sendall(b"\x02" + struct.pack(">Q", 2**31))
     time.sleep(0.2)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.helpers.hosts import DevHosts, Outsider, listening_addresses
 from tests.test_mpi import FAST, assert_trained_as_planned, metrics
 
 pytestmark = pytest.mark.e2e
@@ -59,28 +60,78 @@ def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-unt
         time.sleep(0.5)
 
 
-def test_heterogeneous_job_learns_the_default_task(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
+    slurm_env: dict[str, str], two_hosts: DevHosts, outsider: Outsider, tmp_path: Path
+) -> None:
+    """The done-when run of the two-host dev cluster: rollout ranks want 2 CPUs, driver and trainer
+    1: two components, each on a host of its own, binding eth0 (runtime.rpc.interface=eth0). While
+    it trains, a host on the same network that is in no job (the outsider) sends every rank's ports
+    the hostile inputs: all dropped and counted, nothing run, the run learns as before."""
     run_dir = tmp_path / "het"
-    # rollout ranks want 2 CPUs, driver and trainer 1: two components, each on its own virtual node
-    proc = launch(slurm_env, ["launcher.wait=true", f"run_dir={run_dir}", "seed=2",
-                              "placement.resources.rollout.cpus_per_rank=2"])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    cmd = [sys.executable, "-m", "launch.train", "launcher=slurm", "launcher.poll_s=1", "launcher.wait=true",
+           f"run_dir={run_dir}", "seed=2", "placement.resources.rollout.cpus_per_rank=2",
+           f"runtime.rpc.interface={two_hosts.interface}"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        ranks_file = run_dir / "logs" / "ranks.json"
+        wait_until(lambda: ranks_file.exists() or proc.poll() is not None, 600, "the ranks' addresses")
+        assert ranks_file.exists(), proc.communicate()[1][-3000:]
+        ranks = json.loads(ranks_file.read_text())
+        # each rank listens on its host's eth0 address only: not on loopback, not on every interface
+        netns = {n["name"]: n["netns"] for n in two_hosts.nodes}
+        node_addresses = {n["name"]: n["address"] for n in two_hosts.nodes}
+        for r in ranks:
+            listening = listening_addresses(netns[r["node"]], r["pid"])
+            assert listening and {a.rsplit(":", 1)[0] for a in listening} == {node_addresses[r["node"]]}, (
+                r,
+                listening,
+            )
+        zmq_ports = [r["address"] for r in ranks] + [
+            r["trainer_address"] for r in ranks if r["trainer_address"]
+        ]
+        lanes = [r["lane_address"] for r in ranks]
+        marker = tmp_path / "pwned"
+        attacked = outsider.python(["-m", "tests.helpers.attack", "--marker", str(marker), "--zmq", *zmq_ports,
+                                    "--lane", *lanes])  # fmt: skip
+        assert attacked.returncode == 0, attacked.stderr[-3000:]
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
     info = json.loads((run_dir / "launcher.json").read_text())
     assert info["heterogeneous"] and [c["ntasks"] for c in info["components"]] == [2, 2]
-    assert f"submitted heterogeneous job (2 components) {info['job_id']}" in proc.stdout
-    assert f"job {info['job_id']}: COMPLETED" in proc.stdout
+    assert f"submitted heterogeneous job (2 components) {info['job_id']}" in out
+    assert f"job {info['job_id']}: COMPLETED" in out
     submission = (run_dir / "slurm" / f"{info['job_id']}_submission.sh").read_text()
     assert "#SBATCH hetjob" in submission and "--het-group=0-1" in submission and "--mpi=pmi2" in submission
-    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
     assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
-    nodes = {r["group"]: r["node"] for r in ranks}
-    assert nodes["driver"] == nodes["trainer"] != nodes["rollout"]  # the two virtual nodes
+    # two hosts, each rank announcing its own host's eth0 address (never loopback)
+    hosts = {r["group"]: r["host"] for r in ranks}
+    assert hosts["driver"] == hosts["trainer"] != hosts["rollout"]
+    for r in ranks:
+        assert r["interface"] == "eth0" and r["address"].startswith(f"tcp://{node_addresses[r['node']]}:"), r
+    assert len({node_addresses[r["node"]] for r in ranks}) == 2
+    # the outsider's inputs: dropped and counted at every port (4 per port), logged with its address
+    steps = [r for r in metrics(run_dir) if "train/reward_mean" in r]
+    assert steps[-1]["rpc/rejected"] >= 4 * (len(zmq_ports) + len(lanes)), steps[-1]["rpc/rejected"]
+    logs = "".join(p.read_text() for p in [run_dir / "train.log", *(run_dir / "logs").glob("rank_*.log")])
+    assert f"from {outsider.address}" in logs
+    assert not marker.exists()
     val = [r["val/accuracy"] for r in metrics(run_dir) if "val/accuracy" in r]
     assert val[0] <= 0.3 and val[-1] >= 0.8, val
     status = subprocess.run([sys.executable, "-m", "launch.status", str(run_dir)], cwd=REPO, env=slurm_env,
                             capture_output=True, text=True)  # fmt: skip
     assert status.returncode == 0
     assert "COMPLETED" in status.stdout and "global_step_50" in status.stdout
+
+
+def across_hosts(hosts: DevHosts) -> list[str]:
+    """A one-component job spread over both hosts (2 ranks each), binding the cluster network given
+    as a CIDR (each rank resolves it to its own host's address)."""
+    return ["launcher.nodes=2", f"runtime.rpc.interface={hosts.network}"]
 
 
 def preemptible_run(run_dir: Path, steps: int) -> list[str]:
@@ -92,9 +143,11 @@ def preemptible_run(run_dir: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-def test_usr2_twice_requeues_and_resumes_exactly(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_usr2_twice_requeues_and_resumes_exactly(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
     steps, run_dir = 24, tmp_path / "usr2"
-    proc = launch(slurm_env, preemptible_run(run_dir, steps))
+    proc = launch(slurm_env, [*preemptible_run(run_dir, steps), *across_hosts(two_hosts)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
     rng = random.Random(7)
@@ -112,9 +165,11 @@ def test_usr2_twice_requeues_and_resumes_exactly(slurm_env: dict[str, str], tmp_
     assert_trained_as_planned(run_dir, steps)  # every step once; every prompt as often as planned
 
 
-def test_preemption_by_a_high_priority_job_resumes_exactly(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_preemption_by_a_high_priority_job_resumes_exactly(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
     steps, run_dir = 20, tmp_path / "preempted"
-    proc = launch(slurm_env, preemptible_run(run_dir, steps))
+    proc = launch(slurm_env, [*preemptible_run(run_dir, steps), *across_hosts(two_hosts)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
     wait_until(lambda: trained_steps(run_dir) >= 6, 300, "step 6")
@@ -132,9 +187,11 @@ def test_preemption_by_a_high_priority_job_resumes_exactly(slurm_env: dict[str, 
     assert_trained_as_planned(run_dir, steps)
 
 
-def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_a_two_point_sweep_gives_two_finished_runs(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "sweep"
-    args = [a for a in preemptible_run(run_dir, 6) if not a.startswith("run_dir=")]
+    args = [a for a in preemptible_run(run_dir, 6) if not a.startswith("run_dir=")] + across_hosts(two_hosts)
     proc = subprocess.run(
         [sys.executable, "-m", "launch.train", "-m", "launcher=slurm", f"run_dir={run_dir}", "seed=1,2", *args],
         cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=600,
@@ -180,6 +237,13 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
         (["placement.resources.trainer.gpus_per_rank=1"], "placement.resources.trainer.gpus_per_rank",
          "asks for 1 GPU(s) on one node; no node of partition 'debug'"),
         (["-m", "launcher.rollout_ranks=2,7"], "launcher.partition", "needs 9 task(s)"),  # not even point 0
+        # a job on several nodes cannot exchange loopback addresses (the default binds 127.0.0.1)
+        (["placement.resources.rollout.cpus_per_rank=2"], "runtime.rpc.interface",
+         "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (a heterogeneous job gives "
+         "each component nodes of its own) and no other node can reach a loopback address"),
+        (["launcher.nodes=2", "runtime.rpc.interface=lo"], "runtime.rpc.interface",
+         "'lo' is loopback, but the job's ranks will be on more than one node (launcher.nodes=2)"),
+        (["runtime.rpc.interface=0.0.0.0"], "runtime.rpc.interface", "0.0.0.0 binds every interface"),
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_before_sbatch(
@@ -215,24 +279,29 @@ def test_a_time_limit_above_the_partitions_is_refused_before_sbatch(
     assert "data.batch_size" in fits.stderr
 
 
-def test_plain_sbatch_template_runs_the_mpi_mode(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_plain_sbatch_template_runs_the_mpi_mode(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "sbatch"
     job = subprocess.run(
-        ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(REPO / "slurm" / "mpi.sbatch"),
-         *preemptible_run(run_dir, 6)],
+        ["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/%j.out", str(REPO / "slurm" / "mpi.sbatch"),
+         *preemptible_run(run_dir, 6), f"runtime.rpc.interface={two_hosts.interface}"],
         cwd=REPO, env=slurm_env, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     wait_until(lambda: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
     assert sacct_state(slurm_env, job) == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-3000:]
     assert trained_steps(run_dir) == 6
-    assert len(json.loads((run_dir / "logs" / "ranks.json").read_text())) == 4
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    assert len(ranks) == 4 and len({r["host"] for r in ranks}) == 2
 
 
-def test_the_run_saves_and_requeues_before_the_time_limit(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def test_the_run_saves_and_requeues_before_the_time_limit(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
     """No signal at all: the run reads the job's end time and stops in time (preemption.save_before_end_s)."""
     run_dir = tmp_path / "deadline"
     args = [*preemptible_run(run_dir, 400), "launcher.time_min=2", "launcher.signal_grace_s=0",
-            "preemption.save_before_end_s=100"]  # fmt: skip
+            "preemption.save_before_end_s=100", *across_hosts(two_hosts)]  # fmt: skip
     proc = launch(slurm_env, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
@@ -254,13 +323,14 @@ def hydra_submitit(env: dict[str, str], args: list[str], **kwargs) -> subprocess
 
 
 def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
-    slurm_env: dict[str, str], tmp_path: Path
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
 ) -> None:
-    """hydra/launcher=submitit_slurm with a homogeneous placement (4 tasks of one job per point):
-    2 points, 2 finished runs; point 0, signalled mid-run, requeues itself and resumes exactly."""
+    """hydra/launcher=submitit_slurm with a homogeneous placement (4 tasks of one job per point, 2 on
+    each host): 2 points, 2 finished runs; point 0, signalled mid-run, requeues itself and resumes exactly."""
     steps, run_dir = 12, tmp_path / "hydra_sweep"
     args = [a for a in preemptible_run(run_dir, steps) if not a.startswith("run_dir=")]
-    proc = hydra_submitit(slurm_env, ["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", f"run_dir={run_dir}",
+    proc = hydra_submitit(slurm_env, ["launch_mode=mpi", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2",
+                                      f"runtime.rpc.interface={two_hosts.network}", f"run_dir={run_dir}",
                                       "seed=1,2", *args])  # fmt: skip
     try:
         wait_until(lambda: trained_steps(run_dir / "0") >= 3, 300, "point 0's step 3")
@@ -279,7 +349,8 @@ def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
     seeds = [yaml.safe_load((run_dir / str(k) / "config.yaml").read_text())["seed"] for k in (0, 1)]
     assert seeds == [1, 2]
     for k in (0, 1):  # each point a run of its own, every sample trained as planned
-        assert len(json.loads((run_dir / str(k) / "logs" / "ranks.json").read_text())) == 4
+        ranks = json.loads((run_dir / str(k) / "logs" / "ranks.json").read_text())
+        assert len(ranks) == 4 and len({r["host"] for r in ranks}) == 2
         assert (run_dir / str(k) / "checkpoints" / f"global_step_{steps}" / "COMPLETE").exists()
         assert_trained_as_planned(run_dir / str(k), steps)
 
@@ -299,6 +370,8 @@ def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
          "each of the 3 node(s) of the job needs 6 task(s) x 1 CPU(s) (2 per node), more than partition 'debug'"),
         (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=2"],
          "hydra.launcher.cpus_per_task, hydra.launcher.tasks_per_node", "asks for 8 CPU(s) on one node"),
+        (["launch_mode=mpi", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2"], "runtime.rpc.interface",
+         "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (hydra.launcher.nodes=2)"),
     ],
 )  # fmt: skip
 def test_hydra_submitit_bad_input_is_refused_before_sbatch(

@@ -1,4 +1,5 @@
-"""MPI mode under a real Slurm (the dev cluster): srun --mpi=pmi2, and a SIGKILLed rollout rank survived."""
+"""MPI mode under a real Slurm (the dev cluster's two hosts): srun --mpi=pmi2, a SIGKILLed rollout rank
+on the other host survived, a trainer group across hosts, loopback refused on a job across hosts."""
 
 from __future__ import annotations
 
@@ -13,18 +14,33 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_mpi import assert_trained_as_planned, declared_dead_at, failure_run_args, wait_for_steps
+from tests.helpers.hosts import DevHosts, listening_addresses
+from tests.test_mpi import (
+    assert_trained_as_planned,
+    declared_dead_at,
+    failure_run_args,
+    metrics,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.e2e
 
 
 def test_srun_pmi2_killed_rollout_rank_with_continue_loses_and_doubles_nothing(
-    slurm_env: dict[str, str], tmp_path: Path
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
 ) -> None:
+    """The rank killed is on the other host than rank 0: its loss is seen over the network."""
     steps = 16
     run_dir = tmp_path / "srun"
-    srun = ["srun", "--mpi=pmi2", "-N1", "-n4", "--kill-on-bad-exit=0"]
-    cmd = [*srun, sys.executable, "-m", "launch.train", "launch_mode=mpi"]
+    srun = ["srun", "--mpi=pmi2", "-N2", "-n4", "--kill-on-bad-exit=0"]
+    cmd = [
+        *srun,
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launch_mode=mpi",
+        f"runtime.rpc.interface={two_hosts.network}",
+    ]
     proc = subprocess.Popen(
         [*cmd, *failure_run_args(run_dir, "continue", steps)],
         cwd=REPO,
@@ -36,6 +52,7 @@ def test_srun_pmi2_killed_rollout_rank_with_continue_loses_and_doubles_nothing(
     wait_for_steps(run_dir, proc)
     ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
     victim = [r for r in ranks if r["group"] == "rollout"][1]
+    assert victim["host"] != ranks[0]["host"] and victim["address"] != ranks[0]["address"]
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
@@ -82,3 +99,71 @@ def test_srun_without_pmi2_is_refused_by_every_task(slurm_env: dict[str, str], t
         == 2
     )
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_loopback_on_a_job_across_hosts_is_refused_by_every_rank(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
+    """srun spreads the ranks over both hosts; the default runtime.rpc.interface (127.0.0.1) would
+    announce addresses no other host reaches. Every rank finds out at start-up, before binding
+    anything; rank 0 says which key, which ranks, which hosts; nothing runs."""
+    run_dir = tmp_path / "loopback"
+    proc = subprocess.run(
+        ["srun", "--mpi=pmi2", "-N2", "-n3", sys.executable, "-m", "launch.train", "launch_mode=mpi",
+         f"run_dir={run_dir}"],
+        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    hostnames = sorted(n["hostname"] for n in two_hosts.nodes)
+    assert (
+        "runtime.rpc.interface: '127.0.0.1' resolves to loopback (127.0.0.1) on rank(s) 0, 1, 2"
+        in proc.stderr
+    )
+    assert "the job's ranks are on 2 hosts" in proc.stderr and all(
+        f"{h}: rank(s)" in proc.stderr for h in hostnames
+    )
+    assert proc.stderr.count("error: invalid config") == 1  # rank 0 says it, once
+    assert not (run_dir / "logs" / "ranks.json").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_fsdp2_trainer_group_across_hosts_learns(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
+    """One FSDP2 trainer rank per host: the trainer group's TCPStore, gloo and batch port over eth0
+    (ranks 0, 2, 4 on one host, 1, 3 on the other: trainer ranks 1 and 2 apart)."""
+    run_dir = tmp_path / "fsdp"
+    n1, n2 = (n["name"] for n in two_hosts.nodes)
+    proc = subprocess.Popen(
+        ["srun", "--mpi=pmi2", "-n5", "--distribution=arbitrary", f"--nodelist={n1},{n2},{n1},{n2},{n1}",
+         "--kill-on-bad-exit=1", sys.executable, "-m",
+         "launch.train", "launch_mode=mpi", f"run_dir={run_dir}", "seed=2", "service.train_service.engine=fsdp",
+         "service.train_service.world_size=2", f"runtime.rpc.interface={two_hosts.interface}"],
+        cwd=REPO, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_steps(run_dir, proc, steps=1, timeout=600)
+        ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+        # trainer rank 0 serves the group's TCPStore and batch port: on its eth0 address only
+        node = {n["name"]: n for n in two_hosts.nodes}[ranks[1]["node"]]
+        listening = listening_addresses(node["netns"], ranks[1]["pid"])
+        assert len(listening) >= 4 and {a.rsplit(":", 1)[0] for a in listening} == {node["address"]}, (
+            listening
+        )
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert [r["group"] for r in ranks] == ["driver", "trainer", "trainer", "rollout", "rollout"]
+    assert [r["node"] for r in ranks] == [n1, n2, n1, n2, n1]
+    trainers = [r for r in ranks if r["group"] == "trainer"]
+    assert trainers[0]["host"] != trainers[1]["host"]  # one trainer rank per host
+    assert trainers[0]["trainer_address"].startswith(trainers[0]["address"].rsplit(":", 1)[0])  # its eth0
+    assert "trainer group sockets: GLOO_SOCKET_IFNAME=eth0" in (run_dir / "logs" / "rank_1.log").read_text()
+    val = [(r["step"], r["val/accuracy"]) for r in metrics(run_dir) if "val/accuracy" in r]
+    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    ckpt = run_dir / "checkpoints" / "global_step_50"
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [
+        "rank_0.safetensors",
+        "rank_1.safetensors",
+    ]

@@ -223,6 +223,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         f"service.inference_service.max_coalesce ({g_safe(cfg, 'service.inference_service.max_coalesce')})",
     )
     problems += algorithm_problems(cfg)
+    problems += bind_address_problems(cfg)
     problems += _deepspeed_problems(cfg)
     problems += hardware_problems(cfg)
     problems += _inference_backend_problems(cfg)
@@ -251,6 +252,23 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
             "model.tiny.tokenizer.alphabet",
             "must not be empty",
         )
+    return problems
+
+
+def bind_address_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """The form of the bind-address settings (each rank resolves them on its own host at start)."""
+    from nexrl_hpc.runtime.network import spec_problem  # imports config.validate: not at module level
+
+    problems = []
+    for key, unspecified_ok in (
+        ("runtime.rpc.interface", False),  # exchanged with the other ranks: must be reachable
+        ("service.inference_service.local.host", True),  # the rank's own server: 0.0.0.0 is a choice
+        ("service.inference_service.vllm.host", True),
+    ):
+        value = g_safe(cfg, key)
+        problem = spec_problem(value, allow_unspecified=unspecified_ok) if value is not None else None
+        if problem:
+            problems.append(ConfigProblem(key, problem))
     return problems
 
 

@@ -408,7 +408,7 @@ class RuntimeMonitorConfig(TypedDict):
 
 
 class RpcConfig(TypedDict):
-    interface: str  # address the ranks' RPC sockets bind to: an IP, "hostname", or an interface (eth0, ib0)
+    interface: str  # what the ranks' sockets bind, resolved per host: an IP, interface (eth0, ib0), CIDR or "hostname"
     max_message_mb: Annotated[int, Ge(1)]
     server_threads: Annotated[int, Ge(1)]  # calls served at once per rank (long polls excepted)
     long_poll_threads_per_peer: Annotated[int, Ge(1)]  # threads for @long_poll calls, per other rank

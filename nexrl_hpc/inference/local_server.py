@@ -15,8 +15,11 @@ import httpx
 
 from nexrl_hpc.config.schema import LocalInferenceConfig
 from nexrl_hpc.inference.server import API_KEY_ENV
+from nexrl_hpc.runtime.network import resolve_bind_address
 
 logger = logging.getLogger(__name__)
+
+HOST_KEY = "service.inference_service.local.host"
 
 
 class InferenceServerStartError(RuntimeError):
@@ -24,7 +27,8 @@ class InferenceServerStartError(RuntimeError):
 
 
 class LocalInferenceServer:
-    """One ``nexrl_hpc.inference.server`` process bound to ``config.host``; a fresh API key per start."""
+    """One ``nexrl_hpc.inference.server`` process bound to ``config.host`` (an IP, an interface, a
+    CIDR network or 'hostname', resolved on this host); a fresh API key per start."""
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class LocalInferenceServer:
 
     def launch(self) -> None:
         """Start the process without waiting (start-up overlaps with the trainer's)."""
+        host = resolve_bind_address(self.config["host"], HOST_KEY, ipv6=True, allow_unspecified=True).address
         os.makedirs(self.log_dir, exist_ok=True)
         ready_file = self._ready_file = f"{self.log_path}.{os.getpid()}.ready"
         if os.path.exists(ready_file):
@@ -70,7 +75,7 @@ class LocalInferenceServer:
             "nexrl_hpc.inference.server",
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
-            "--host", self.config["host"],
+            "--host", host,
             "--port", str(self.config["port"]),
             "--ready-file", ready_file,
             "--max-batch-size", str(self.config["max_batch_size"]),

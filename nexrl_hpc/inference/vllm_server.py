@@ -30,6 +30,7 @@ import httpx
 from nexrl_hpc.config.schema import VLLMInferenceConfig
 from nexrl_hpc.inference import vllm_guard
 from nexrl_hpc.inference.local_server import InferenceServerStartError, kill_process_group, log_tail
+from nexrl_hpc.runtime.network import resolve_bind_address
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +87,14 @@ class VLLMServer:
         self._deadline = 0.0
         self._guard_dir: str | None = None
 
-    def command(self, port: int) -> list[str]:
+    def command(self, port: int, host: str | None = None) -> list[str]:
+        """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
         cfg = self.config
         cmd = [
             cfg["python"], "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
-            "--host", cfg["host"],
+            "--host", host or cfg["host"],
             "--port", str(port),
             "--dtype", cfg["dtype"],
             # vLLM's neutral sampling defaults, not the model's generation_config.json (an instruct
@@ -138,7 +140,9 @@ class VLLMServer:
                 f"{CONFIG_KEY}.python={python!r} is not an executable: run `bash scripts/install_vllm.sh`"
             )
         os.makedirs(self.log_dir, exist_ok=True)
-        host = self.config["host"]
+        host = resolve_bind_address(
+            self.config["host"], f"{CONFIG_KEY}.host", ipv6=True, allow_unspecified=True
+        ).address
         port = self.config["port"] or free_port(host)
         url_host = f"[{host}]" if ":" in host else host
         self.base_url = f"http://{url_host}:{port}"
@@ -146,7 +150,7 @@ class VLLMServer:
         shutil.copyfile(vllm_guard.__file__, os.path.join(self._guard_dir, f"{GUARD_MODULE}.py"))
         env = self.environment(dict(os.environ), self._guard_dir)
         cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
-        cmd += self.command(port)
+        cmd += self.command(port, host)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -33,6 +33,7 @@ from submitit.slurm import slurm as submitit_slurm
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
+from nexrl_hpc.runtime.network import is_loopback_spec
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, service_rank_count
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
@@ -225,18 +226,24 @@ def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict
 
 
 def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
-    """``launcher=slurm``: the placement's components fit the partition (login node, before sbatch)."""
+    """``launcher=slurm``: the placement's components fit the partition, and a job on several nodes
+    does not bind loopback (login node, before sbatch)."""
     try:
         _, components = plan_components(config)
     except ConfigError as err:
         return err.problems
     lc = config["launcher"]
     het = len(components) > 1
+    spread: list[ConfigProblem] = []  # a job on several nodes: no loopback address will do
+    if het:
+        spread = loopback_across_hosts(config, "a heterogeneous job gives each component nodes of its own")
+    elif (lc["nodes"] or 0) > 1:
+        spread = loopback_across_hosts(config, f"launcher.nodes={lc['nodes']}")
     if het:
         job_level = [k for k in ("nodes", "gres", "gpus_per_node", "cpus_per_gpu") if lc.get(k)]
         if job_level:
             groups = "; ".join(f"component {k}: {', '.join(c.groups)}" for k, c in enumerate(components))
-            return [ConfigProblem(f"launcher.{key}", f"applies to a job of one component, but the placement "
+            return spread + [ConfigProblem(f"launcher.{key}", f"applies to a job of one component, but the placement "
                                   f"makes a heterogeneous job ({groups}): size it per group with "
                                   "placement.resources.<group>.{cpus_per_rank,gpus_per_rank}, or give every "
                                   "group the same resources") for key in job_level]  # fmt: skip
@@ -257,8 +264,21 @@ def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
     ranks = ("launcher.rollout_ranks, service.train_service.world_size" if config["placement"]["mode"] == "auto"
              else "placement.roles.<role>.count, service.train_service.world_size")  # fmt: skip
     hint = f"use fewer ranks ({ranks}) or fewer CPUs/GPUs per rank (placement.resources.<group>)"
-    return check_job_in_partition(lc["partition"], "launcher.partition", demands, separate_nodes=het,
-                                  time_min=lc["time_min"], time_key="launcher.time_min", shrink_hint=hint)  # fmt: skip
+    return spread + check_job_in_partition(lc["partition"], "launcher.partition", demands, separate_nodes=het,
+                                           time_min=lc["time_min"], time_key="launcher.time_min",
+                                           shrink_hint=hint)  # fmt: skip
+
+
+def loopback_across_hosts(config: RLTrainConfig, why: str) -> list[ConfigProblem]:
+    """A job whose ranks will be on several nodes (``why``) cannot exchange loopback addresses:
+    refused on the login node, before the job waits in the queue (the ranks check again what their
+    setting resolved to, for jobs that Slurm spreads over nodes by itself)."""
+    spec = config["runtime"]["rpc"]["interface"]
+    if not is_loopback_spec(spec):
+        return []
+    return [ConfigProblem("runtime.rpc.interface", f"{spec!r} is loopback, but the job's ranks will be on more "
+                          f"than one node ({why}) and no other node can reach a loopback address: set it to "
+                          "the cluster network, an interface (eth0, ib0) or a CIDR network (10.0.0.0/8)")]  # fmt: skip
 
 
 def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) -> list[ConfigProblem]:
@@ -274,6 +294,8 @@ def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) ->
                                       "hydra/launcher=submitit_slurm each point is a job already: leave launcher=local"))  # fmt: skip
     tasks = int(launcher["nodes"]) * int(launcher["tasks_per_node"])
     where = f"hydra.launcher.nodes x tasks_per_node = {tasks} tasks"
+    if int(launcher["nodes"]) > 1 and config["launch_mode"] == "mpi":
+        problems += loopback_across_hosts(config, f"hydra.launcher.nodes={launcher['nodes']}")
     if config["launch_mode"] == "local":
         if tasks != 1:
             problems.append(ConfigProblem("hydra.launcher.tasks_per_node", f"{where}, but launch_mode=local "

@@ -9,20 +9,26 @@ broadcast the run context.
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
+import logging
 import os
 import secrets
 import socket
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.rpc.endpoint import RpcEndpoint
 from nexrl_hpc.rpc.handles import Directory, ModuleRegistry
 from nexrl_hpc.rpc.preauth import WireLimits
+from nexrl_hpc.runtime.network import (
+    BindAddress,
+    network_host,
+    reachability_problems,
+    resolve_bind_address,
+    use_interface_for_collectives,
+)
 from nexrl_hpc.runtime.placement import (
     SERVICE_GROUPS,
     TEACHER_GROUP,
@@ -39,26 +45,33 @@ if TYPE_CHECKING:
     from nexrl_hpc.core.module import NexRLModule
     from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
+logger = logging.getLogger(__name__)
+
 TRACKER = "activity_tracker"  # the registry name of rank 0's ActivityTracker
 
 
-def interface_address(spec: str) -> str:
-    """The address to bind: an IP as given, ``hostname`` (this host's address), or an interface name (Linux)."""
+def resolve_on_every_rank(comm: Intracomm, spec: str, key: str) -> BindAddress:
+    """``spec`` resolved by each rank on its own host; every rank raises the same ConfigError
+    (naming ``key``) when a rank cannot resolve it or when it is loopback on a job that spans
+    hosts: ranks elsewhere could not reach the addresses exchanged next."""
+    bind, error = None, None
     try:
-        ipaddress.ip_address(spec)
-        return spec
-    except ValueError:
-        pass
-    if spec == "hostname":
-        return socket.gethostbyname(socket.gethostname())
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", spec[:15].encode()))  # SIOCGIFADDR
-        except OSError as exc:
-            raise ValueError(
-                f"runtime.rpc.interface={spec!r}: not an IP address, 'hostname' or a network interface ({exc})"
-            ) from exc
-    return socket.inet_ntoa(packed[20:24])
+        bind = resolve_bind_address(spec, key)
+    except ConfigError as err:
+        error = "; ".join(p.message for p in err.problems)
+    found = comm.allgather(
+        {
+            "net": network_host(),
+            "host": socket.gethostname(),
+            "address": bind.address if bind else None,
+            "loopback": bool(bind and bind.loopback),
+            "error": error,
+        }
+    )
+    problems = reachability_problems(found, spec, key)
+    if problems or bind is None:
+        raise ConfigError(problems)
+    return bind
 
 
 @dataclass
@@ -98,6 +111,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     group_comm = comm.Split(color=group_names.index(spec.group), key=rank)
     key = comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
     rpc = config["runtime"]["rpc"]
+    bind = resolve_on_every_rank(comm, rpc["interface"], "runtime.rpc.interface")
     registry = ModuleRegistry()
     locations: dict[str, tuple[int, type]] = {
         name: (r, role_class(role, config)) for name, (r, role, _) in placement.modules().items()
@@ -106,7 +120,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     directory_box: list[Directory] = []
     endpoint = RpcEndpoint(
         rank,
-        interface_address(rpc["interface"]),
+        bind.address,
         key,
         max_message_bytes=rpc["max_message_mb"] << 20,
         server_threads=rpc["server_threads"],
@@ -123,13 +137,14 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     trainer = None
     names = spec.module_names
     if spec.group in SERVICE_GROUPS:
-        trainer = start_trainer_rank(config, group_comm, interface_address(rpc["interface"]), key)
+        trainer = start_trainer_rank(config, group_comm, bind, key)
         names = [f"{spec.group}_rank_{spec.instance}"]
     peers = comm.allgather(
         {
             "address": endpoint.address,
             "lane_address": endpoint.lane_address,  # blocking @quick calls (nexrl_hpc/rpc/lane.py)
             "host": host,
+            "interface": bind.interface,  # what runtime.rpc.interface resolved to on this host
             "node": os.environ.get("SLURMD_NODENAME", host),  # Slurm's node name (virtual nodes share a host)
             "pid": os.getpid(),
             "modules": names,
@@ -146,9 +161,10 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     )
 
 
-def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: bytes) -> TrainerRank:
-    """torch.distributed over the trainer group (its rendezvous address exchanged over MPI), then
-    this rank's TrainerRank (rank 0 binds the socket the train worker sends batches to)."""
+def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, bind: BindAddress, key: bytes) -> TrainerRank:
+    """torch.distributed over the trainer group (its rendezvous address exchanged over MPI; gloo's
+    and NCCL's sockets on the interface of ``bind``), then this rank's TrainerRank (rank 0 binds
+    the socket the train worker sends batches to)."""
     from datetime import timedelta
 
     import torch
@@ -158,25 +174,29 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, host: str, key: 
     from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
     ts = config["service"]["train_service"]
+    host = bind.address
+    chosen = use_interface_for_collectives(bind)
+    if chosen:
+        logger.info("trainer group sockets: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
     grank, size = group_comm.Get_rank(), group_comm.Get_size()
     local_rank = group_comm.Split_type(_comm_type_shared()).Get_rank()
     timeout = timedelta(seconds=ts["collective_timeout_s"])
-    # group rank 0's store listens on a socket bound here, to the run's interface and a port of the
-    # kernel's choosing: given a port, TCPStore binds every interface (it is not authenticated, see
-    # docs/security.md); picking a "free" port first and binding it later lost it to another
-    # connection's ephemeral port (EADDRINUSE, seen)
+    # group rank 0's store listens on a socket bound here to its own address (TCPStore would
+    # listen on every interface) on a port of the kernel's choosing, kept from the start: picking a
+    # "free" port first and binding it later lost it to another connection's ephemeral port
+    # (EADDRINUSE, seen). The others connect to rank 0's address, not their own.
     store = None
     if grank == 0:
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen(128)
-        store = dist.TCPStore(
-            host, listener.getsockname()[1], size, is_master=True, timeout=timeout, wait_for_workers=False,
-            master_listen_fd=listener.detach(),  # the store owns the descriptor from here on
-        )  # fmt: skip
-    port = group_comm.bcast(store.port if store is not None else None, root=0)
+        listener = socket.create_server((host, 0), backlog=max(128, 2 * size))
+        store = dist.TCPStore(host, listener.getsockname()[1], size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
+    master = group_comm.bcast((host, store.port) if store is not None else None, root=0)
+    # every rank has the address before rank 0 leaves MPI for the store: MPICH moves a message to
+    # another node only while its sender is inside MPI (no progress thread), and rank 0 next
+    # waits in the store for ranks that would wait forever for that message (seen across hosts)
+    group_comm.barrier()
     if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(master[0], master[1], size, is_master=False, timeout=timeout)
     os.environ.update(RANK=str(grank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
     if ts["device"] == "cuda":
         if not torch.cuda.is_available():

@@ -75,6 +75,7 @@ def run_mpi(
     faulthandler.dump_traceback_later(hard_timeout_s, exit=True, file=sys.stderr)
     MPI = start_mpi(config["runtime"]["mpi_env"])
 
+    from nexrl_hpc.config.validate import ConfigError
     from nexrl_hpc.runtime.placement import PlacementError
 
     comm = MPI.COMM_WORLD
@@ -94,10 +95,13 @@ def run_mpi(
     configure_rank_logging(run_dir, rank)
     try:
         world = bootstrap(config, comm)
-    except PlacementError as err:
+    except (PlacementError, ConfigError) as err:  # raised by every rank (placement, runtime.rpc.interface)
         _cancel_bootstrap_watchdogs(watchdog)
         if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        # every rank is here: finalize, so that no rank leaves while a message another rank still
+        # waits for is unsent (across nodes MPICH sends only while the sender is inside MPI)
+        finalize_mpi(config["runtime_monitor"]["stop_timeout_s"], 2)
         return 2
     _cancel_bootstrap_watchdogs(watchdog)
     if rank != 0:

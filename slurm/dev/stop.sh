@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the dev cluster's daemons — only the PIDs it recorded under $NEXRL_SLURM_DIR/run.
+# Stop the dev cluster's daemons — only the PIDs it recorded under $NEXRL_SLURM_DIR/run — then remove
+# the namespaces, links and files slurm/dev/hosts.sh made (only those: its record says which).
 set -uo pipefail
 source "$(cd "$(dirname "$0")" && pwd)/env.sh"
 D="$NEXRL_SLURM_DIR"
@@ -14,4 +15,6 @@ for name in slurmd.n1 slurmd.n2 slurmctld slurmdbd mysqld munged; do
   fi
   rm -f "$f"
 done
+bash "$(dirname "$0")/hosts.sh" down
+rm -f "$D/run/hosts.json"
 echo "dev cluster stopped"
