@@ -81,6 +81,7 @@ def test_heterogeneous_job_learns_the_default_task(slurm_env: dict[str, str], tm
                             capture_output=True, text=True)  # fmt: skip
     assert status.returncode == 0
     assert "COMPLETED" in status.stdout and "global_step_50" in status.stdout
+    assert "finished (exit 0): run finished" in status.stdout
 
 
 def preemptible_run(run_dir: Path, steps: int) -> list[str]:
