@@ -36,10 +36,7 @@ PLOTS_DIR = "plots"
 DRAWING_LOG = "drawing.log"  # the last drawing's stderr: an "error: ..." last line when it failed
 # name -> (title, metric keys drawn as lines): the first key bold, the others thin
 LINE_PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "reward": (
-        "train reward (batch mean, min, max)",
-        ("train/reward_mean", "train/reward_min", "train/reward_max"),
-    ),
+    "reward": ("train reward (batch mean, band: ± std)", ("train/reward_mean",)),
     "loss": ("loss", ("train/loss",)),
     "grad_norm": ("gradient norm", ("train/grad_norm",)),
     "entropy": ("policy entropy (per token)", ("actor/entropy",)),
@@ -132,6 +129,11 @@ def write_plots(run_dir: str) -> list[str]:
         for i, (key, xs, ys) in enumerate(series):
             if xs:
                 ax.plot(xs, ys, label=key, linewidth=1.6 if i == 0 else 0.8, alpha=1.0 if i == 0 else 0.6)
+        std = dict(zip(*_series(train, "train/reward_std"))) if name == "reward" else {}
+        if std:
+            xs, ys = series[0][1], series[0][2]
+            ax.fill_between(xs, [y - std.get(x, 0.0) for x, y in zip(xs, ys)],
+                            [y + std.get(x, 0.0) for x, y in zip(xs, ys)], alpha=0.2)  # fmt: skip
         if name == "logprob_mismatch" and all(y > 0 for _, _, ys in series for y in ys):
             ax.set_yscale("log")
         _finish(ax, title, legend=len(keys) > 1)
@@ -152,7 +154,9 @@ def write_plots(run_dir: str) -> list[str]:
         save(fig, "validation")
 
     steps = _series(train, "timing/step_s")[0]
-    parts = [(k, ys) for k in TIMING_PARTS for xs, ys in [_series(train, k)] if xs == steps and any(ys)]
+    parts = [(k, ys) for k in TIMING_PARTS for xs, ys in [_series(train, k)] if xs == steps]
+    total = sum(sum(ys) for _, ys in parts)
+    parts = [(k, ys) for k, ys in parts if sum(ys) > 1e-3 * total]  # parts too thin to see: not in the legend
     if steps and parts:
         fig = Figure(figsize=(7.6, 3.8), dpi=100)
         fig.subplots_adjust(left=0.09, right=0.78, top=0.9, bottom=0.13)  # the legend on the right
