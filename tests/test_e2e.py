@@ -137,7 +137,8 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
     status = run_status_lines(run_dir, capsys)
     assert status["state"] == "finished (exit 0): run finished"
     assert status["step"] == "50 / 50" and status["last checkpoint"].endswith("global_step_50")
-    assert status["last validation"].startswith(f"step 50: val/accuracy={val[-1][1]:.4f}")
+    assert status["last validation"].startswith("step 50: ")
+    assert f"val/accuracy={val[-1][1]:.4f}" in status["last validation"]
     assert status["reward"].endswith(f"last {steps[-1]['train/reward_mean']:.4f}"
                                      f" (min {min(r['train/reward_mean'] for r in steps):.4f},"
                                      f" max {max(r['train/reward_mean'] for r in steps):.4f})")  # fmt: skip
