@@ -264,9 +264,8 @@ class NexRLController:
             logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
                            self._preemption.reason)  # fmt: skip
             self._saved_for_resume = True
-            # recorded before the requeue: Slurm then ends the job's processes
             reason = f"{self._preemption.reason}: checkpoint saved at step {step}"
-            self._quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))
+            self._quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))  # before the requeue ends us
             self._preemption.requeue()  # the checkpoint is complete: requeue now, then leave at once
         else:
             logger.info("training finished at step %d", step)
