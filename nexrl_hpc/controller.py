@@ -46,6 +46,7 @@ from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.runtime.run_files import restrict_run_files
 from nexrl_hpc.tracking.experiment import ExperimentLogger, read_metrics
+from nexrl_hpc.tracking.run_status import RunStatus
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class NexRLController:
         self._last_step = 0
         self._preemption = PreemptionWatch(config["preemption"])
         self.exit_reason = ""
+        self._exit_code: int | None = None  # set when the code is not the reason's (interrupted: 130)
+        self.status = RunStatus(self.run_dir)  # <run_dir>/status.json: running, then how the run ended
 
     # --- public ---------------------------------------------------------------------------------
     def final_validation(self) -> dict[str, float]:
@@ -104,6 +107,7 @@ class NexRLController:
         """Train to the end (or, preempted, to a checkpoint: ``preempted``); raise ``RunFailed``
         (with the reason) if the run cannot go on."""
         try:
+            self.status.started()
             if threading.current_thread() is threading.main_thread():
                 self._preemption.install()
             self._setup()
@@ -115,6 +119,9 @@ class NexRLController:
             logger.exception("run failed")
             self.exit_reason = f"{type(exc).__name__}: {exc}"
             raise RunFailed(self.exit_reason) from exc
+        except KeyboardInterrupt:
+            self.exit_reason, self._exit_code = "interrupted (SIGINT)", 130
+            raise
         finally:
             self._stop()
 
@@ -263,6 +270,8 @@ class NexRLController:
             logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
                            self._preemption.reason)  # fmt: skip
             self._saved_for_resume = True
+            reason = f"{self._preemption.reason}: checkpoint saved at step {step}"
+            self._quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))  # before the requeue ends us
             self._preemption.requeue()  # the checkpoint is complete: requeue now, then leave at once
         else:
             logger.info("training finished at step %d", step)
@@ -323,6 +332,8 @@ class NexRLController:
         logger.info(
             "validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()}
         )
+        if self.experiment_logger is not None:
+            self.experiment_logger.refresh_plots()
         execute(self.validator.clear)
         execute(self.weight_sync_controller.end_validate, model_tag)
 
@@ -374,6 +385,8 @@ class NexRLController:
         if self._saved_for_resume and not self.exit_reason:
             self._leave_for_resume()
             return
+        if self.experiment_logger is not None:  # drawn while the modules stop
+            self.experiment_logger.refresh_plots(final=True)
         deadline = time.monotonic() + self._monitor["stop_timeout_s"]
         if self._modules_built:
             self._stop_all(self._rollout_workers, deadline)
@@ -388,8 +401,9 @@ class NexRLController:
         self._quietly(self.runtime.abort_startup)
         # a preempted run's ranks exit with PREEMPTED_EXIT: at once, without the interpreter's
         # teardown (seconds of garbage collection that Slurm's requeue would wait for)
-        code = 1 if self.exit_reason else PREEMPTED_EXIT if self.preempted else 0
+        code = self._exit_code or (1 if self.exit_reason else PREEMPTED_EXIT if self.preempted else 0)
         reason = self.exit_reason or ("preempted: checkpoint saved" if self.preempted else "run finished")
+        self._quietly(lambda: self.status.ended(code, reason))
         self._quietly(lambda: self.runtime.shutdown(reason, code))
 
     def _leave_for_resume(self) -> None:
@@ -400,7 +414,7 @@ class NexRLController:
         metrics are flushed, and every rank leaves."""
         self._quietly(lambda: self.runtime.abort("preempted: checkpoint saved", PREEMPTED_EXIT))
         if self.experiment_logger is not None:
-            self._quietly(self.experiment_logger.close)
+            self._quietly(lambda: self.experiment_logger.close(leaving=True))  # type: ignore[union-attr]
 
     def _stop_all(self, handles: Sequence[_Stoppable], deadline: float) -> None:
         """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""

@@ -59,6 +59,7 @@ class Trajectory(TaskFields, RolloutFields, total=False):
     step_returns: list[float]
     token_rewards: list[float]
     step_spans: list[list[int]]  # [start, end) of turn k's completion in response_ids
+    rollout_times: list[float]  # wall clock: [started, generated, scored] (the step-time breakdown)
 
 
 class BatchMetadata(TypedDict, total=False):
@@ -77,6 +78,8 @@ class BatchMetadata(TypedDict, total=False):
     # replaced), and kept after all (the refill cap was reached)
     filtered_groups: int
     filtered_groups_kept: int
+    # wall-clock intervals when the batch's trajectories were generated / scored (merged)
+    rollout_intervals: dict[str, list[tuple[float, float]]]
 
 
 V = TypeVar("V", bound=Sized)

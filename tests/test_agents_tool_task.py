@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from launch import status as status_cli
 from tests.conftest import run_train
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +25,9 @@ STEPS = 80  # the task's length; val reward at step 80 over 7 runs: 0.75-0.95 (i
 
 
 @pytest.mark.timeout(900)  # ~4-6 min on 2 busy cores
-def test_tool_lookup_task_learns_to_call_the_tool_then_answer(tmp_path: Path) -> None:
+def test_tool_lookup_task_learns_to_call_the_tool_then_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "tool"
     proc = run_train(
         [
@@ -55,3 +58,9 @@ def test_tool_lookup_task_learns_to_call_the_tool_then_answer(tmp_path: Path) ->
     assert calls >= 0.85, [r["train/num_tool_calls"] for r in last]  # nearly every episode looks the key up
     assert done >= 0.85, [r["train/termination/env_done"] for r in last]
     assert train[0]["train/num_turns"] >= 1.9  # the warmed-up model already writes the call
+    # launch.status shows the task's own validation metrics (val/is_correct: there is no val/accuracy)
+    capsys.readouterr()
+    assert status_cli.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"step {STEPS}: val/reward={val[-1][1]:.4f}, val/is_correct={val[-1][2]:.4f}" in out
+    assert "finished (exit 0)" in out

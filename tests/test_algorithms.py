@@ -220,7 +220,8 @@ def test_grpo_processor_builds_the_training_batch() -> None:
             trajs.append(
                 {"group_id": g, "uid": g, "epoch": 0, "reward": r, "prompt_ids": [1, 4],
                  "response_ids": [5, 6, 7] if cut else [5, 2], "behaviour_log_probs": [-1.0] * (3 if cut else 2),
-                 "loss_mask": [1] * (3 if cut else 2), "weight_version": 3, "finish_reason": "length" if cut else "stop"}
+                 "loss_mask": [1] * (3 if cut else 2), "weight_version": 3, "finish_reason": "length" if cut else "stop",
+                 "rollout_times": [10.0 + len(trajs), 11.0 + len(trajs), 11.5 + len(trajs)]}
             )  # fmt: skip
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
@@ -230,6 +231,12 @@ def test_grpo_processor_builds_the_training_batch() -> None:
     metrics = out.metadata["metrics"]
     assert metrics["train/response_clip_ratio"] == 0.25
     assert metrics["train/response_length_mean"] == 2.25 and metrics["train/response_length_max"] == 3
+    assert metrics["train/response_length_min"] == 2 and metrics["perf/generated_tokens"] == 9
+    # when the batch was generated and scored: the trainer splits its wait by these
+    assert out.metadata["rollout_intervals"] == {
+        "generation": [(10.0, 14.0)],
+        "reward": [(11.0, 11.5), (12.0, 12.5), (13.0, 13.5), (14.0, 14.5)],
+    }
     assert out.values["weight_version"].tolist() == [3, 3, 3, 3]
     assert out.metadata["metrics"]["train/reward_mean"] == 0.25
     assert out.metadata["uid"] == ["a", "a", "b", "b"] and out.metadata["model_tag"] == "default"

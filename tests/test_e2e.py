@@ -17,7 +17,9 @@ import h5py
 import pytest
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from launch import status as status_cli
 from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.tracking.timing import TIMING_PARTS
 from tests.conftest import REPO, compose_config, run_train
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +41,32 @@ def train_steps(rows: list[dict[str, Any]]) -> list[int]:
     return [r["step"] for r in rows if "train/reward_mean" in r]
 
 
+def assert_step_time_adds_up(rows: list[dict[str, Any]]) -> None:
+    """Every step line's timing parts sum to its timing/step_s (the trainer's timeline)."""
+    for r in (r for r in rows if "train/reward_mean" in r):
+        assert abs(sum(r[k] for k in TIMING_PARTS) - r["timing/step_s"]) < 1e-9, r["step"]
+        assert min(r[k] for k in TIMING_PARTS) >= -1e-9, r["step"]
+
+
+def run_status_lines(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """``python -m launch.status RUN_DIR``'s lines, by label."""
+    capsys.readouterr()
+    assert status_cli.main([str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    width = lines[0].index("/")  # the labels' column width (the run dir is absolute)
+    return {line[:width].strip(): line[width:] for line in lines}
+
+
+def wait_for_plots(run_dir: Path, names: set[str], timeout: float = 180) -> None:
+    """The last drawing finishes after the run exits (outside Slurm the run does not wait for it)."""
+    deadline = time.monotonic() + timeout
+    while not names <= {p.stem for p in (run_dir / "plots").glob("*.png")}:
+        assert time.monotonic() < deadline, sorted(p.name for p in (run_dir / "plots").glob("*"))
+        time.sleep(0.5)
+
+
 def test_default_run_learns_and_matches_an_independent_evaluation(
-    default_run: tuple[Path, subprocess.CompletedProcess],
+    default_run: tuple[Path, subprocess.CompletedProcess], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The acceptance run: the embedded default with only run_dir and seed set."""
     run_dir, proc = default_run
@@ -55,7 +81,26 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
         assert r["train/logprob_mismatch_max"] <= 1e-4, r["step"]
         for key in ("train/loss", "train/grad_norm", "timing/step_s"):
             assert isinstance(r[key], float), key
+        assert (
+            r["train/response_length_min"]
+            <= r["train/response_length_mean"]
+            <= r["train/response_length_max"]
+        )
+        assert (
+            r["perf/trajectories"] == 256
+            and r["perf/generated_tokens"] >= r["train/response_length_min"] * 256
+        )
+        assert r["perf/trajectories_per_s"] == pytest.approx(256 / r["timing/step_s"])
+        assert r["perf/trained_tokens_per_s"] > r["perf/generated_tokens_per_s"] > 0  # trained: prompts too
     assert steps[-1]["train/reward_mean"] > steps[0]["train/reward_mean"]
+    # sync mode: the trainer waits for every batch's generation, and for a validation (at version
+    # v, before the batch of step v + 1 is released) in the step after it, never elsewhere
+    assert_step_time_adds_up(rows)
+    assert all(r["timing/generation_s"] > 0 for r in steps)
+    validated = {v[0] for v in val}
+    assert [r["step"] for r in steps if r["timing/validation_s"] > 0] == [
+        v + 1 for v in sorted(validated) if 0 < v < 50
+    ]
 
     # run dir layout
     assert (run_dir / "config.yaml").exists() and (run_dir / "tensorboard").is_dir()
@@ -85,6 +130,19 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
     assert result["checkpoint"].endswith("global_step_50")
     assert abs(result["accuracy"] - val[-1][1]) <= 0.1
 
+    # seeing the run: PNG curves, and launch.status
+    wait_for_plots(
+        run_dir, {"reward", "validation", "loss", "grad_norm", "entropy", "logprob_mismatch", "step_time"}
+    )
+    status = run_status_lines(run_dir, capsys)
+    assert status["state"] == "finished (exit 0): run finished"
+    assert status["step"] == "50 / 50" and status["last checkpoint"].endswith("global_step_50")
+    assert status["last validation"].startswith("step 50: ")
+    assert f"val/accuracy={val[-1][1]:.4f}" in status["last validation"]
+    assert status["reward"].endswith(f"last {steps[-1]['train/reward_mean']:.4f}"
+                                     f" (min {min(r['train/reward_mean'] for r in steps):.4f},"
+                                     f" max {max(r['train/reward_mean'] for r in steps):.4f})")  # fmt: skip
+
     # the same command again: the run is finished, nothing is added, its last validation is reported
     again = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -97,7 +155,9 @@ ASYNC = ["weight.sync_mode=fully-async", "weight.staleness_threshold=2", "weight
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully-async"])
-def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path, mode: str) -> None:
+def test_resume_after_kill_continues_steps_and_data_exactly_once(
+    tmp_path: Path, mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Killed right after a checkpoint and resumed, the run trains exactly the data of an
     uninterrupted one; in fully-async mode also the tasks that were out or done-but-untrained
     at the checkpoint (the order within the run then differs, the multiset does not)."""
@@ -120,6 +180,11 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path,
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGKILL)  # no clean shutdown: like a node failure
     first.wait()
+    status = run_status_lines(run_dir, capsys)  # not shown as running: its process is gone
+    assert (
+        status["state"]
+        == f"failed: the run's process (pid {first.pid}) is gone without recording an end: killed (SIGKILL, out of memory?)"
+    )
     done_before = sorted(
         int(p.name.split("_")[-1])
         for p in (run_dir / "checkpoints").glob("global_step_*")
@@ -130,6 +195,8 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(tmp_path: Path,
     second = run_train(args, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert train_steps(metrics(run_dir)) == list(range(1, 13))  # every step exactly once
+    assert_step_time_adds_up(metrics(run_dir))  # in fully-async mode too
+    assert run_status_lines(run_dir, capsys)["state"] == "finished (exit 0): run finished"
 
     # the data order of an uninterrupted run: 12 steps x 32 prompts x 8 samples
     cfg = compose_config(args)
@@ -218,7 +285,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_unreachable_inference_service_fails_with_its_url(tmp_path: Path) -> None:
+def test_unreachable_inference_service_fails_with_its_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     proc = run_train(
         [
@@ -229,3 +298,6 @@ def test_unreachable_inference_service_fails_with_its_url(tmp_path: Path) -> Non
     )
     assert proc.returncode == 1
     assert "run failed" in proc.stderr and url in proc.stderr
+    status = run_status_lines(tmp_path / "x", capsys)  # the run dir says why, not "step 0 ... None"
+    assert status["state"].startswith("failed (exit 1): ") and url in status["state"]
+    assert status["step"] == "0 / 50" and status["last checkpoint"] == "-"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from launch.status import run_status
 from nexrl_hpc.checkpoint.manager import find_latest_checkpoint
 from nexrl_hpc.inference.local_server import kill_process_group
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
@@ -71,11 +72,16 @@ def test_preempted_local_run_aborts_its_server_and_resumes_exactly(tmp_path: Pat
     assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
     step = assert_stopped_for_resume(run_dir, out, [run_dir / "train.log"])
     assert step < 8
+    status = run_status(str(run_dir))  # what launch.status shows
+    assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
+    assert status["reason"] == f"signal SIGUSR2: checkpoint saved at step {step}"
+    assert status["last_checkpoint"].endswith(f"global_step_{step}") and status["step"] == step
 
     again = run_train(args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed at step {step}" in (run_dir / "train.log").read_text()
     assert train_steps(run_dir) == list(range(1, 9))
+    assert run_status(str(run_dir))["state"] == "finished"
 
 
 @pytest.mark.e2e

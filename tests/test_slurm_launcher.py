@@ -126,6 +126,7 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
                             capture_output=True, text=True)  # fmt: skip
     assert status.returncode == 0
     assert "COMPLETED" in status.stdout and "global_step_50" in status.stdout
+    assert "finished (exit 0): run finished" in status.stdout
 
 
 def across_hosts(hosts: DevHosts) -> list[str]:

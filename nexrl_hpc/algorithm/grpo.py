@@ -11,6 +11,7 @@ from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages, stepwise_grpo_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.data.loader import task_key
+from nexrl_hpc.tracking.timing import rollout_intervals
 from nexrl_hpc.types import Batch
 
 
@@ -34,8 +35,9 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         groups = group_index(release_groups(batch, self._group_keys))
         tensors = pack_trajectories(batch, self._pad_token_id)
         mask = tensors["response_mask"]
+        resp_len = mask.sum(-1)  # the model's tokens of each response, as generated
         penalty = overlong_penalty(
-            mask.sum(-1),
+            resp_len,
             self._max_response_length,
             self._overlong["buffer_len"],
             self._overlong["penalty_factor"],
@@ -69,7 +71,6 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))
         ]
         tensors["weight_version"] = torch.tensor(versions, dtype=torch.long)
-        resp_len = mask.sum(-1)
         metrics = {
             "train/reward_mean": float(task_rewards.mean()),
             "train/reward_std": float(task_rewards.std()) if len(task_rewards) > 1 else 0.0,
@@ -79,6 +80,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
             "train/advantage_abs_mean": float(adv.abs().mean()),
             "train/response_length_mean": float(resp_len.float().mean()),
             "train/response_length_max": float(resp_len.max()),
+            "train/response_length_min": float(resp_len.min()),
+            "perf/generated_tokens": float(resp_len.sum()),
             # responses cut off by max_response_length (the engine's finish_reason "length")
             "train/response_clip_ratio": _clip_ratio(batch.values.get("finish_reason")),
             "train/num_groups": int(groups.max()) + 1,
@@ -98,6 +101,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         metadata["uid"] = list(batch.values.get("uid", []))
         metadata["epoch"] = list(batch.values.get("epoch", []))
         metadata["task_keys"] = [task_key(row) for row in _task_fields(batch)]
+        # when the batch was generated and scored (the trainer's step-time breakdown)
+        metadata["rollout_intervals"] = rollout_intervals(batch.values.get("rollout_times") or [])
         return Batch(values=tensors, metadata=metadata)
 
     def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:

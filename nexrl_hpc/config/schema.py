@@ -378,10 +378,17 @@ class WandbConfig(TypedDict):
     name: str
 
 
+class PlotsConfig(TypedDict):
+    enable: bool
+    min_interval_s: Annotated[float, Ge(0.0)]
+    timeout_s: Annotated[float, Gt(0.0)]
+
+
 class LoggerConfig(TypedDict):
     backend: list[Literal["console", "wandb"]]
     wandb: WandbConfig
     dump_rollouts: bool
+    plots: PlotsConfig
 
 
 class ExceptionHandlingConfig(TypedDict):

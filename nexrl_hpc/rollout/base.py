@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IS_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar("nexrl_is_validate", default=False)
+# when the task's step started and its generation ended (wall clock): the trajectory's rollout_times
+_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("nexrl_step_started", default=0.0)
+_GENERATED: contextvars.ContextVar[float | None] = contextvars.ContextVar("nexrl_generated", default=None)
 
 
 def runs_model_code(rw: RolloutWorkerConfig) -> bool:
@@ -228,6 +231,8 @@ class BaseRolloutWorker(NexRLModule):
     ) -> str | None:
         """Run one step: "delivered" (trajectory accepted), "dropped" (reported), None (task returned)."""
         assert self._activity_tracker is not None
+        _STARTED.set(time.time())
+        _GENERATED.set(None)
         try:
             if self._step_is_async:
                 result = await cast("Awaitable[str | None]", self.step(task))
@@ -286,13 +291,28 @@ class BaseRolloutWorker(NexRLModule):
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(self._val_sampling if _IS_VALIDATE.get() else self._train_sampling)
 
+    @staticmethod
+    def _mark_generated() -> None:
+        """The step's generation is done (what follows until the put is reward scoring); a step
+        that never says so counts wholly as generation (agent episodes: turns, tools, environment)."""
+        _GENERATED.set(time.time())
+
+    @staticmethod
+    def _stamp(trajectory: Trajectory) -> None:
+        """``rollout_times``: [started, generated, scored] on the wall clock (the step-time breakdown)."""
+        now = time.time()
+        generated = _GENERATED.get()
+        trajectory["rollout_times"] = [_STARTED.get() or now, now if generated is None else generated, now]
+
     def _put_trajectory(self, trajectory: Trajectory) -> str:
+        self._stamp(trajectory)
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
         assert destination is not None
         return execute(destination.put_trajectory, trajectory)
 
     async def _aput_trajectory(self, trajectory: Trajectory) -> str:
         """``_put_trajectory`` for async steps: trajectories finishing together go out in one call."""
+        self._stamp(trajectory)
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
         assert destination is not None
         loop = asyncio.get_running_loop()

@@ -46,5 +46,6 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
             return None
         assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
+        self._mark_generated()
         scores = await asyncio.wrap_future(self._reward_runner().submit(task, result["response"]))
         return await self._aput_trajectory(self.make_trajectory(task, result, scores))

@@ -1,4 +1,5 @@
-"""Metrics to ``metrics.jsonl`` and TensorBoard (always), wandb (when configured), a console progress bar.
+"""Metrics to ``metrics.jsonl`` and TensorBoard (always), wandb (when configured), a console progress bar;
+PNG curves in ``plots/`` (drawn by a subprocess, tracking/plots.py).
 
 On resume the jsonl is truncated to the resumed step and TensorBoard purges later events, so a
 step never appears twice.
@@ -17,6 +18,7 @@ import uuid
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.tracking.plots import PlotRefresher
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ class ExperimentLogger:
         self._wandb: Any = None
         if "wandb" in backends:
             self._wandb = self._init_wandb(run_dir)
+        self._plots = PlotRefresher(run_dir, config["logger"]["plots"])
 
     def _init_wandb(self, run_dir: str) -> Any:
         import wandb
@@ -162,7 +165,13 @@ class ExperimentLogger:
             if self._console is not None and backend in ("all", "console"):
                 self._console.update(data, step)
 
-    def close(self) -> None:
+    def refresh_plots(self, final: bool = False) -> None:
+        """Redraw ``plots/`` in the background (after a validation; ``final``: at the end)."""
+        self._plots.refresh(final)
+
+    def close(self, leaving: bool = False) -> None:
+        """Close every backend; the last drawing goes on (``PlotRefresher.close``), unless the run
+        is ``leaving`` at once (preempted)."""
         with self._lock:
             self._jsonl.close()
             self._tb.flush()
@@ -171,3 +180,4 @@ class ExperimentLogger:
                 self._console.close()
             if self._wandb is not None:
                 self._wandb.finish()
+        self._plots.close(leaving)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.distillation import distillation_advantages
@@ -23,9 +24,10 @@ from nexrl_hpc.algorithm.off_policy import (
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.core.execute import execute, quick
+from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
+from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.types import Batch
@@ -73,8 +75,7 @@ class TrainWorker(NexRLModule):
         self._stop_requested = False  # preemption: the next step to finish is this session's last
         self._stopped_early = False
         self._in_step = False
-        self._last_step_end: float | None = None
-        self._last_checkpoint_s: float | None = None
+        self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
         self._weight_sync_controller: WeightSyncController | None = None
@@ -172,7 +173,7 @@ class TrainWorker(NexRLModule):
 
     # --- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
-        self._last_step_end = time.monotonic()
+        self._timeline.start()
         self._start_thread(self._loop)
 
     def stop(self) -> None:
@@ -184,12 +185,14 @@ class TrainWorker(NexRLModule):
             if batch is None:
                 continue
             assert self._activity_tracker is not None
+            self._timeline.end_wait()
             self._in_step = True
             try:
                 with self._activity_tracker.track(self._module_name, "train_step"):
                     self._step(batch)
             finally:
                 self._in_step = False
+                self._timeline.begin_wait()
 
     def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
         assert self._train_batch_pool is not None
@@ -238,6 +241,10 @@ class TrainWorker(NexRLModule):
             )
             return
         batch = kept
+        # answered while the step trains: the validations the trainer's waits may overlap
+        validations = execute_async(
+            self._weight_sync_controller.validation_intervals, self._timeline.wall_since()
+        )
         tensors = dict(batch.values)
         tensors["old_log_probs"] = tensors["behaviour_log_probs"]
         metrics: dict[str, Any] = dict(batch.metadata.get("metrics", {}))
@@ -297,6 +304,7 @@ class TrainWorker(NexRLModule):
         if self._dump_rollouts:
             dump_rollouts(self._run_dir, step, batch)
         metrics.update(actor)
+        metrics.update(throughput(metrics, batch))  # per second of timing/step_s: set at the line
         metrics["train/loss"] = actor["actor/loss"]
         metrics["train/grad_norm"] = actor["actor/grad_norm"]
         metrics.setdefault("train/logprob_mismatch_max", actor.get("actor/logprob_mismatch_max"))
@@ -305,16 +313,16 @@ class TrainWorker(NexRLModule):
         if self._dataloader is not None:
             metrics["data/skipped_rows"] = execute(self._dataloader.get_skipped_rows)
             metrics["data/filtered_long_prompts"] = execute(self._dataloader.get_filtered_long_prompts)
-        now = time.monotonic()
-        metrics["timing/step_s"] = now - (self._last_step_end or t0)
-        metrics["timing/old_log_prob_s"] = t_teacher - t0
-        if self._teacher is not None:
-            metrics["timing/teacher_log_prob_s"] = t1 - t_teacher
-        metrics["timing/update_s"] = t2 - t1
-        metrics["timing/export_s"] = t3 - t2
-        if self._last_checkpoint_s is not None:
-            metrics["timing/last_checkpoint_s"] = self._last_checkpoint_s
-            self._last_checkpoint_s = None
+        timeline = self._timeline
+        timeline.add("timing/old_log_prob_s", t_teacher - t0)
+        timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)
+        timeline.add("timing/update_s", t2 - t1)
+        timeline.add("timing/export_s", t3 - t2)
+        timing = timeline.line(_intervals(validations), batch.metadata.get("rollout_intervals") or {})
+        metrics.update(timing)
+        per_s = 1.0 / max(timing["timing/step_s"], 1e-9)
+        for key in ("perf/generated_tokens", "perf/trained_tokens", "perf/trajectories"):
+            metrics[f"{key}_per_s"] = metrics[key] * per_s
         # the step's line is written before its checkpoint commits: a resume from this checkpoint
         # keeps the line, a resume from an older one truncates it and redoes the step
         self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
@@ -323,15 +331,35 @@ class TrainWorker(NexRLModule):
         if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps or early:
             t4 = time.monotonic()
             self.save_checkpoint()
-            self._last_checkpoint_s = time.monotonic() - t4
+            timeline.add("timing/checkpoint_s", time.monotonic() - t4)
         if early:
             logger.info("stopping after step %d (preemption): checkpoint saved", step)
             self._stopped_early = True
         else:
+            t5, wall = time.monotonic(), time.time()
             execute(
                 self._weight_sync_controller.train_worker_notify_weight_update,
                 self._module_name,
                 self._model_tag,
                 step,
             )
-        self._last_step_end = time.monotonic()
+            timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
+
+
+def throughput(metrics: dict[str, Any], batch: Batch) -> dict[str, float]:
+    """What the step moved: tokens generated (the processor counted them), tokens trained, trajectories."""
+    return {
+        "perf/generated_tokens": float(metrics.get("perf/generated_tokens", 0.0)),
+        "perf/trained_tokens": float(batch.metadata.get("global_token_num") or 0),
+        "perf/trajectories": float(len(batch)),
+    }
+
+
+def _intervals(future: Future) -> list[tuple[float, float]]:
+    """The validation intervals asked for at the step's start (none if the question failed: a
+    breakdown is not worth failing a step for)."""
+    try:
+        return list(future.result(timeout=5.0))
+    except Exception as exc:
+        logger.warning("validation intervals for the step-time breakdown: %s", exc)
+        return []

@@ -24,6 +24,8 @@ import logging
 import os
 import shutil
 import threading
+import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -68,6 +70,7 @@ class WeightSyncController(NexRLModule):
         self._batches_out: dict[ModelTag, int] = {}  # async modes: batches handed out since the start
         self._waiting_validation: ModelTag | None = None
         self._validation_version = 0
+        self._validations: deque[list[float]] = deque(maxlen=64)  # [requested, ended] (wall clock)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._dataloader: JsonlDataLoader | None = None
         self._trajectory_pool: TrajectoryPool | None = None
@@ -133,6 +136,7 @@ class WeightSyncController(NexRLModule):
             if self._validation_due(new_version):
                 self._waiting_validation = model_tag
                 self._validation_version = new_version
+                self._validations.append([time.time(), float("inf")])
                 self._bump()
                 return  # the next training batch is released by end_validate
         self._release_rollouts(model_tag)
@@ -196,6 +200,14 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             return self._waiting_validation
 
+    @quick
+    def validation_intervals(self, since: float) -> list[tuple[float, float]]:
+        """Wall-clock intervals from a validation's request to its end that end after ``since`` (one
+        still running ends now): the trainer's step-time breakdown counts its waits in them."""
+        now = time.time()
+        with self._lock:
+            return [(s, min(e, now)) for s, e in self._validations if e > since]
+
     def get_validation_version(self) -> int:
         """The weight version the pending (or last) validation measures."""
         with self._lock:
@@ -206,6 +218,8 @@ class WeightSyncController(NexRLModule):
             if self._waiting_validation != model_tag:
                 return
             self._waiting_validation = None
+            if self._validations:
+                self._validations[-1][1] = time.time()
             self._bump()
         self._release_rollouts(model_tag)
 
