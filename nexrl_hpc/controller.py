@@ -25,12 +25,9 @@ import numpy as np
 import torch
 import yaml
 
-from nexrl_hpc.checkpoint.digest import verify_checkpoint
 from nexrl_hpc.checkpoint.manager import (
-    COMPLETE,
     STATE_FILE,
-    find_resume_checkpoint,
-    is_complete,
+    checkpoint_to_resume,
     read_state_h5,
     restore_rng_state,
 )
@@ -135,7 +132,10 @@ class NexRLController:
         np.random.seed(cfg["seed"] % (2**32))
         torch.manual_seed(cfg["seed"])
 
-        self.resumed_from = self._find_resume_checkpoint()
+        try:
+            self.resumed_from = checkpoint_to_resume(cfg["resume"], cfg["train_worker"]["checkpoint_path"])
+        except ValueError as exc:  # resume.resume_path is not a checkpoint to trust
+            raise RunFailed(str(exc)) from exc
         resume_state = (
             read_state_h5(os.path.join(self.resumed_from, STATE_FILE)) if self.resumed_from else None
         )
@@ -204,28 +204,6 @@ class NexRLController:
             execute(worker.set_inference_service, self._inference_services[i % len(self._inference_services)])
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def _find_resume_checkpoint(self) -> str | None:
-        resume = self.config["resume"]
-        if resume["mode"] == "disable":
-            return None
-        if resume["mode"] == "from_path":
-            path = os.path.abspath(resume["resume_path"] or "")
-            if not is_complete(path):
-                raise RunFailed(
-                    f"resume.resume_path={path!r} is not a complete checkpoint (no COMPLETE marker)"
-                )
-            if problem := verify_checkpoint(path, COMPLETE):
-                raise RunFailed(f"resume.resume_path={path!r} cannot be trusted: {problem}")
-            return path
-        latest = self._find_latest_checkpoint(self.config["train_worker"]["checkpoint_path"])
-        if latest:
-            logger.info("resuming from %s", latest)
-        return latest
-
-    def _find_latest_checkpoint(self, checkpoint_folder: str) -> str | None:
-        """The newest checkpoint whose files match their digests (newer damaged ones: a warning)."""
-        return find_resume_checkpoint(checkpoint_folder)
-
     def _load_initial_checkpoint(self) -> None:
         """Fresh start: publish version 0 (the initial weights) to the inference services."""
         execute(self.train_worker.export_weights, 0)

@@ -31,6 +31,7 @@ import torch
 
 from nexrl_hpc.checkpoint.digest import complete_record, manifest, verify_checkpoint
 from nexrl_hpc.checkpoint.hf import WritebackKicker, fsync_path
+from nexrl_hpc.config.schema import ResumeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,25 @@ def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
     """Newest complete checkpoint, its files not checked (``find_resume_checkpoint`` checks them)."""
     found = complete_checkpoints(checkpoint_folder)
     return found[0] if found else None
+
+
+def checkpoint_to_resume(resume: ResumeConfig, checkpoint_folder: str) -> str | None:
+    """The checkpoint a run starts from, by ``resume.mode``: none (disable), ``resume.resume_path``
+    (from_path; ValueError naming it when it is incomplete or fails its digests) or the newest
+    trustworthy one in ``checkpoint_folder`` (auto)."""
+    if resume["mode"] == "disable":
+        return None
+    if resume["mode"] == "from_path":
+        path = os.path.abspath(resume["resume_path"] or "")
+        if not is_complete(path):
+            raise ValueError(f"resume.resume_path={path!r} is not a complete checkpoint (no COMPLETE marker)")
+        if problem := verify_checkpoint(path, COMPLETE):
+            raise ValueError(f"resume.resume_path={path!r} cannot be trusted: {problem}")
+        return path
+    latest = find_resume_checkpoint(checkpoint_folder)
+    if latest:
+        logger.info("resuming from %s", latest)
+    return latest
 
 
 def find_resume_checkpoint(checkpoint_folder: str) -> str | None:

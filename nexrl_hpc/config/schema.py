@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypedDict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
+from nexrl_hpc.config.train_service_schema import TrainServiceConfig
 
 
 class TokenizerConfig(TypedDict):
@@ -214,83 +215,6 @@ class WeightConfig(TypedDict):
     sync_weight_path: str
     validate_freq: Annotated[int, Ge(0)]
     keep_versions: Annotated[int, Ge(1)]
-
-
-class OptimConfig(TypedDict):
-    lr: Annotated[float, Gt(0.0)]
-    betas: list[float]
-    eps: Annotated[float, Gt(0.0)]
-    weight_decay: Annotated[float, Ge(0.0)]
-    lr_warmup_steps: Annotated[int, Ge(0)]
-    lr_scheduler: Literal["constant", "cosine"]
-    min_lr_ratio: Annotated[float, Ge(0.0), Le(1.0)]
-
-
-class ActorConfig(TypedDict):
-    ppo_epochs: Annotated[int, Ge(1)]
-    ppo_mini_batch_size: Annotated[int, Ge(1)]
-    ppo_micro_batch_size: Annotated[int, Ge(1)]
-    ppo_max_token_len_per_gpu: Annotated[int, Ge(1)] | None  # micro-batches by real tokens; null: by rows
-    packing: bool  # sequences packed end to end (no padding computed); false: padded rows
-    grad_clip: Annotated[float, Gt(0.0)]
-    clip_ratio_low: Annotated[float, Ge(0.0), Le(1.0)]
-    clip_ratio_high: Annotated[float, Ge(0.0)]
-    clip_ratio_c: Annotated[float, Gt(1.0)] | None  # dual clip: A < 0 token loss <= -A * c; null: off
-    log_ratio_clamp: Annotated[float, Gt(0.0)] | None  # |log ratio| bound before exp; null: off
-    entropy_coeff: Annotated[float, Ge(0.0)]  # loss -= coeff * entropy; 0: no entropy gradient
-    policy_loss: Literal["vanilla", "gspo"]  # token-level PPO-clip | GSPO's sequence-level ratio
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ]
-    loss_norm_tokens: Annotated[int, Ge(1)]  # seq-mean-token-sum-norm's constant (the response budget)
-    optim: OptimConfig
-
-
-class FSDPConfig(TypedDict):
-    param_dtype: Literal["float32", "bfloat16"]
-    reduce_dtype: Literal["float32", "bfloat16"]
-
-
-class TrainServiceTimeouts(TypedDict):
-    zmq_recv_timeout_ms: Annotated[int, Ge(1)]
-    zmq_total_timeout_ms: Annotated[int, Ge(1)]
-
-
-class DeepSpeedConfig(TypedDict):
-    zero_stage: Annotated[int, Ge(0), Le(3)]
-    config: dict[str, Any]  # raw DeepSpeed keys, merged over the generated config
-
-
-class TeacherServiceConfig(TypedDict):
-    identifier: str
-    backend: Literal["local", "direct-zmq"]
-    url: str | None
-    world_size: Annotated[int, Ge(1)]
-    engine: Literal["single", "fsdp", "deepspeed"]
-
-
-class TrainServiceConfig(TypedDict):
-    backend: Literal["local", "noop", "direct-zmq"]  # noop: trains nothing (data-path benchmarks)
-    url: str | None
-    token_env: str
-    model_tag: str
-    identifier: str
-    world_size: Annotated[int, Ge(1)]
-    config: TrainServiceTimeouts
-    connect_timeout_s: Annotated[float, Gt(0.0)]
-    heartbeat_timeout_s: Annotated[float, Gt(0.0)]
-    collective_timeout_s: Annotated[float, Gt(0.0)]
-    idle_tick_s: Annotated[float, Gt(0.0)]
-    engine: Literal["single", "fsdp", "deepspeed"]
-    fsdp: FSDPConfig
-    deepspeed: DeepSpeedConfig
-    num_threads: Annotated[int, Ge(1)]
-    teacher_service: TeacherServiceConfig
-    device: Literal["cpu", "cuda"]
-    dtype: Literal["float32", "bfloat16"]
-    dist_backend: Literal["gloo", "nccl"]  # torch.distributed backend of the trainer group
-    export_max_shard_mb: Annotated[int, Ge(1)]
-    actor: ActorConfig
 
 
 class LocalInferenceConfig(TypedDict):
