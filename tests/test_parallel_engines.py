@@ -95,7 +95,9 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
 
     assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [
         "rank_0.safetensors",
+        "rank_0.safetensors.xxh3",
         "rank_1.safetensors",
+        "rank_1.safetensors.xxh3",
     ]
     eng = PolicyTrainer(model_dir)
     eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())

@@ -153,7 +153,9 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
         clients["student"].save_checkpoint(str(ckpt), global_step=3)
         assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [
             "rank_0.safetensors",
+            "rank_0.safetensors.xxh3",
             "rank_1.safetensors",
+            "rank_1.safetensors.xxh3",
         ]
         ref.export_weights(str(tmp_path / "ref"))
         got_w, want_w = read_safetensors_dir(str(ckpt / "model")), read_safetensors_dir(str(tmp_path / "ref"))
