@@ -261,6 +261,38 @@ def test_one_episode_through_the_rollout_worker_on_the_task_config() -> None:
     assert traj["reward"] == 1.0 and traj["step_rewards"] == [0.0, 0.0, 0.0, 1.0]
     scores = traj["scores"]
     assert scores["is_correct"] == 1.0 and scores["num_turns"] == 4.0
-    assert scores["termination/env_done"] == 1.0
+    assert scores["termination/env_done"] == 1.0 and scores["context_mismatch"] == 0.0
     # per turn: a move and EOS at most (rollout_worker.max_response_length)
     assert [r["max_tokens"] for r in client.requests] == [2] * 4
+
+
+class SpecialTokenClient(ScriptedChatClient):
+    """The first completion is BOS then EOS, as a sampled run produced it: its text ("") drops the BOS."""
+
+    async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        out = await super().agenerate(messages, **kwargs)
+        if len(self.requests) == 1:
+            out["response_ids"] = [self.tokenizer.bos_token_id, self.tokenizer.eos_token_id]
+            out["logprobs"] = [-5.0, -0.1]
+        return out
+
+
+def test_a_completion_the_next_prompt_does_not_reproduce_trains_the_exact_prefix() -> None:
+    """A sampled special token is left out of the decoded text, so the next prompt (rendered from
+    the text) does not extend the sampled ids: the run goes on, the prefix trains, it is counted."""
+    cfg = compose_config(["task=frozenlake"])
+    tok_cfg = cfg["model"]["tiny"]["tokenizer"]
+    tokenizer = build_char_tokenizer(tok_cfg["alphabet"], tok_cfg["chat_template"])
+    worker = AgentRolloutWorker(cfg)
+    client = SpecialTokenClient(tokenizer, ["", "R"])  # an invalid turn, then onto the goal
+    pool = Sink()
+    worker.set_llm_client(client)
+    worker._trajectory_pool, worker._validator = pool, Sink()
+    task = {"desc": ["SGH", "FFF", "HFF"], "prompt": "PGO\n___\nO__\n", "uid": "u0", "group_id": "g0"}
+    assert asyncio.run(worker.step(task)) == "success"
+    (traj,) = pool.items
+    assert traj["response_ids"] == [tokenizer.bos_token_id, tokenizer.eos_token_id]  # turn 0 only
+    assert traj["loss_mask"] == [1, 1] and traj["behaviour_log_probs"] == [-5.0, -0.1]
+    assert traj["scores"]["context_mismatch"] == 1.0
+    assert traj["scores"]["num_turns"] == 2.0 and traj["scores"]["termination/env_done"] == 1.0
+    assert traj["reward"] == 1.0 and traj["scores"]["is_correct"] == 1.0  # the episode's outcome
