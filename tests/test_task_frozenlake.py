@@ -10,8 +10,10 @@ test_frozenlake_run_plays_real_episodes below and bench/frozenlake.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from nexrl_hpc.agents.workflow import MultiTurnWorkflow
 from nexrl_hpc.models.tokenizer import build_char_tokenizer
 from nexrl_hpc.rollout.agent import AgentRolloutWorker
 from nexrl_hpc.tasks import frozenlake as fl
-from tests.conftest import compose_config
+from tests.conftest import compose_config, run_train
 from tests.helpers.scripted_model import ScriptedModel
 from tests.test_agents_rollout_worker import ScriptedChatClient, Sink
 
@@ -296,3 +298,84 @@ def test_a_completion_the_next_prompt_does_not_reproduce_trains_the_exact_prefix
     assert traj["scores"]["context_mismatch"] == 1.0
     assert traj["scores"]["num_turns"] == 2.0 and traj["scores"]["termination/env_done"] == 1.0
     assert traj["reward"] == 1.0 and traj["scores"]["is_correct"] == 1.0  # the episode's outcome
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_frozenlake_run_plays_real_episodes(tmp_path: Path) -> None:
+    """``python -m launch.train task=frozenlake`` for 3 steps: every trained episode is replayed.
+
+    Learning takes ~30 steps (several minutes on 2 cores: bench/frozenlake.py), more than CI can
+    spend, so this run proves the episodes instead: each dumped sequence, decoded with the run's
+    tokenizer, replays move by move through FrozenLakeEnv on its row's map: the grids between the
+    moves are the environment's, the reward is what the walk earns, the turns stop where it ends.
+    """
+    import h5py
+    from transformers import PreTrainedTokenizerFast
+
+    run_dir = tmp_path / "fl"
+    steps = 3
+    proc = run_train(
+        ["task=frozenlake", f"run_dir={run_dir}", "seed=1", f"train_worker.total_train_steps={steps}",
+         f"validate.eval.validate_freq={steps}", "data.batch_size=8", "task.params.val_size=32",
+         "logger.backend=[]", "logger.dump_rollouts=true"],
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3]
+    val = [r for r in rows if "val/reward" in r]
+    assert [r["step"] for r in val] == [0, steps]
+    for r in val:  # the reward is 1 exactly on the goal; 32 held-out maps, greedy
+        assert r["val/reward"] == r["val/is_correct"] and r["val/num_samples"] == 32
+    assert val[0]["val/termination/env_done"] == 1.0  # the warmed-up model writes a move + EOS each turn
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run_dir / "base_model"))
+    eos = tokenizer.eos_token_id
+    train_rows = [json.loads(line) for line in (run_dir / "data" / "train.jsonl").read_text().splitlines()]
+    first_moves: Counter[str] = Counter()
+    replayed = 0
+    for step in range(1, steps + 1):
+        with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
+            uids = [u.decode() if isinstance(u, bytes) else str(u) for u in f["uid"][:]]
+            assert sorted(Counter(uids).values()) == [8] * 8  # 8 maps x 8 samples
+            for i, uid in enumerate(uids):
+                row = train_rows[int(uid.split("-")[1])]
+                env = fl.FrozenLakeEnv(max_steps=4)
+                observation, _ = env.reset(row)
+                width = f["input_ids"].shape[1] - f["responses"].shape[1]  # the (left-padded) prompt
+                prompt = [
+                    int(t) for t, a in zip(f["input_ids"][i][:width], f["attention_mask"][i][:width]) if a
+                ]
+                assert tokenizer.decode(prompt) == observation == row["prompt"], uid
+                response, mask = list(f["responses"][i]), list(f["response_mask"][i])
+                end = max(j for j, m in enumerate(mask) if m) + 1
+                segments: list[tuple[int, list[int]]] = []  # (mask, ids) runs
+                for token, m in zip(response[:end], mask[:end]):
+                    if segments and segments[-1][0] == m:
+                        segments[-1][1].append(int(token))
+                    else:
+                        segments.append((int(m), [int(token)]))
+                total, done = 0.0, False
+                for k, (m, ids) in enumerate(segments):
+                    if m == 0:  # what the model was shown after its move: the environment's grid
+                        assert tokenizer.decode(ids) == observation, (uid, k)
+                        continue
+                    assert not done, (uid, "a move after the episode ended")
+                    if set(ids) & (set(tokenizer.all_special_ids) - {eos}):
+                        break  # a sampled special token: the sequence is the exact prefix (context_mismatch)
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    if k == 0:
+                        first_moves[text] += 1
+                    if ids[-1] != eos:  # cut at max_response_length: the episode ends, reward 0
+                        done = True
+                        continue
+                    observation, reward, done, _ = env.step(text)
+                    total += reward
+                else:
+                    assert done, (uid, "the episode stopped before the environment ended it")
+                    assert float(f["rewards"][i]) == total, (uid, segments)
+                    replayed += 1
+    assert replayed >= 180  # of 192 (a few may end on a sampled special token)
+    # the warm-up left the move at chance: every move is sampled first about a quarter of the time
+    assert all(first_moves[c] >= 25 for c in fl.LETTERS), first_moves

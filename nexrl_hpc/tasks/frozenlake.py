@@ -370,28 +370,35 @@ def format_warmup(
             observation, _, done, _ = env.step(action)
         return ids, letter_at, eos_at
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        batch = [episode() for _ in range(batch_size)]
-        width = max(len(row[0]) for row in batch)
-        ids = torch.full((batch_size, width), int(tokenizer.pad_token_id))
-        mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for b, (row, *_) in enumerate(batch):  # right-padded: positions start at 0
-            ids[b, : len(row)] = torch.tensor(row)
-            mask[b, : len(row)] = 1
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)
-        # (sequence, position) of every letter / EOS prediction
-        rows_l = torch.tensor([b for b, (_, at, _) in enumerate(batch) for _ in at])
-        pos_l = torch.tensor([t for _, at, _ in batch for t in at])
-        rows_e = torch.tensor([b for b, (_, _, at) in enumerate(batch) for _ in at])
-        pos_e = torch.tensor([t for _, _, at in batch for t in at])
-        member = logp[rows_l, pos_l][:, letters]  # (letter positions, 4)
-        in_set = torch.logsumexp(member, dim=-1)
-        letter_terms = in_set + spread * (member - in_set[:, None]).mean(dim=-1)
-        eos_terms = logp[rows_e, pos_e, eos]
-        loss = -torch.cat([letter_terms, eos_terms]).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    # a tiny model trains as fast on one thread, and one thread does not stall when the machine's
+    # cores are shared (two threads took 12x longer under load, measured)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        model.train()
+        for _ in range(steps):
+            batch = [episode() for _ in range(batch_size)]
+            width = max(len(row[0]) for row in batch)
+            ids = torch.full((batch_size, width), int(tokenizer.pad_token_id))
+            mask = torch.zeros((batch_size, width), dtype=torch.long)
+            for b, (row, *_) in enumerate(batch):  # right-padded: positions start at 0
+                ids[b, : len(row)] = torch.tensor(row)
+                mask[b, : len(row)] = 1
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)
+            # (sequence, position) of every letter / EOS prediction
+            rows_l = torch.tensor([b for b, (_, at, _) in enumerate(batch) for _ in at])
+            pos_l = torch.tensor([t for _, at, _ in batch for t in at])
+            rows_e = torch.tensor([b for b, (_, _, at) in enumerate(batch) for _ in at])
+            pos_e = torch.tensor([t for _, _, at in batch for t in at])
+            member = logp[rows_l, pos_l][:, letters]  # (letter positions, 4)
+            in_set = torch.logsumexp(member, dim=-1)
+            letter_terms = in_set + spread * (member - in_set[:, None]).mean(dim=-1)
+            eos_terms = logp[rows_e, pos_e, eos]
+            loss = -torch.cat([letter_terms, eos_terms]).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
