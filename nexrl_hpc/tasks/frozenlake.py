@@ -276,7 +276,7 @@ def generate_splits(params: dict[str, Any], seed: int) -> dict[str, list[dict[st
     seen: set[tuple[str, ...]] = set()
 
     def rows(n: int) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         while len(out) < n:
             map_seed = rng.randrange(2**31)
             desc = generate_map(map_seed, size, p)
