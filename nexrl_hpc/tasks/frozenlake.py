@@ -53,12 +53,6 @@ _BLOCK = re.compile(r"```(?:\w*\n)?(.*?)```", re.DOTALL)
 Map = list[str]  # rows of S F H G
 
 
-def _neighbours(size: int, cell: tuple[int, int]) -> list[tuple[int, int]]:
-    r, c = cell
-    out = [(r + dr, c + dc) for dr, dc in MOVES.values()]
-    return [(rr, cc) for rr, cc in out if 0 <= rr < size and 0 <= cc < size]
-
-
 def find(desc: Map, char: str) -> tuple[int, int]:
     """The cell holding ``char`` (S or G)."""
     for r, row in enumerate(desc):
@@ -89,7 +83,10 @@ def shortest_path(desc: Map) -> str:
 
 
 def generate_map(seed: int, size: int, p: float) -> Map:
-    """A random solvable map: each cell frozen with probability ``p``, start and goal at random cells."""
+    """A random solvable map: each cell frozen with probability ``p``, start and goal at random cells.
+
+    Draws until one is solvable; that ends for any ``p`` > 0 (start and goal drawn next to each
+    other is a solvable map)."""
     if size < 2:
         raise ValueError(f"a FrozenLake map needs size >= 2, got {size}")
     if not 0.0 < p <= 1.0:
