@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,11 @@ def test_coding_run_scores_real_programs_in_the_sandbox(tmp_path: Path) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run_dir / "base_model"))
     eos = tokenizer.eos_token_id
     train_rows = [json.loads(line) for line in (run_dir / "data" / "train.jsonl").read_text().splitlines()]
-    rewards: list[float] = []
-    retried = 0
+    episodes = []  # (uid, row, programs, feedback lines, the program ended with EOS, dumped reward)
     for step in range(1, steps + 1):
         with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
-            for i, uid in enumerate(f["uid"][:]):
-                row = train_rows[int((uid.decode() if isinstance(uid, bytes) else str(uid)).split("-")[1])]
+            for i, raw_uid in enumerate(f["uid"][:]):
+                uid = raw_uid.decode() if isinstance(raw_uid, bytes) else str(raw_uid)
                 response, mask = list(f["responses"][i]), list(f["response_mask"][i])
                 end = max(j for j, m in enumerate(mask) if m) + 1
                 segments: list[tuple[int, list[int]]] = []
@@ -190,21 +190,28 @@ def test_coding_run_scores_real_programs_in_the_sandbox(tmp_path: Path) -> None:
                     else:
                         segments.append((int(m), [int(token)]))
                 programs = [ids for m, ids in segments if m == 1]
-                feedback = [tokenizer.decode(ids) for m, ids in segments if m == 0]
                 if any(set(ids) & (set(tokenizer.all_special_ids) - {eos}) for ids in programs):
                     continue  # a sampled special token: the exact prefix trained (context_mismatch)
-                verdicts = [
-                    code_reward_fn(row, tokenizer.decode(ids, skip_special_tokens=True)) for ids in programs
-                ]
-                assert len(programs) <= 2 and len(feedback) == len(programs) - 1
-                for shown, verdict in zip(feedback, verdicts):  # a retry follows a failed attempt ...
-                    assert verdict.reward == 0.0
-                    assert shown == failure_feedback(verdict.metadata, 120) + "\n"  # ... and shows why
-                if programs[-1][-1] == eos:  # not cut at max_response_length: the sandbox decided
-                    assert float(f["rewards"][i]) == verdicts[-1].reward
-                else:
-                    assert float(f["rewards"][i]) == 0.0
-                rewards.append(float(f["rewards"][i]))
-                retried += len(programs) == 2
+                episodes.append((
+                    uid, train_rows[int(uid.split("-")[1])],
+                    [tokenizer.decode(ids, skip_special_tokens=True) for ids in programs],
+                    [tokenizer.decode(ids) for m, ids in segments if m == 0],
+                    programs[-1][-1] == eos, float(f["rewards"][i]),
+                ))  # fmt: skip
+    attempts = {(uid, program): row for uid, row, programs, *_ in episodes for program in programs}
+    with ThreadPoolExecutor(4) as pool:  # each verdict is a sandbox process (or a few)
+        verdicts = dict(zip(attempts, pool.map(lambda a: code_reward_fn(attempts[a], a[1]), attempts)))
+    rewards: list[float] = []
+    retried = 0
+    for uid, _, programs, feedback, stopped, reward in episodes:
+        assert len(programs) <= 2 and len(feedback) == len(programs) - 1
+        for program, shown in zip(programs, feedback):  # a retry follows a failed attempt ...
+            verdict = verdicts[(uid, program)]
+            assert verdict.reward == 0.0
+            assert shown == failure_feedback(verdict.metadata, 120) + "\n"  # ... and shows why
+        # the sandbox's verdict on the last program, unless it was cut at max_response_length
+        assert reward == (verdicts[(uid, programs[-1])].reward if stopped else 0.0), (uid, programs)
+        rewards.append(reward)
+        retried += len(programs) == 2
     assert len(rewards) >= 28  # of 32 episodes
     assert 1.0 in rewards and 0.0 in rewards and retried > 0  # both outcomes, and the feedback path
