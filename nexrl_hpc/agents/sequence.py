@@ -103,6 +103,17 @@ def _oldest(versions: list[int | None]) -> int | None:
     return min(known) if known else None
 
 
+def cumulative_turns(trajectory: Trajectory) -> int:
+    """How many leading turns train as one sequence: each prompt among them extends the previous
+    turn's prompt + completion (all of them when the trajectory is cumulative)."""
+    context: list[int] | None = None
+    for k, (prompt, completion) in enumerate(step_token_ids(trajectory)):
+        if context is not None and prompt[: len(context)] != context:
+            return k
+        context = list(prompt) + list(completion)
+    return len(trajectory.steps)
+
+
 def trajectory_to_sequence(trajectory: Trajectory) -> TrainingSequence:
     """The whole trajectory as one sequence (see the module docstring); raises if it is not cumulative."""
     ids = step_token_ids(trajectory)

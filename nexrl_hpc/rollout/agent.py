@@ -21,10 +21,11 @@ from nexrl_hpc.agents.agent import BaseAgent
 from nexrl_hpc.agents.engines import AgentWorkflowEngine
 from nexrl_hpc.agents.environments import BaseEnv
 from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine, RolloutEngine
-from nexrl_hpc.agents.sequence import trajectory_to_sequence
+from nexrl_hpc.agents.sequence import cumulative_turns, trajectory_to_sequence
 from nexrl_hpc.agents.tools.base import Tool
 from nexrl_hpc.agents.tools.registry import get_tool_class
 from nexrl_hpc.agents.types import Episode, ModelOutput, TerminationReason
+from nexrl_hpc.agents.types import Trajectory as AgentTrajectory
 from nexrl_hpc.agents.workflow import Workflow
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
@@ -196,7 +197,11 @@ class AgentRolloutWorker(BaseRolloutWorker):
         """Task fields + the episode as one training sequence; None when there is nothing to train on.
 
         An ERROR episode (after retries) or one without a model turn is dropped (reported by the
-        base worker) rather than trained with a made-up reward.
+        base worker) rather than trained with a made-up reward. When a turn's prompt does not
+        extend the previous turn's prompt + completion (the chat template did not reproduce the
+        completion, e.g. a sampled special token that the decoded text leaves out), the turns from
+        there on were sampled from a context one sequence cannot hold: the exact prefix trains,
+        with the episode's outcome, and ``scores["context_mismatch"]`` counts it.
         """
         if episode.termination_reason == TerminationReason.ERROR:
             return None
@@ -209,6 +214,16 @@ class AgentRolloutWorker(BaseRolloutWorker):
                 "trains one sequence per task (a multi-agent workflow needs a worker that groups them)"
             )
         (agent_trajectory,) = trained
+        kept = cumulative_turns(agent_trajectory)
+        mismatch = kept < len(agent_trajectory.steps)
+        if mismatch:
+            agent_trajectory = AgentTrajectory(
+                name=agent_trajectory.name,
+                task=agent_trajectory.task,
+                steps=agent_trajectory.steps[:kept],
+                reward=agent_trajectory.reward,
+                info=agent_trajectory.info,
+            )
         sequence = trajectory_to_sequence(agent_trajectory)
         trajectory: dict[str, Any] = dict(task)  # the task's own fields ride along
         trajectory.update(sequence.to_trajectory_fields())
@@ -216,6 +231,6 @@ class AgentRolloutWorker(BaseRolloutWorker):
             model_tag=model_tag,
             response="".join(s.model_response for s in agent_trajectory.steps),
             termination_reason=episode.termination_reason.value if episode.termination_reason else None,
-            scores=episode_scores(episode, sequence.reward),
+            scores={**episode_scores(episode, sequence.reward), "context_mismatch": float(mismatch)},
         )
         return cast(Trajectory, trajectory)
