@@ -109,8 +109,9 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
-    # every attack on every port was counted: the inputs, the floods, each idle connection
-    assert steps[-1]["rpc/rejected"] >= 4 * len(ports) + 2 * len(ports) + 200 * len(ports)
+    # every attack input and flood on every port was counted by the last step; the idle connections
+    # are closed by preauth_timeout_s, some after the last step's snapshot (left == 0 above proves them)
+    assert steps[-1]["rpc/rejected"] >= 4 * len(ports) + 2 * len(ports)
     for name in (
         "config.yaml",
         "data/validation.jsonl",
