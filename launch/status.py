@@ -39,8 +39,7 @@ def run_status(run_dir: str) -> dict[str, Any]:
     import yaml
 
     from nexrl_hpc.checkpoint.manager import find_latest_checkpoint
-    from nexrl_hpc.tracking.experiment import read_metrics
-    from nexrl_hpc.tracking.plots import PLOTS_DIR
+    from nexrl_hpc.tracking.plots import PLOTS_DIR, read_metrics
     from nexrl_hpc.tracking.run_status import describe, read_status
 
     status: dict[str, Any] = {"run_dir": os.path.abspath(run_dir)}

@@ -42,7 +42,8 @@ from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.runtime.run_files import restrict_run_files
-from nexrl_hpc.tracking.experiment import ExperimentLogger, read_metrics
+from nexrl_hpc.tracking.experiment import ExperimentLogger
+from nexrl_hpc.tracking.plots import read_metrics
 from nexrl_hpc.tracking.run_status import RunStatus
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 

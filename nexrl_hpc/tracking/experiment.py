@@ -47,18 +47,6 @@ def truncate_metrics(path: str, keep_through_step: int) -> None:
     os.replace(tmp, path)
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return rows
-
-
 class ConsoleProgress:
     """A tqdm bar over training steps showing reward, validation accuracy and rate."""
 

@@ -58,7 +58,7 @@ VAL_SKIP = {"val/num_samples", "val/filtered_long_prompts"}
 MAX_VAL_PANELS = 12
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
+def read_metrics(path: str) -> list[dict[str, Any]]:
     """metrics.jsonl's lines (a torn last line of a run still writing is skipped)."""
     rows = []
     try:
@@ -100,7 +100,7 @@ def write_plots(run_dir: str) -> list[str]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     train = [r for r in rows if "train/reward_mean" in r]
     out_dir = os.path.join(run_dir, PLOTS_DIR)
     os.makedirs(out_dir, exist_ok=True)
