@@ -1,11 +1,11 @@
-"""The multi-turn tool task learns: ``python -m launch.train task=tool_lookup`` in local mode, real server + trainer.
+"""The multi-turn tool task runs end to end: ``python -m launch.train task=tool_lookup`` in local mode.
 
 The AgentRolloutWorker runs every episode (lookup call, tool result, answer) against the local
-inference server; GRPO (step-wise advantages) trains on the masked sequences. Seeded; the greedy
-validation reward on held-out tables must rise from <= 0.3 well past what calling alone earns,
-and the episode metrics must show why: the tool is called and the answers are right. The task's
-bar (<= 0.3 -> >= 0.7 within 10 minutes, local and mpi) is timed by bench/tool_task.py; this test
-runs the task's same 80 steps (60 steps left too wide a spread: is_correct 0.23-0.76 over five runs).
+inference server; GRPO (step-wise advantages) trains on the masked sequences. A few steps prove
+the path: every step is logged with its episode metrics, the warmed-up model already writes the
+call, validation reports the task's own metrics and ``launch.status`` shows them. That the task
+learns (validation reward <= 0.3 -> >= 0.7 within 10 minutes, local and mpi) is measured by
+``bench/tool_task.py`` (results in bench/README.md), not re-proved here.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from tests.conftest import run_train
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 80  # the task's length; val reward at step 80 over 7 runs: 0.75-0.95 (is_correct 0.49-0.91)
+STEPS = 4
 
 
-@pytest.mark.timeout(900)  # ~4-6 min on 2 busy cores
-def test_tool_lookup_task_learns_to_call_the_tool_then_answer(
+def test_tool_lookup_task_runs_episodes_that_call_the_tool_and_reports_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "tool"
@@ -36,9 +35,10 @@ def test_tool_lookup_task_learns_to_call_the_tool_then_answer(
             "seed=1",
             f"train_worker.total_train_steps={STEPS}",
             f"validate.eval.validate_freq={STEPS}",
+            "task.params.val_size=32",
             "logger.backend=[]",
         ],
-        timeout=900,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
@@ -48,16 +48,10 @@ def test_tool_lookup_task_learns_to_call_the_tool_then_answer(
     val = [(r["step"], r["val/reward"], r["val/is_correct"]) for r in rows if "val/reward" in r]
     assert [v[0] for v in val] == [0, STEPS], val
     assert val[0][1] <= 0.3 and val[0][2] <= 0.3, val  # the warmed-up model: syntax, chance contents
-    assert val[-1][1] >= 0.6, val  # past the 0.5 that right calls alone earn: the answers are learnt too
-    assert val[-1][2] >= 0.35, val  # right answers (chance: ~0.15): the call and the answer both learnt
-    # one step's batch is 256 sampled episodes at temperature 1: its mean wobbles (0.85-1.0 seen at
-    # step 80), so the claim is made on the last ten steps
-    last = train[-10:]
-    calls = sum(r["train/num_tool_calls"] for r in last) / len(last)
-    done = sum(r["train/termination/env_done"] for r in last) / len(last)
-    assert calls >= 0.85, [r["train/num_tool_calls"] for r in last]  # nearly every episode looks the key up
-    assert done >= 0.85, [r["train/termination/env_done"] for r in last]
-    assert train[0]["train/num_turns"] >= 1.9  # the warmed-up model already writes the call
+    for r in train:  # most episodes call the tool, then answer: two turns, ended by the environment
+        assert r["train/num_turns"] >= 1.9 and r["train/num_tool_calls"] >= 0.9, r
+        assert 0.0 < r["train/termination/env_done"] <= 1.0, r
+        assert 0.0 <= r["train/reward_mean"] <= 1.0
     # launch.status shows the task's own validation metrics (val/is_correct: there is no val/accuracy)
     capsys.readouterr()
     assert status_cli.main([str(run_dir)]) == 0

@@ -1,45 +1,51 @@
-"""Each algorithm preset learns the default task: ``python -m launch.train algorithm=X``.
+"""Each algorithm preset runs the whole stack: ``python -m launch.train algorithm=X``.
 
-The default run (50 steps, seed 7) with the preset's advantage estimator, loss and sampling; the
-greedy validation accuracy on the held-out prompts must end at >= 0.8, and so must an independent
-greedy evaluation of the run's last checkpoint (GRPO itself reaches ~1.0).
+A few steps of the default run (seed 7) with the preset's advantage estimator, loss and sampling:
+the run saves the preset's settings, every step's loss and gradient are finite, and DAPO's dynamic
+sampling drops dull groups and still fills every batch. How fast each preset learns (steps and
+training time to held-out accuracy 0.9, three seeds) is measured by ``bench/algorithms.py``; the
+estimators and losses themselves are unit-tested in tests/test_algorithms.py.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import math
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.conftest import REPO, run_train
+from tests.conftest import compose_config, run_train
 
 pytestmark = pytest.mark.e2e
+
+STEPS = 6
 
 
 @pytest.mark.parametrize(
     "preset", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"]
 )
-def test_the_preset_learns_the_default_task(preset: str, tmp_path: Path) -> None:
+def test_the_preset_runs_the_default_task(preset: str, tmp_path: Path) -> None:
     run_dir = tmp_path / preset
-    proc = run_train([f"algorithm={preset}", f"run_dir={run_dir}", "seed=7", "logger.backend=[]"])
+    proc = run_train(
+        [f"algorithm={preset}", f"run_dir={run_dir}", "seed=7", "logger.backend=[]",
+         f"train_worker.total_train_steps={STEPS}", f"validate.eval.validate_freq={STEPS}"]
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    expected = compose_config([f"algorithm={preset}"])
+    assert saved["algorithm"] == expected["algorithm"]
+    assert saved["service"]["train_service"]["actor"] == expected["service"]["train_service"]["actor"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    assert val[0] <= 0.3 and val[-1] >= 0.8, val
-    assert all(r["actor/nan_skipped"] == 0 for r in rows if "actor/nan_skipped" in r)
     steps = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, STEPS]
+    for r in steps:
+        assert r["actor/nan_skipped"] == 0 and r["actor/optimizer_steps"] >= 1, r
+        assert math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]), r
     if preset == "dapo":  # dynamic sampling dropped dull groups and still filled every batch
         assert sum(r["train/filtered_groups"] for r in steps) > 0
         assert all(
             r["train/zero_std_group_frac"] == 0.0 or r["train/filtered_groups_kept"] > 0 for r in steps
         )
-    independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert independent.returncode == 0, independent.stderr
-    result = json.loads(independent.stdout.strip().splitlines()[-1])
-    assert result["checkpoint"].endswith("global_step_50") and result["accuracy"] >= 0.8, result

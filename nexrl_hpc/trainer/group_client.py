@@ -137,9 +137,11 @@ class TrainGroupClient(TrainServiceClient):
             return ""
         deadline = time.monotonic() + self._control.heartbeat_timeout_s + 1.0
         while time.monotonic() < deadline:
-            dead = self._control.dead_ranks()
-            if dead:
-                return f"; {dead}"
+            if self._control.dead_ranks():
+                # a launcher (torchrun) ends the other ranks when one dies, so their last heartbeats
+                # land within one beat of each other: wait half a timeout and name every silent rank
+                time.sleep(self._control.heartbeat_timeout_s / 2)
+                return f"; {self._control.dead_ranks()}"
             time.sleep(0.25)
         return ""
 
@@ -275,7 +277,10 @@ class ApiServerControl(Control):
             info = self.group_info()
         except Exception as exc:  # the API server itself is gone
             return f"train service API server {self.url} unreachable ({exc})"
-        dead = [r for r in info["ranks"] if not r["alive"]]
+        dead = sorted(
+            (r for r in info["ranks"] if not r["alive"]),
+            key=lambda r: -(r["heartbeat_age_s"] if r["heartbeat_age_s"] is not None else float("inf")),
+        )  # the longest silent first: the likeliest to have gone first
         if not dead:
             return None
         return "; ".join(
