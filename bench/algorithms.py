@@ -5,7 +5,9 @@ validation after every step (the same greedy evaluation of the same 140 held-out
 for each seed, in this one process on this machine; the ratio column compares each preset's median
 training time to GRPO's (the default) measured in the same run. ``opd`` distills from a teacher:
 the model of a finished default GRPO run (seed 0, trained first; its time is not counted).
-Training time starts at the first rollout (after the validation before training).
+Training time starts at the first rollout (after the validation before training). Each run's
+last checkpoint is also scored by scripts/independent_eval.py (plain transformers, greedy, the same
+held-out prompts): the "independent" column.
 
     python bench/algorithms.py [--seeds 1 2 3] [--algorithms grpo dapo ...] [--max-steps 50]
 """
@@ -13,6 +15,7 @@ Training time starts at the first rollout (after the validation before training)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -43,7 +46,20 @@ def measure(preset: str, seed: int, max_steps: int, teacher: str | None) -> dict
                  "validate.eval.validate_freq=1", "train_worker.save_freq=0"]  # fmt: skip
     if preset == "opd":
         overrides.append(f"algorithm.teacher_model_path={teacher}")
-    rows, _, wall = timed_train_run(overrides, f"{preset}_seed{seed}")
+    independent: dict[str, float] = {}
+
+    def evaluate_last_checkpoint(run_dir: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "scripts", "independent_eval.py"), run_dir],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"independent evaluation of {preset} seed {seed} failed:\n{proc.stderr[-3000:]}")
+        independent["accuracy"] = json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]
+
+    rows, _, wall = timed_train_run(
+        overrides, f"{preset}_seed{seed}", inspect_run_dir=evaluate_last_checkpoint
+    )
     val = [r for r in rows if "val/accuracy" in r]
     start = val[0]["time"]  # the validation before training has ended: the first rollout starts
     hit = next((r for r in val if r["val/accuracy"] >= TARGET), None)
@@ -51,6 +67,7 @@ def measure(preset: str, seed: int, max_steps: int, teacher: str | None) -> dict
         "steps": hit["step"] if hit else None,
         "seconds": hit["time"] - start if hit else None,
         "final": val[-1]["val/accuracy"],
+        "independent": independent["accuracy"],
         "wall": wall,
     }
 
@@ -79,19 +96,21 @@ def main() -> None:
     base = median_or_none([r["seconds"] for r in results.get("grpo", [])])
     print(f"\nseeds {args.seeds}, target held-out accuracy {TARGET}, at most {args.max_steps} steps\n")
     print(
-        "| algorithm | steps to 0.9 (per seed) | median steps | median training s to 0.9 | vs grpo | final accuracy (per seed) |"
+        "| algorithm | steps to 0.9 (per seed) | median steps | median training s to 0.9 | vs grpo "
+        "| final accuracy (per seed) | independent eval of the last checkpoint (per seed) |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for preset, runs in results.items():
         steps = [r["steps"] for r in runs]
         median_steps = median_or_none(steps)
         secs = median_or_none([r["seconds"] for r in runs])
         ratio = f"{secs / base:.2f}x" if secs is not None and base else "-"
         finals = ", ".join(f"{r['final']:.2f}" for r in runs)
+        independents = ", ".join(f"{r['independent']:.2f}" for r in runs)
         print(
             f"| {preset} | {', '.join(str(s) if s is not None else '-' for s in steps)} "
             f"| {median_steps if median_steps is not None else '-'} "
-            f"| {f'{secs:.1f}' if secs is not None else '-'} | {ratio} | {finals} |"
+            f"| {f'{secs:.1f}' if secs is not None else '-'} | {ratio} | {finals} | {independents} |"
         )
 
 

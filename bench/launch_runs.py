@@ -9,18 +9,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed_train_run(
-    overrides: Sequence[str], name: str, launcher: Sequence[str] = ()
+    overrides: Sequence[str],
+    name: str,
+    launcher: Sequence[str] = (),
+    inspect_run_dir: Callable[[str], None] | None = None,
 ) -> tuple[list[dict[str, Any]], float, float]:
     """Run ``launch.train`` with ``overrides`` (behind ``launcher``, e.g. ``mpirun -n 4``) in a fresh
-    run dir: (its metrics.jsonl rows, the start time, wall seconds). The run dir is removed; a
-    failed run ends the bench naming ``name``."""
+    run dir: (its metrics.jsonl rows, the start time, wall seconds). ``inspect_run_dir`` sees the
+    finished run dir, which is then removed; a failed run ends the bench naming ``name``."""
     run_dir = tempfile.mkdtemp(prefix=f"bench_{name}_")
     args = [*launcher, sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "logger.backend=[]",
             "resume.mode=disable", *overrides]  # fmt: skip
@@ -31,5 +34,7 @@ def timed_train_run(
         raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    if inspect_run_dir is not None:
+        inspect_run_dir(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     return rows, t0, wall
