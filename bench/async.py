@@ -4,9 +4,10 @@ The trainer is the real one (the default task's tiny model, local mode); the LLM
 engine (``service.inference_service.backend=fake``), whose requests take ``--gen-ms`` each — by
 default the trainer's own step time, measured first in a calibration run, so that generating a
 batch takes as long as training on it. Sync mode pays generation + training per step; the async
-modes overlap them. Their ideal is the sync step over the longer of its two halves,
-``sync s/step / max(train s, sync s/step - train s)`` (≈ 2x when the halves are equal), printed
-beside each speedup with the fraction of it reached. Throughput counts trained trajectories from
+modes overlap them. Perfectly overlapped, a step costs the longer of generating a batch (the
+fake engine's latency: a batch's requests run together) and training on it (sync mode's median
+train time), so the ideal speedup is ``sync s/step / max(generation s, train s)`` (≈ 2x when the
+two are equal); it is printed beside each speedup with the fraction of it reached. Throughput counts trained trajectories from
 the end of the first step to the end of the last (warm-up excluded).
 
     python bench/async.py [--steps 30] [--gen-ms auto] [--repeats 1]
@@ -75,8 +76,8 @@ def main() -> None:
     median = {m: sorted(rs, key=lambda r: r["per_s"])[len(rs) // 2] for m, rs in results.items()}
     sync = median["sync"]
     base = sync["per_s"]
-    # overlapped perfectly, a step costs the longer of sync's generation and training halves
-    ideal = sync["step_s"] / max(sync["train_s"], sync["step_s"] - sync["train_s"])
+    # overlapped perfectly, a step costs the longer of generating a batch and training on it
+    ideal = sync["step_s"] / max(gen_ms / 1000, sync["train_s"])
     print()
     print(
         f"generation {gen_ms:.1f} ms per request (fake engine), {args.steps} steps per run, "
