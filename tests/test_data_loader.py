@@ -146,3 +146,25 @@ def test_released_tasks_are_never_handed_out_again_even_before_their_completion(
     state = dl.state_dict()
     assert sorted(task_key(t) for t in state["returned"]) == sorted(keys[2:])  # a resume re-issues the rest
     assert dl.num_untrained() == 2 and dl.requeue_consumer("worker") == 2
+
+
+def test_a_long_poll_on_a_finished_pass_waits_until_woken_or_a_task_comes_back(tmp_path: Path) -> None:
+    """Every validation task out: a worker's long poll waits (it used to answer at once, and the
+    worker spun on empty polls, stalling validation by up to a second on 2 cores)."""
+    import threading
+    import time
+
+    dl = loader(tmp_path, n_rows=2, rollout_repeat_n=1, max_epochs=1, shuffle=False)
+    out = dl.get_next_items(2, consumer="w")
+    assert [t["uid"] for t in out] == ["train-0", "train-1"] and dl.is_finished()
+    t0 = time.monotonic()
+    assert dl.get_next_items(2, wait_s=0.3, consumer="w") == []
+    assert time.monotonic() - t0 >= 0.25  # waited for the whole poll
+    threading.Timer(0.1, dl.wake_waiters).start()  # end_validate wakes the workers
+    t0 = time.monotonic()
+    assert dl.get_next_items(2, wait_s=5.0, consumer="w") == []
+    assert time.monotonic() - t0 < 2.0
+    threading.Timer(0.1, dl.requeue_consumer, args=("w",)).start()  # a dead worker's tasks come back
+    t0 = time.monotonic()
+    back = dl.get_next_items(2, wait_s=5.0, consumer="v")
+    assert sorted(t["uid"] for t in back) == ["train-0", "train-1"] and time.monotonic() - t0 < 2.0

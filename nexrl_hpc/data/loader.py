@@ -205,12 +205,14 @@ class DatasetLoader(BaseDataLoader):
                     break
                 items.append(item)
             remaining = deadline - time.monotonic()
-            if items or remaining <= 0 or self.is_finished():
+            if items or remaining <= 0:
                 break
+            # nothing to hand out, also when every task is out (a finished pass): wait rather than
+            # answer at once, or a worker whose validation tasks are all out spins on empty polls
             with self._lock:
                 if not self._lock.wait(remaining):
                     break
-                if not self._returned and not self._extra and self._budget == 0:
+                if not self._returned and not self._extra and (self._budget == 0 or self._fresh_exhausted()):
                     break  # woken without work (wake_waiters): let the caller look around
         if consumer is not None and items:
             with self._lock:
