@@ -97,12 +97,10 @@ def main() -> None:
             row_ratios[key] = ratio
             if ratio is not None:
                 kept.append(ratio)
-        for r, theirs in ((ours, row_ratios), (trl, None)):
+        ours_shown = [f"{fmt(v)}x" if v is not None else "n/a" for v in row_ratios.values()]
+        for r, shown in ((ours, ours_shown), (trl, ["1.00x", "1.00x"])):
             per_step = r["seconds_to_target"] / r["hit_step"] if r.get("hit_step") else None
             last = r.get("final_accuracy", (r.get("accuracy_curve") or [None])[-1])
-            shown = [
-                ("1.00x" if theirs is None else fmt(theirs[k]) + "x" if theirs[k] else "n/a") for k in ratios
-            ]
             print(
                 f"| {r['seed']} | {r['framework']} | {r['initial_accuracy']:.3f} | {r['hit_step']} | "
                 f"{fmt(r.get('seconds_to_target'))} | {fmt(per_step, '.3f')} | "
