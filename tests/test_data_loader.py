@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,50 @@ def test_a_long_poll_on_a_finished_pass_waits_until_woken_or_a_task_comes_back(t
     t0 = time.monotonic()
     back = dl.get_next_items(2, wait_s=5.0, consumer="v")
     assert sorted(t["uid"] for t in back) == ["train-0", "train-1"] and time.monotonic() - t0 < 2.0
+
+
+class _OpenWeights:
+    """The weight sync controller as a rollout worker asks it: never reloading."""
+
+    def check_rollout_service_status(self, model_tag: str) -> str:
+        return "continue"
+
+
+def test_during_a_validation_a_worker_takes_its_tasks_first_then_the_next_training_batch(
+    tmp_path: Path,
+) -> None:
+    """Sync mode releases the next training batch beside the validation (same weights): a worker
+    fetches validation tasks while any are left, then training tasks at once, and long-polls the
+    training loader only when neither has work."""
+    from nexrl_hpc.rollout.simple import SimpleRolloutWorker
+
+    cfg = compose_config([f"run_dir={tmp_path}"])
+    (tmp_path / "v").mkdir()
+    train = loader(tmp_path, n_rows=4, rollout_repeat_n=1, shuffle=False)
+    val_files = [
+        write_rows(tmp_path / "v" / "val.jsonl", [{"prompt": f"v{i}", "answer": "0"} for i in range(3)])
+    ]
+    val = JsonlDataLoader(cfg["validate"]["data"], data_files=val_files, is_validate=True)
+    worker = SimpleRolloutWorker(cfg)
+    worker.set_module_references(None, train, _OpenWeights(), val, None)  # type: ignore[arg-type]
+    train.set_dispatch_budget(2)
+    worker.begin_validate()
+    tasks, is_validate = worker._fetch_tasks(2, 0.5)
+    assert is_validate and [t["prompt"] for t in tasks] == ["v0", "v1"]
+    tasks, is_validate = worker._fetch_tasks(2, 0.5)
+    assert is_validate and [t["prompt"] for t in tasks] == ["v2"]
+    started = time.monotonic()
+    tasks, is_validate = worker._fetch_tasks(4, 0.5)  # validation all out: training, without a wait
+    assert not is_validate and [t["prompt"] for t in tasks] == ["p0", "p1"]
+    assert time.monotonic() - started < 0.2
+    tasks, is_validate = worker._fetch_tasks(4, 0.3)  # nothing anywhere: the training loader's long poll
+    assert tasks == [] and time.monotonic() - started >= 0.3
+    val.add_item_front(
+        {"prompt": "v1", "uid": "validate-1", "answer": "0"}
+    )  # a failed step's task comes back
+    tasks, is_validate = worker._fetch_tasks(4, 0.5)
+    assert is_validate and [t["prompt"] for t in tasks] == ["v1"]
+    worker.end_validate()
+    train.set_dispatch_budget(1)
+    tasks, is_validate = worker._fetch_tasks(4, 0.5)
+    assert not is_validate and [t["prompt"] for t in tasks] == ["p2"]

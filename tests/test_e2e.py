@@ -93,14 +93,14 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
         assert r["perf/trajectories_per_s"] == pytest.approx(256 / r["timing/step_s"])
         assert r["perf/trained_tokens_per_s"] > r["perf/generated_tokens_per_s"] > 0  # trained: prompts too
     assert steps[-1]["train/reward_mean"] > steps[0]["train/reward_mean"]
-    # sync mode: the trainer waits for every batch's generation, and for a validation (at version
-    # v, before the batch of step v + 1 is released) in the step after it, never elsewhere
+    # sync mode: the trainer waits for every batch's generation; a validation of version v runs
+    # beside the rollouts of step v + 1, so the trainer can wait for it only in steps v + 1 (its
+    # batch is in first) and v + 2 (version v + 1 is published after the validation), never elsewhere
     assert_step_time_adds_up(rows)
     assert all(r["timing/generation_s"] > 0 for r in steps)
     validated = {v[0] for v in val}
-    assert [r["step"] for r in steps if r["timing/validation_s"] > 0] == [
-        v + 1 for v in sorted(validated) if 0 < v < 50
-    ]
+    beside = {v + d for v in validated if 0 < v < 50 for d in (1, 2)}
+    assert {r["step"] for r in steps if r["timing/validation_s"] > 0} <= beside
 
     # run dir layout
     assert (run_dir / "config.yaml").exists() and (run_dir / "tensorboard").is_dir()

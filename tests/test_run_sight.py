@@ -28,19 +28,21 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # --- the step-time breakdown ----------------------------------------------------------------------
-def test_a_wait_is_split_by_validation_then_generation_then_reward() -> None:
+def test_a_wait_is_split_by_generation_then_reward_then_validation() -> None:
+    """The trainer waits for its batch; a validation beside the batch's rollouts counts only where
+    neither the batch's generation nor its scoring ran."""
     validation = [(100.0, 103.0)]
     generation = merge([(102.0, 106.0), (104.0, 108.0)])  # two trajectories, overlapping
     reward = merge([(107.5, 109.0)])
     assert generation == [(102.0, 108.0)]
-    # 10 s waited over wall [100, 110]: validation 3, generation 5 (103-108), reward 1, rest 1
-    (val, gen, rew), rest = split_wait(10.0, (100.0, 110.0), [validation, generation, reward])
-    assert (val, gen, rew, rest) == pytest.approx((3.0, 5.0, 1.0, 1.0))
+    # 10 s waited over wall [100, 110]: generation 6 (102-108), reward 1 (108-109), validation 2, rest 1
+    (gen, rew, val), rest = split_wait(10.0, (100.0, 110.0), [generation, reward, validation])
+    assert (gen, rew, val, rest) == pytest.approx((6.0, 1.0, 2.0, 1.0))
     # the monotonic seconds decide the total, the wall clock only the fractions
-    parts, rest = split_wait(5.0, (100.0, 110.0), [validation, generation, reward])
-    assert parts + [rest] == pytest.approx([1.5, 2.5, 0.5, 0.5]) and sum(parts) + rest == 5.0
+    parts, rest = split_wait(5.0, (100.0, 110.0), [generation, reward, validation])
+    assert parts + [rest] == pytest.approx([3.0, 0.5, 1.0, 0.5]) and sum(parts) + rest == 5.0
     # nothing overlapping: all of it is waiting
-    assert split_wait(2.0, (0.0, 2.0), [validation, generation, reward]) == ([0.0, 0.0, 0.0], 2.0)
+    assert split_wait(2.0, (0.0, 2.0), [generation, reward, validation]) == ([0.0, 0.0, 0.0], 2.0)
 
 
 def test_rollout_intervals_merge_each_trajectorys_generation_and_scoring() -> None:
@@ -64,8 +66,8 @@ def test_the_parts_of_a_step_sum_to_its_step_time() -> None:
     wall, t0 = time.time(), time.monotonic()
     time.sleep(0.005)  # a call the trainer waits in
     timeline.waited("timing/weight_sync_s", time.monotonic() - t0, (wall, time.time()))
-    validations = [(start - 1.0, start - 0.01)]  # ended during the wait for the batch
-    generation = [(start - 0.05, start)]
+    validations = [(start - 1.0, start - 0.005)]  # ended during the wait for the batch
+    generation = [(start - 0.012, start)]  # the batch's generation: the wait's last 12 ms
     parts = timeline.line(validations, {"generation": generation, "reward": []})
     assert set(parts) == {*TIMING_PARTS, "timing/step_s"}
     assert sum(parts[k] for k in TIMING_PARTS) == pytest.approx(parts["timing/step_s"], abs=1e-12)

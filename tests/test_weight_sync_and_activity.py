@@ -81,12 +81,21 @@ def test_sync_mode_releases_one_batch_per_version(tmp_path: Any) -> None:
     calls = loader.calls
     wsc.train_worker_notify_weight_update("train_worker", "default", 2)  # validate_freq=2
     assert wsc.is_waiting_for_validation() and wsc.waiting_validation_model_tag() == "default"
-    assert loader.calls == calls  # the next batch is not released before the validation ends
+    # the next batch is rolled out beside the validation, with the version it measures
+    assert loader.calls == calls + 1 and loader.budget == 4
     assert wsc.check_rollout_service_status("default") == "continue"  # validation requests must flow
+    # the trainer's next version waits until the validation of this one ends
+    published = threading.Thread(
+        target=wsc.train_worker_notify_weight_update, args=("train_worker", "default", 3)
+    )
+    published.start()
+    published.join(timeout=0.3)
+    assert published.is_alive() and wsc.get_rollout_model_version("default") == 2
     wsc.end_validate("default")
-    assert not wsc.is_waiting_for_validation() and loader.budget == 4 and loader.calls == calls + 1
-    wsc.train_worker_notify_weight_update("train_worker", "default", 3)  # last step: validate_at_end
-    assert wsc.is_waiting_for_validation()
+    published.join(timeout=5.0)
+    assert not published.is_alive() and wsc.get_rollout_model_version("default") == 3
+    assert loader.calls == calls + 2  # end_validate released nothing more: version 2's batch was out
+    assert wsc.is_waiting_for_validation()  # last step: validate_at_end
     wsc.end_validate("default")
     assert loader.budget == 0  # done: no more rollouts
 

@@ -186,13 +186,24 @@ class BaseRolloutWorker(NexRLModule):
     def _request_tasks(self, max_items: int, wait_s: float) -> Future:
         """(tasks, is_validate) in a future; the loader long-polls up to ``wait_s``. A local loader
         answers inline and a remote one over the wire, so with ``wait_s=0`` the event loop does not
-        wait for the loader (only the weight-sync status check is a quick blocking call)."""
-        if self._is_running_validate:
-            assert self._validate_dataloader is not None
-            request = execute_async(
-                self._validate_dataloader.get_next_items, max_items, wait_s, self._module_name
-            )
-            return _mapped(request, lambda tasks: (tasks, True))
+        wait for the loader (only the weight-sync status check is a quick blocking call).
+
+        While a validation runs its tasks come first and training tasks fill the rest: the
+        validation measures the weights the next training batch is rolled out with (the weight sync
+        controller releases that batch with the validation), so both share the engine's batches.
+        Only the training loader is long-polled then: the controller wakes it when a validation
+        starts, and a validation task that comes back waits at most ``long_poll_s``."""
+        if not self._is_running_validate:
+            return self._request_training_tasks(max_items, wait_s)
+        assert self._validate_dataloader is not None
+        validation = execute_async(
+            self._validate_dataloader.get_next_items, max_items, 0.0, self._module_name
+        )
+        if validation.done() and not validation.exception() and not validation.result():
+            return self._request_training_tasks(max_items, wait_s)  # a local loader: no task left
+        return _mapped(validation, lambda tasks: (tasks, True))
+
+    def _request_training_tasks(self, max_items: int, wait_s: float) -> Future:
         assert self._weight_sync_controller is not None and self._dataloader is not None
         if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
             time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
@@ -203,7 +214,10 @@ class BaseRolloutWorker(NexRLModule):
         return _mapped(request, lambda tasks: (tasks, False))
 
     def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
-        return self._request_tasks(max_items, wait_s).result()
+        tasks, is_validate = self._request_tasks(max_items, 0.0).result()
+        if tasks or wait_s <= 0:
+            return tasks, is_validate
+        return self._request_training_tasks(max_items, wait_s).result()
 
     async def _run_group(
         self, tasks: list[dict[str, Any]], is_validate: bool, slot_freed: asyncio.Event

@@ -6,8 +6,10 @@ not add up. Here every second between two lines is in exactly one ``timing/*`` p
 ``TIMING_PARTS``, and they sum to ``timing/step_s`` (``timing/other_s`` is the remainder: the
 trainer's own bookkeeping). Where the trainer *waits* (for its next batch, for the engines to
 load its weights), the wait is split by what ran meanwhile, from intervals on the wall clock
-that the other modules report: validation first, then the batch's generation, then its reward
-scoring, and what is left is ``timing/wait_s`` (hand-offs, the algorithm, queues).
+that the other modules report: the batch's generation first, then its reward scoring, then a
+validation (it runs beside the next batch's rollouts, so a trainer waits for it only when the
+batch is in and the next version must wait for the validation's end), and what is left is
+``timing/wait_s`` (hand-offs, the algorithm, queues).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ TIMING_PARTS = (
     "timing/other_s",
 )
 # split off a wait for a batch in this order of precedence; the rest of the wait is timing/wait_s
-_BATCH_WAIT = ("timing/validation_s", "timing/generation_s", "timing/reward_s")
+_BATCH_WAIT = ("timing/generation_s", "timing/reward_s", "timing/validation_s")
 
 
 def merge(intervals: Iterable[Sequence[float]]) -> list[Interval]:
@@ -137,7 +139,7 @@ class StepTimeline:
         now = time.monotonic()
         parts = dict(self._parts)
         validation = merge(validations)
-        layers = [validation, rollouts.get("generation", []), rollouts.get("reward", [])]
+        layers = [rollouts.get("generation", []), rollouts.get("reward", []), validation]
         for seconds, wall in self._waits:
             shares, rest = split_wait(seconds, wall, layers)
             for key, share in zip(_BATCH_WAIT, shares):

@@ -5,8 +5,8 @@ time; every trajectory records the weight version that produced it.
 
 - ``sync`` (the default): one batch per policy version. When the batch is complete the pool sends
   stragglers back ("re-rollout"), the trainer updates and exports, the inference service reloads
-  (``publish``; clients hold new requests meanwhile), the version is bumped, an optional
-  validation runs, and the next batch is released.
+  (``publish``; clients hold new requests meanwhile), the version is bumped and the next batch
+  is released — beside a due validation, which measures the same version on the same engines.
 - ``fully-async``: the controller holds no request for a reload (the local engine swaps weights
   between two forward batches; vLLM pauses itself briefly) and batches are handed out ahead of the trainer: batch b goes out once the trainer
   holds version b - 1 - staleness_threshold. Generation overlaps training; the pool is the
@@ -14,8 +14,9 @@ time; every trajectory records the weight version that produced it.
 - ``batch-async``: as fully-async, counted from the version the engines *serve*: a rollout waits
   while train_version + 1 - rollout_version > staleness_threshold and resumes when the sync lands.
 
-In every mode a due validation measures its version: the next version is published only after
-it. The trainer drops (or keeps) trajectories over the bound, see TrainWorker.
+In every mode a due validation measures its version while the next batch is rolled out with it:
+the next version is published only after the validation. The trainer drops (or keeps) trajectories
+over the bound, see TrainWorker.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class WeightSyncController(NexRLModule):
     def train_worker_notify_weight_update(
         self, worker_name: str, model_tag: ModelTag, version: int | None = None
     ) -> None:
-        """The trainer finished a step and exported its weights; publish them and maybe validate.
+        """The trainer finished a step and exported its weights; publish them, release the next
+        batch and maybe validate.
 
         A pending validation measures its own version: the next one is published after it."""
         with self._progress:
@@ -137,8 +139,6 @@ class WeightSyncController(NexRLModule):
                 self._waiting_validation = model_tag
                 self._validation_version = new_version
                 self._validations.append([time.time(), float("inf")])
-                self._bump()
-                return  # the next training batch is released by end_validate
         self._release_rollouts(model_tag)
         with self._lock:
             self._bump()
