@@ -58,7 +58,9 @@ def hydra_main(cfg: DictConfig) -> None:
 
         run_job_task(job_config(config), HydraConfig.get().runtime.output_dir)  # returns: submitit stores it
         return
+    _prewarm_inference_server(config)  # before the heavy imports below, which it overlaps
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
+    from nexrl_hpc.inference.prewarm import discard_prewarmed
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi
     from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
@@ -66,10 +68,24 @@ def hydra_main(cfg: DictConfig) -> None:
     if config["launch_mode"] == "mpi":
         code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
         exit_process(code, grace_s)  # never hangs on dead peers' threads
-    code = run_controller(config)
+    try:
+        code = run_controller(config)
+    finally:
+        discard_prewarmed()  # a run that failed before starting its server
     if code == PREEMPTED_EXIT:  # the modules were aborted, not stopped: leave without the teardown
         exit_process(code, grace_s)
     _exit_unless_ok(code)
+
+
+def _prewarm_inference_server(config: dict) -> None:
+    """Local mode with the run's own local server: start the server's process now (its imports
+    overlap this process's; it waits for the model), see nexrl_hpc.inference.prewarm."""
+    inference = config["service"]["inference_service"]
+    own_server = inference["backend"] == "local" and not inference["base_url"]
+    if config["launch_mode"] == "local" and own_server and inference["local"]["prewarm"]:
+        from nexrl_hpc.inference.prewarm import prewarm
+
+        prewarm(inference["local"]["num_threads"])
 
 
 def _exit_unless_ok(code: int) -> None:

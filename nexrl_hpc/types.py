@@ -10,9 +10,10 @@ import copy
 from collections.abc import Sized
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Generic, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where tensors are handled: the config's checks use these types without it
 
 ModelTag = str
 """Identifies one model (policy, teacher, ...) inside a run."""
@@ -202,6 +203,8 @@ class Batch(Generic[V]):
     def to_nextrainer_batch(self) -> dict[str, Any]:
         """The training service's batch shape: tensors under ``batch``, the rest under
         ``non_tensor_batch`` / ``meta_info``."""
+        import torch
+
         tensors = {k: v for k, v in self.values.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in self.values.items() if not isinstance(v, torch.Tensor)}
         return {"batch": tensors, "non_tensor_batch": others, "meta_info": dict(self.metadata)}

@@ -229,3 +229,64 @@ def test_unreachable_server_retries_then_names_the_url() -> None:
 def test_server_binds_loopback_by_default(server: LocalInferenceServer) -> None:
     assert server.base_url.startswith("http://127.0.0.1:")
     assert os.path.exists(server.log_path)
+
+
+# --- a server process started with the run, before its model exists (nexrl_hpc.inference.prewarm) ---
+def test_a_prewarmed_process_serves_what_launch_hands_it(chat_model_dir: str, tmp_path: Path) -> None:
+    """launch.train starts the server's process first (its imports overlap the run's); the launch
+    hands it the command line, key, umask and log: it serves the model with the key, its early
+    output lands in the log, and a second launch starts a fresh process."""
+    from nexrl_hpc.inference import prewarm
+
+    cfg = compose_config()["service"]["inference_service"]["local"]
+    prewarm.prewarm(cfg["num_threads"])
+    waiting = prewarm._prewarmed[0] if prewarm._prewarmed else None
+    assert waiting is not None and waiting.poll() is None
+    srv = LocalInferenceServer(chat_model_dir, cfg, str(tmp_path / "logs"), "policy")
+    old_umask = os.umask(0o027)
+    try:
+        srv.start()
+    finally:
+        os.umask(old_umask)
+    try:
+        assert srv.process is waiting and prewarm._prewarmed is None  # taken, not started anew
+        out = oai(srv).completions.create(model="policy", prompt="ab", max_tokens=2, temperature=0.0)
+        assert len(out.choices) == 1
+        with pytest.raises(openai.AuthenticationError):
+            oai(srv, key="wrong").completions.create(model="policy", prompt="a", max_tokens=1)
+        assert f"serving {chat_model_dir}" in Path(srv.log_path).read_text()
+        assert (
+            Path(srv.log_path).stat().st_mode & 0o777 == 0o640
+        )  # the run's umask, not the parent's at spawn
+        assert prewarm.API_KEY_ENV.encode() not in Path(f"/proc/{waiting.pid}/cmdline").read_bytes()
+        assert srv.api_key.encode() not in Path(f"/proc/{waiting.pid}/cmdline").read_bytes()
+    finally:
+        srv.stop()
+    fresh = LocalInferenceServer(chat_model_dir, cfg, str(tmp_path / "logs2"), "policy")
+    fresh.launch()
+    try:
+        assert fresh.process is not None and fresh.process is not waiting
+    finally:
+        fresh.kill()
+
+
+def test_an_unused_prewarmed_process_leaves_when_the_run_lets_go() -> None:
+    """A run that fails before starting its server, or wants another thread count, leaves no process."""
+    from nexrl_hpc.inference import prewarm
+
+    prewarm.prewarm(1)
+    assert prewarm._prewarmed is not None
+    waiting = prewarm._prewarmed[0]
+    assert prewarm.take_prewarmed(2) is None  # another thread count: stopped, not handed out
+    assert waiting.poll() is not None
+    prewarm.prewarm(1)
+    waiting = prewarm._prewarmed[0]
+    prewarm.discard_prewarmed()
+    assert waiting.poll() is not None and prewarm._prewarmed is None
+    # a run that dies without a word: the pipe closes, the process reads no spec and leaves on its own
+    prewarm.prewarm(1)
+    waiting = prewarm._prewarmed[0]
+    assert waiting.stdin is not None
+    waiting.stdin.close()
+    prewarm._prewarmed = None
+    assert waiting.wait(timeout=120) == 0

@@ -231,6 +231,7 @@ class LocalInferenceConfig(TypedDict):
     stop_timeout_s: Annotated[float, Gt(0.0)]  # SIGTERM, then SIGKILL after this long
     engine_stop_timeout_s: Annotated[float, Gt(0.0)]  # the server's shutdown waits this long for its engine
     seed: int
+    prewarm: bool  # launch.train in local mode: the server's process starts (and imports) with the run
 
 
 class VLLMInferenceConfig(TypedDict):

@@ -14,7 +14,7 @@ import time
 import httpx
 
 from nexrl_hpc.config.schema import LocalInferenceConfig
-from nexrl_hpc.inference.server import API_KEY_ENV
+from nexrl_hpc.inference.prewarm import API_KEY_ENV, send_spec, server_env, take_prewarmed
 from nexrl_hpc.runtime.network import resolve_bind_address
 
 logger = logging.getLogger(__name__)
@@ -93,14 +93,17 @@ class LocalInferenceServer:
         ]  # fmt: skip
         if self.attn_implementation:
             cmd += ["--attn-implementation", self.attn_implementation]
-        env = dict(os.environ)
+        self._deadline = time.monotonic() + self.config["startup_timeout_s"]
+        waiting = take_prewarmed(self.config["num_threads"])  # started with the run, imports done
+        if waiting is not None and send_spec(waiting, cmd[3:], self.api_key, self.log_path):
+            self.process = waiting
+            return
+        env = server_env(self.config["num_threads"])
         env[API_KEY_ENV] = self.api_key
-        env.setdefault("OMP_NUM_THREADS", str(self.config["num_threads"]))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self._deadline = time.monotonic() + self.config["startup_timeout_s"]
 
     def wait_ready(self) -> str:
         """Block until the launched server answers /health; return its base URL."""

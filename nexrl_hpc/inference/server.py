@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -37,9 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nexrl_hpc.inference.engine import GenerationOutput, HFEngine, SamplingParams
+from nexrl_hpc.inference.prewarm import API_KEY_ENV, SPEC_FROM_STDIN, read_spec
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
-API_KEY_ENV = "NEXRL_INFERENCE_API_KEY"
 CONFIG_KEY = "service.inference_service.local"
 
 
@@ -462,5 +463,17 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(serve())
 
 
+def main_from_stdin() -> None:
+    """A server started before its model existed (``nexrl_hpc.inference.prewarm``): its imports
+    are done; wait for the run to say what to serve, or leave when the run closes the pipe."""
+    spec = read_spec(sys.stdin.buffer)
+    if spec is None:
+        return
+    main(list(spec["argv"]))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == [SPEC_FROM_STDIN]:
+        main_from_stdin()
+    else:
+        main()
