@@ -10,7 +10,12 @@ accumulated gradients of one optimizer step over the whole batch (fp32, no clipp
 The model: a Llama built from model.tiny with hidden 256, 4 layers, 8 heads over 4 KV heads, tied
 embeddings, 1024 positions.
 
-    python bench/packing.py [--repeats 3] [--rows 64]
+With ``--group N`` every N consecutive rows share one prompt (a GRPO group of N samples) and a third
+engine runs: packed by shared prompts (``actor.share_prompt=true``, the same token budget), each
+group's prompt computed once. Its tokens/s counts the same real tokens as the others (every row's
+prompt), so the ratio is what a user's batch gains.
+
+    python bench/packing.py [--repeats 3] [--rows 64] [--group 8]
 """
 
 from __future__ import annotations
@@ -57,15 +62,18 @@ def compose(overrides: list[str]) -> RLTrainConfig:
         return validate_config(hydra_compose("rl_train", overrides=overrides))
 
 
-def make_batch(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(rows: int, vocab: int, seed: int, group: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     trajs: list[dict] = []
-    for _ in range(rows):
-        p_len = int(torch.randint(32, 129, (1,), generator=g))
+    prompt: list[int] = []
+    for i in range(rows):
+        if i % group == 0:
+            p_len = int(torch.randint(32, 129, (1,), generator=g))
+            prompt = torch.randint(4, vocab, (p_len,), generator=g).tolist()
         r_len = int(torch.randint(16, 513, (1,), generator=g))
         trajs.append(
             {
-                "prompt_ids": torch.randint(4, vocab, (p_len,), generator=g).tolist(),
+                "prompt_ids": prompt,
                 "response_ids": torch.randint(4, vocab, (r_len,), generator=g).tolist(),
                 "behaviour_log_probs": [-2.0] * r_len,
             }
@@ -100,41 +108,53 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument(
+        "--group", type=int, default=1, help="rows per shared prompt (> 1: also time share_prompt)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     common = [
         *MODEL, f"data.batch_size={args.rows}", "data.rollout_repeat_n=1",
         f"service.train_service.actor.ppo_mini_batch_size={args.rows}", "service.train_service.actor.grad_clip=1.0e9",
         "service.train_service.actor.optim.lr=1.0e-6", "service.train_service.num_threads=2",
+        "service.train_service.actor.share_prompt=false",  # padded and packed as named; the third engine shares
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialize_base_model(compose(common)["model"], os.path.join(tmp, "model"))
         padded = trainer(model_dir, [*common, "service.train_service.actor.ppo_micro_batch_size=8"])
         vocab = padded.model.config.vocab_size
-        batch = make_batch(args.rows, vocab, seed=1)
+        batch = make_batch(args.rows, vocab, seed=1, group=args.group)
         width = batch["input_ids"].shape[1]
         budget = 8 * width
-        packed = trainer(
-            model_dir,
-            [*common, "service.train_service.actor.packing=true", f"service.train_service.actor.ppo_max_token_len_per_gpu={budget}"],
-        )  # fmt: skip
+        engines = {"padded": padded}
+        layouts = {"packed": "packing", "shared prompts": "share_prompt"}
+        for name in ("packed", "shared prompts") if args.group > 1 else ("packed",):
+            engines[name] = trainer(
+                model_dir,
+                [*common, f"service.train_service.actor.{layouts[name]}=true", f"service.train_service.actor.ppo_max_token_len_per_gpu={budget}"],
+            )  # fmt: skip
         real_tokens = int(batch["attention_mask"].sum())
         # gradients of one step from the same weights
-        padded.update_actor({"batch": dict(batch)})
-        packed.update_actor({"batch": dict(batch)})
-        grad_diff = max(
-            float((a.grad - b.grad).abs().max())
-            for a, b in zip(padded.model.parameters(), packed.model.parameters())
-            if a.grad is not None and b.grad is not None
-        )
+        for eng in engines.values():
+            eng.update_actor({"batch": dict(batch)})
+        grad_diff = {
+            name: max(
+                float((a.grad - b.grad).abs().max())
+                for a, b in zip(padded.model.parameters(), eng.model.parameters())
+                if a.grad is not None and b.grad is not None
+            )
+            for name, eng in engines.items()
+            if name != "padded"
+        }
         grad_max = max(float(a.grad.abs().max()) for a in padded.model.parameters() if a.grad is not None)
         results = {}
-        for name, eng in (("padded", padded), ("packed", packed)):
+        for name, eng in engines.items():
             update_s = timed(partial(eng.update_actor, {"batch": batch}), args.repeats)
             logp_s = timed(partial(eng.compute_log_prob, {"batch": batch}), args.repeats)
             results[name] = (update_s, logp_s)
+    shared = f", every {args.group} rows sharing a prompt" if args.group > 1 else ""
     print(
-        f"\n{args.rows} sequences, {real_tokens} real tokens in a padded {args.rows} x {width} batch "
+        f"\n{args.rows} sequences{shared}, {real_tokens} real tokens in a padded {args.rows} x {width} batch "
         f"({real_tokens / (args.rows * width):.0%} real); packed micro-batches of <= {budget} tokens; "
         f"median of {args.repeats}\n"
     )
@@ -144,10 +164,15 @@ def main() -> None:
         print(
             f"| {name} | {update_s:.2f} | {real_tokens / update_s:,.0f} | {logp_s:.2f} | {real_tokens / logp_s:,.0f} |"
         )
-    ratio = results["padded"][0] / results["packed"][0]
-    logp_ratio = results["padded"][1] / results["packed"][1]
-    print(f"\npacked / padded tokens/s: {ratio:.2f}x (update_actor), {logp_ratio:.2f}x (compute_log_prob)")
-    print(f"max |grad diff|: {grad_diff:.2e} (largest gradient element {grad_max:.2e})")
+    print()
+    for name in results:
+        if name == "padded":
+            continue
+        ratio = results["padded"][0] / results[name][0]
+        logp_ratio = results["padded"][1] / results[name][1]
+        label = "packed" if name == "packed" else "shared-prompt"
+        print(f"{label} / padded tokens/s: {ratio:.2f}x (update_actor), {logp_ratio:.2f}x (compute_log_prob)")
+        print(f"{label} max |grad diff|: {grad_diff[name]:.2e} (largest gradient element {grad_max:.2e})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Padding-free training: packed forward passes and token-budget micro-batches compute what the
-padded ones do — log-probs, entropy, losses and gradients, for every loss aggregation mode — on the
-tiny char model and on a user's tied GQA Qwen2 with long, variable-length responses (FSDP2 and
-DeepSpeed against the single process: tests/test_parallel_engines.py)."""
+"""Padding-free training: packed forward passes (and packed with shared prompts) and token-budget
+micro-batches compute what the padded ones do — log-probs, entropy, losses and gradients, for every
+loss aggregation mode — on the tiny char model and on a user's tied GQA Qwen2 with long,
+variable-length responses (FSDP2 and DeepSpeed against the single process:
+tests/test_parallel_engines.py)."""
 
 from __future__ import annotations
 
@@ -13,32 +14,41 @@ from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.packing import (
     micro_batch_ranges,
     pack_sequences,
+    pack_shared_prompts,
     packed_response_log_probs_and_entropy,
     plan_micro_batches,
+    plan_shared_prompt_micro_batches,
+    prompt_keys_and_lengths,
 )
 from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
 from nexrl_hpc.types import Batch
 from tests.test_policy_trainer import trainer
 
-PACKED = ["service.train_service.actor.packing=true"]
+PADDED = ["service.train_service.actor.share_prompt=false"]  # hardware=cpu shares prompts by default
+PACKED = ["service.train_service.actor.packing=true", *PADDED]
+SHARED = ["service.train_service.actor.share_prompt=true"]
 
 
 def variable_batch(
-    n: int, vocab: int, max_prompt: int, max_response: int, seed: int = 0
+    n: int, vocab: int, max_prompt: int, max_response: int, seed: int = 0, group: int = 1
 ) -> dict[str, torch.Tensor]:
     """Prompts of 1..max_prompt and responses of 1..max_response tokens (ids 4..vocab-1), with a
-    tool-like stretch of loss-mask-0 tokens inside some responses."""
+    tool-like stretch of loss-mask-0 tokens inside some responses; ``group`` consecutive rows share
+    a prompt (a GRPO group's samples)."""
     g = torch.Generator().manual_seed(seed)
     trajs = []
-    for _ in range(n):
-        p_len = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+    prompt: list[int] = []
+    for i in range(n):
+        if i % group == 0:
+            p_len = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+            prompt = torch.randint(4, vocab, (p_len,), generator=g).tolist()
         r_len = int(torch.randint(1, max_response + 1, (1,), generator=g))
         loss_mask = [1] * r_len
         if r_len > 6:
             loss_mask[2:4] = [0, 0]
         trajs.append(
             {
-                "prompt_ids": torch.randint(4, vocab, (p_len,), generator=g).tolist(),
+                "prompt_ids": prompt,
                 "response_ids": torch.randint(4, vocab, (r_len,), generator=g).tolist(),
                 "behaviour_log_probs": [-2.0] * r_len,
                 "loss_mask": loss_mask,
@@ -102,6 +112,94 @@ def test_sequences_are_packed_first_fit_with_positions_restarting() -> None:
     assert got == [(0, 0, 0, 1), (0, 1, 0, 2), (0, 2, 0, 3), (1, 0, 2, 0), (2, 0, 1, 2), (2, 1, 1, 3)]
 
 
+def test_rows_sharing_a_prompt_are_packed_as_the_prompt_once_then_each_response() -> None:
+    # rows 0 and 2 share prompt [11, 12]; row 1 has prompt [13]
+    micro = pack_trajectories(
+        Batch.from_trajectories(
+            [
+                {"prompt_ids": [11, 12], "response_ids": [21, 22], "behaviour_log_probs": [0.0] * 2},
+                {"prompt_ids": [13], "response_ids": [24, 25, 26], "behaviour_log_probs": [0.0] * 3},
+                {"prompt_ids": [11, 12], "response_ids": [23], "behaviour_log_probs": [0.0]},
+            ]
+        ),
+        pad_token_id=0,
+    )
+    keys, prompt_lengths = prompt_keys_and_lengths(micro)
+    assert keys[0] == keys[2] != keys[1] and prompt_lengths == [2, 1, 2]
+    lengths = micro["attention_mask"].sum(-1).tolist()  # 4, 4, 3 real tokens
+    # families in order of first appearance; computed tokens: 2 + 2 + 1 = 5 and 1 + 3 = 4
+    assert plan_shared_prompt_micro_batches(keys, prompt_lengths, lengths, 8, None) == [[[0, 2], [1]]]
+    assert plan_shared_prompt_micro_batches(keys, prompt_lengths, lengths, 8, 8) == [[[0, 2]], [[1]]]
+    assert plan_shared_prompt_micro_batches(keys, prompt_lengths, lengths, 8, 9) == [[[0, 2], [1]]]
+    packed = pack_shared_prompts(micro, [[0, 2], [1]])
+    assert packed.input_ids.tolist() == [[11, 12, 21, 22, 23], [13, 24, 25, 26, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 0]]
+    assert packed.allowed is not None
+    assert packed.allowed[0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # row 0's response sees the prompt and itself, causally
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # row 2's response: the prompt and itself, not row 0's response
+    ]
+    assert packed.allowed[1, 4].int().tolist() == [0, 0, 0, 0, 1]  # padding: itself only
+    # the first response token is predicted by the prompt's last token, shared by the family
+    got = sorted(
+        zip(packed.seq.tolist(), packed.pos.tolist(), packed.bin_row.tolist(), packed.bin_col.tolist())
+    )
+    assert got == [(0, 0, 0, 1), (0, 1, 0, 2), (1, 0, 1, 0), (1, 1, 1, 1), (1, 2, 1, 2), (2, 0, 0, 1)]
+    # two families in one bin: each sees its own prompt only
+    both = pack_shared_prompts(micro, [[0, 1, 2]])
+    assert both.input_ids.tolist() == [[11, 12, 21, 22, 23, 13, 24, 25, 26]]
+    assert both.allowed is not None
+    assert both.allowed[0, 7].int().tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 0]  # row 1's 2nd response token
+    assert both.allowed[0, 4].int().tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0]  # row 2's response token
+    assert both.bin_col[both.seq == 1].tolist() == [5, 6, 7]
+
+
+def test_a_prompt_drawn_by_two_groups_is_cut_back_to_group_size() -> None:
+    """Two GRPO groups with the same prompt make one family of 2n rows: it is cut into two of n, so
+    it does not set the width of every bin."""
+    keys = [b"a"] * 4 + [b"b"] * 2 + [b"c"] * 2
+    lengths = [5] * 8  # prompt 3 + response 2
+    (micro,) = plan_shared_prompt_micro_batches(keys, [3] * 8, lengths, 64, None)
+    assert sorted(micro) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model", ["tiny", "chatml"])
+def test_shared_prompt_log_probs_and_entropy_equal_the_padded_ones(
+    model: str, attn: str, tiny_model_dir: str, chatml_model_dir: str
+) -> None:
+    model_dir = tiny_model_dir if model == "tiny" else chatml_model_dir
+    net = load_model(model_dir, torch.float32, attn_implementation=attn).eval()
+    micro = variable_batch(
+        12, net.config.vocab_size, max_prompt=24, max_response=64 if model == "chatml" else 30, group=4
+    )
+    keys, prompt_lengths = prompt_keys_and_lengths(micro)
+    lengths = micro["attention_mask"].sum(-1).tolist()
+    (bins,) = plan_shared_prompt_micro_batches(keys, prompt_lengths, lengths, 64, None)
+    assert sorted(bins) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # widest family first
+    with torch.no_grad():
+        ref_logp, ref_ent = response_log_probs_and_entropy(net, micro)
+        logp, ent = packed_response_log_probs_and_entropy(net, micro, True, False, bins, share_prompt=True)
+    assert ent is not None
+    real = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
+    assert float((ref_logp - logp)[real].abs().max()) <= 1e-5
+    assert float((ref_ent - ent)[real].abs().max()) <= 1e-5
+    assert float(logp[~real].abs().max()) == 0.0
+
+
+def test_shared_prompts_refuse_flash_attention_naming_the_key() -> None:
+    from tests.test_hardware import _problems
+
+    got = _problems([*SHARED, "hardware=gpu", "model.attn_implementation=flash_attention_2"])
+    assert (
+        "flash_attention_2 takes no custom attention mask" in got["service.train_service.actor.share_prompt"]
+    )
+    assert "service.train_service.actor.share_prompt" not in _problems([*SHARED, "hardware=gpu"])
+
+
 @pytest.mark.parametrize("model", ["tiny", "chatml"])
 def test_packed_log_probs_and_entropy_equal_the_padded_ones(
     model: str, tiny_model_dir: str, chatml_model_dir: str
@@ -120,16 +218,29 @@ def test_packed_log_probs_and_entropy_equal_the_padded_ones(
     assert float(logp[~real].abs().max()) == 0.0  # past each response: nothing
 
 
+@pytest.mark.parametrize("layout", ["packing", "share_prompt"])
 @pytest.mark.parametrize(
     "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 )
-def test_packed_token_budget_update_matches_the_padded_update(tiny_model_dir: str, agg: str) -> None:
-    batch = variable_batch(16, 16, max_prompt=8, max_response=40, seed=3)
+def test_packed_token_budget_update_matches_the_padded_update(
+    tiny_model_dir: str, agg: str, layout: str
+) -> None:
+    batch = variable_batch(
+        16, 16, max_prompt=8, max_response=40, seed=3, group=4 if layout == "share_prompt" else 1
+    )
+    # Adam with eps=1 steps in proportion to the gradient: the weights then compare the gradients (with
+    # eps=1e-8 a first step is ~lr * sign(g), and a gradient near 1e-8 makes summation order visible)
     common = [f"service.train_service.actor.loss_agg_mode={agg}", "service.train_service.actor.ppo_mini_batch_size=8",
-              "service.train_service.actor.entropy_coeff=0.01"]  # fmt: skip
-    padded = trainer(tiny_model_dir, [*common, "service.train_service.actor.ppo_micro_batch_size=3"])
+              "service.train_service.actor.entropy_coeff=0.01", "service.train_service.actor.optim.eps=1.0",
+              "service.train_service.actor.optim.lr=0.1"]  # fmt: skip
+    padded = trainer(tiny_model_dir, [*common, *PADDED, "service.train_service.actor.ppo_micro_batch_size=3"])
     packed = trainer(
-        tiny_model_dir, [*common, *PACKED, "service.train_service.actor.ppo_max_token_len_per_gpu=60"]
+        tiny_model_dir,
+        [
+            *common,
+            *(PACKED if layout == "packing" else SHARED),
+            "service.train_service.actor.ppo_max_token_len_per_gpu=60",
+        ],
     )
     before = {k: v.clone() for k, v in padded.model.state_dict().items()}
     ref = padded.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]

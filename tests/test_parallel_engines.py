@@ -199,11 +199,19 @@ PACKED_BY_TOKENS = (
 )
 
 
+SHARED_PROMPTS = (
+    "service.train_service.actor.share_prompt=true",
+    "service.train_service.actor.ppo_max_token_len_per_gpu=20",
+)
+
+
 @pytest.mark.parametrize(
     "engine,overrides",
     [
         ("fsdp", PACKED_BY_TOKENS),
         ("deepspeed", (*PACKED_BY_TOKENS, "service.train_service.deepspeed.zero_stage=3")),
+        ("fsdp", SHARED_PROMPTS),  # the 4-D mask through FSDP2 and ZeRO-3
+        ("deepspeed", (*SHARED_PROMPTS, "service.train_service.deepspeed.zero_stage=3")),
     ],
 )
 def test_packed_token_budget_engines_on_two_ranks_match_the_padded_single_process(

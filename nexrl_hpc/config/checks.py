@@ -122,6 +122,14 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
         )
 
     check(
+        lambda: (
+            not g("service.train_service.actor.share_prompt")
+            or g("model.attn_implementation") != "flash_attention_2"
+        ),
+        "service.train_service.actor.share_prompt",
+        "needs model.attn_implementation eager or sdpa: flash_attention_2 takes no custom attention mask",
+    )
+    check(
         lambda: len(g("runtime.gc_thresholds")) == 3,
         "runtime.gc_thresholds",
         "needs 3 values: gen0, gen1, gen2",

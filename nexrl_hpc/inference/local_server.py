@@ -94,7 +94,7 @@ class LocalInferenceServer:
         if self.attn_implementation:
             cmd += ["--attn-implementation", self.attn_implementation]
         self._deadline = time.monotonic() + self.config["startup_timeout_s"]
-        waiting = take_prewarmed(self.config["num_threads"])  # started with the run, imports done
+        waiting = take_prewarmed(self.config["num_threads"])  # started with the run (launch.train)
         if waiting is not None and send_spec(waiting, cmd[3:], self.api_key, self.log_path):
             self.process = waiting
             return

@@ -10,10 +10,18 @@ each token attends to its own sequence only, exactly as in the padded batch.
 
 Only token positions move: the logits predicting each response token are gathered back to the
 ``[rows, response_len]`` layout the losses use, so every loss and aggregation mode is unchanged.
+
+Sharing prompts (``actor.share_prompt``) goes one step further for GRPO-style groups, whose n
+samples repeat one prompt: the rows with one prompt (a family) are packed as that prompt once,
+then each row's response, and a 4-D mask lets every response attend to the prompt and to itself
+(causally) only. The prompt's hidden states are the same in every row of the family, so the
+log-probs and gradients are those of the padded batch while the prompt is computed once instead
+of n times. Custom masks need eager or SDPA attention (not flash_attention_2).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +88,58 @@ def plan_micro_batches(
     return micro
 
 
+def plan_shared_prompt_micro_batches(
+    prompt_keys: list[bytes],
+    prompt_lengths: list[int],
+    lengths: list[int],
+    max_rows: int,
+    max_tokens: int | None,
+) -> list[list[list[int]]]:
+    """One rank's mini-batch slice as micro-batches of bins, a bin holding whole families (rows with
+    one prompt, ``prompt_keys``), each computed as its prompt once plus every row's response.
+
+    A family larger than the usual one (two groups drew the same prompt) is cut into families of
+    the usual size, so that one does not set the width of every bin; the families are then packed
+    first fit into bins as wide as the widest, and consecutive bins form micro-batches of at most
+    ``max_tokens`` computed tokens or ``max_rows`` rows (a bin over the limit goes alone)."""
+    families: dict[bytes, list[int]] = {}
+    for i, key in enumerate(prompt_keys):
+        families.setdefault(key, []).append(i)
+    if not families:
+        return []
+    counts = Counter(len(f) for f in families.values())
+    usual = max(counts, key=lambda size: (counts[size], size))
+    chunks = [f[i : i + usual] for f in families.values() for i in range(0, len(f), usual)]
+    widths = [prompt_lengths[c[0]] + sum(lengths[i] - prompt_lengths[i] for i in c) for c in chunks]
+    packed = first_fit_bins(widths, max(widths))  # bins of chunk indices
+    bins = [[row for c in members for row in chunks[c]] for members in packed]
+    if max_tokens is not None:
+        sizes, limit = [sum(widths[c] for c in members) for members in packed], max_tokens
+    else:
+        sizes, limit = [len(b) for b in bins], max_rows
+    micro: list[list[list[int]]] = []
+    used = 0
+    for b, size in zip(bins, sizes):
+        if micro and used + size <= limit:
+            micro[-1].append(b)
+            used += size
+        else:
+            micro.append([b])
+            used = size
+    return micro
+
+
+def prompt_keys_and_lengths(tensors: dict[str, torch.Tensor]) -> tuple[list[bytes], list[int]]:
+    """Each row's prompt (its real tokens, as bytes: a dict key) and the prompt's length."""
+    input_ids, attention = tensors["input_ids"], tensors["attention_mask"]
+    prompt_width = input_ids.shape[1] - tensors["responses"].shape[1]
+    real = attention[:, :prompt_width].bool()
+    lengths = real.sum(-1).tolist()
+    prompts = input_ids[:, :prompt_width].cpu()
+    keys = [prompts[i, prompt_width - n :].numpy().tobytes() for i, n in enumerate(lengths)]
+    return keys, lengths
+
+
 @dataclass
 class PackedSequences:
     """Rows of packed sequences and where each response token's logit sits in them."""
@@ -90,6 +150,7 @@ class PackedSequences:
     bin_col: torch.Tensor  # [N] ... and the column of the logit that predicts it
     seq: torch.Tensor  # [N] its row in the padded batch ...
     pos: torch.Tensor  # [N] ... and its response position
+    allowed: torch.Tensor | None = None  # [bins, width, width] who attends to whom (shared prompts)
 
 
 def pack_sequences(
@@ -145,20 +206,135 @@ def pack_sequences(
     )
 
 
+def pack_shared_prompts(
+    micro: dict[str, torch.Tensor], bins: list[list[int]], pad_token_id: int = 0
+) -> PackedSequences:
+    """Pack a padded micro-batch into ``bins`` of rows: within a bin the rows sharing a prompt (a
+    family) are laid out as that prompt once, then each row's response; ``allowed`` lets a prompt
+    token see its family's prompt causally and a response token its family's prompt and its own
+    response causally. Index lists are built in Python, the tensors in one gather each."""
+    input_ids, attention, positions = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
+    prompt_width = input_ids.shape[1] - micro["responses"].shape[1]
+    keys, prompt_lengths = prompt_keys_and_lengths(micro)
+    response_lengths = attention[:, prompt_width:].sum(-1).tolist()
+    layout: list[tuple[list[int], list[int], list[int]]] = []  # per bin: source row, source column, segment
+    bin_row: list[int] = []
+    bin_col: list[int] = []
+    seq: list[int] = []
+    pos: list[int] = []
+    segment = 0  # numbers every family's prompt and every response apart, across the micro-batch
+    family_of: list[int] = []  # segment -> the segment of its family's prompt
+    for k, members in enumerate(bins):
+        families: dict[bytes, list[int]] = {}
+        for b in members:
+            families.setdefault(keys[b], []).append(b)
+        rows: list[int] = []
+        cols: list[int] = []
+        segs: list[int] = []
+        for family_rows in families.values():
+            first = family_rows[0]
+            p = prompt_lengths[first]
+            prompt_segment = segment
+            family_of.append(prompt_segment)
+            segment += 1
+            last_prompt_column = len(rows) + p - 1
+            rows += [first] * p
+            cols += range(prompt_width - p, prompt_width)
+            segs += [prompt_segment] * p
+            for b in family_rows:
+                r = response_lengths[b]
+                if r and not p:
+                    raise ValueError(
+                        f"row {b} of the micro-batch has a response but no prompt token to predict it from"
+                    )
+                start = len(rows)
+                rows += [b] * r
+                cols += range(prompt_width, prompt_width + r)
+                segs += [segment] * r
+                family_of.append(prompt_segment)
+                segment += 1
+                # response token 0 is predicted by the prompt's last token, token j by response token j - 1
+                if r:
+                    bin_row += [k] * r
+                    bin_col += [last_prompt_column, *range(start, start + r - 1)]
+                    seq += [b] * r
+                    pos += range(r)
+        layout.append((rows, cols, segs))
+    width = max(max((len(rows) for rows, _, _ in layout), default=1), 1)
+    n = len(bins)
+    src_row = torch.zeros((n, width), dtype=torch.long)
+    src_col = torch.zeros((n, width), dtype=torch.long)
+    seg = torch.full((n, width), -1, dtype=torch.long)  # -1: padding
+    for k, (rows, cols, segs) in enumerate(layout):
+        src_row[k, : len(rows)] = torch.tensor(rows, dtype=torch.long)
+        src_col[k, : len(cols)] = torch.tensor(cols, dtype=torch.long)
+        seg[k, : len(segs)] = torch.tensor(segs, dtype=torch.long)
+    real = seg >= 0
+    packed_ids = torch.where(real, input_ids[src_row, src_col], torch.full_like(src_row, pad_token_id))
+    tail = torch.arange(width).expand(n, width) - real.sum(-1, keepdim=True)  # padding: positions restart
+    packed_pos = torch.where(real, positions[src_row, src_col], tail.clamp(min=0).to(positions.dtype))
+    # every token's family (the segment of its family's prompt); padding -1
+    family = torch.tensor(family_of + [-1], dtype=torch.long)[seg]
+    is_prompt = real & (seg == family)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_family = (family[:, :, None] == family[:, None, :]) & real[:, :, None] & real[:, None, :]
+    sees = (seg[:, :, None] == seg[:, None, :]) | is_prompt[:, None, :]  # its own segment, or the prompt
+    allowed = same_family & sees & causal
+    allowed |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding sees itself only
+    return PackedSequences(
+        packed_ids,
+        packed_pos,
+        torch.tensor(bin_row, dtype=torch.long),
+        torch.tensor(bin_col, dtype=torch.long),
+        torch.tensor(seq, dtype=torch.long),
+        torch.tensor(pos, dtype=torch.long),
+        allowed,
+    )
+
+
+def _attention_mask_for(model: Any, allowed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``allowed`` as the 4-D mask the model's attention takes as given: boolean for SDPA, additive
+    (0 / the dtype's minimum) for eager, which adds it to the scores."""
+    kind = None
+    for holder in (model, getattr(model, "module", None)):  # a DeepSpeed engine wraps the model
+        kind = kind or getattr(getattr(holder, "config", None), "_attn_implementation", None)
+    kind = kind or "eager"
+    if kind == "flash_attention_2":
+        raise ValueError(
+            "service.train_service.actor.share_prompt needs eager or sdpa attention, not "
+            "model.attn_implementation=flash_attention_2 (it takes no custom mask)"
+        )
+    mask = allowed[:, None].to(device)
+    if kind == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(
+        ~mask, torch.finfo(torch.float32).min
+    )
+
+
 def packed_response_log_probs_and_entropy(
     model: Any,
     micro: dict[str, torch.Tensor],
     with_entropy: bool,
     entropy_grad: bool,
     bins: list[list[int]] | None = None,
+    share_prompt: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token | prefix) and (``with_entropy``) the policy's entropy at every response
-    position, both [rows, response_len] in fp32 and 0 past each response, from one packed forward."""
-    packed = pack_sequences(micro, bins)
+    position, both [rows, response_len] in fp32 and 0 past each response, from one packed forward
+    (``share_prompt``: ``bins`` are families of rows with one prompt, computed once)."""
     device = micro["input_ids"].device
+    if share_prompt:
+        assert bins is not None, "shared prompts are packed by the plan's families"
+        packed = pack_shared_prompts(micro, bins)
+        assert packed.allowed is not None
+        attention_mask = _attention_mask_for(model, packed.allowed, device)
+    else:
+        packed = pack_sequences(micro, bins)
+        attention_mask = None  # the position ids carry the sequence boundaries
     out = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=None,  # the position ids carry the sequence boundaries
+        attention_mask=attention_mask,
         position_ids=packed.position_ids.to(device),
         use_cache=False,
     )

@@ -29,7 +29,12 @@ from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
-from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy, plan_micro_batches
+from nexrl_hpc.trainer.packing import (
+    packed_response_log_probs_and_entropy,
+    plan_micro_batches,
+    plan_shared_prompt_micro_batches,
+    prompt_keys_and_lengths,
+)
 from nexrl_hpc.trainer.parallel import ParallelStrategy, dp_slices
 from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
@@ -229,23 +234,29 @@ class PolicyTrainer(TrainServiceClient):
             raise ValueError(f"no batch plan for operation {operation!r}")
         agg = actor["loss_agg_mode"]
         lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
+        keys, prompt_lengths = prompt_keys_and_lengths(tensors) if actor["share_prompt"] else ([], [])
+
+        def plan_slice(a: int, b: int) -> list[list[list[int]]]:
+            """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
+            if actor["share_prompt"]:
+                return plan_shared_prompt_micro_batches(
+                    keys[a:b], prompt_lengths[a:b], lengths[a:b],
+                    actor["ppo_micro_batch_size"], actor["ppo_max_token_len_per_gpu"],
+                )  # fmt: skip
+            return plan_micro_batches(
+                lengths[a:b],
+                actor["ppo_micro_batch_size"],
+                actor["ppo_max_token_len_per_gpu"],
+                actor["packing"],
+            )
+
         counts, normalizers, passes, micro = [], [], [], []
         rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for m_start, m_end in bounds:
             slices = dp_slices(m_end - m_start, world)
             counts.append([hi - lo for lo, hi in slices])
             # each rank's micro-batches (row ranges of its slice); every rank runs as many passes
-            micro.append(
-                [
-                    plan_micro_batches(
-                        lengths[m_start + lo : m_start + hi],
-                        actor["ppo_micro_batch_size"],
-                        actor["ppo_max_token_len_per_gpu"],
-                        actor["packing"],
-                    )
-                    for lo, hi in slices
-                ]
-            )
+            micro.append([plan_slice(m_start + lo, m_start + hi) for lo, hi in slices])
             passes.append(max(1, max(len(batches) for batches in micro[-1])))
             mask = tensors["response_mask"][m_start:m_end]
             if agg == "token-mean":
@@ -295,11 +306,13 @@ class PolicyTrainer(TrainServiceClient):
     def _log_probs(
         self, micro: MicroBatch, with_entropy: bool, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropy) of a micro-batch: packed (``actor.packing``) or padded."""
+        """Response log-probs (and entropy) of a micro-batch: packed (``actor.packing``), packed by
+        shared prompts (``actor.share_prompt``) or padded."""
         part = micro.tensors
-        if self._require_cfg()["actor"]["packing"]:
+        actor = self._require_cfg()["actor"]
+        if actor["packing"] or actor["share_prompt"]:
             return packed_response_log_probs_and_entropy(
-                self.model, part, with_entropy, entropy_grad, micro.bins
+                self.model, part, with_entropy, entropy_grad, micro.bins, share_prompt=actor["share_prompt"]
             )
         if not with_entropy:
             return response_log_probs(self.model, part), None
