@@ -76,6 +76,12 @@ def plan_micro_batches(
     bins = first_fit_bins(lengths, max(lengths, default=1))
     sizes = [sum(lengths[i] for i in b) if max_tokens is not None else len(b) for b in bins]
     limit = max_tokens if max_tokens is not None else max_rows
+    return consecutive_micro_batches(bins, sizes, limit)
+
+
+def consecutive_micro_batches(bins: list[list[int]], sizes: list[int], limit: int) -> list[list[list[int]]]:
+    """Consecutive bins grouped while their ``sizes`` (tokens or rows) sum to at most ``limit``; a
+    bin over the limit goes alone."""
     micro: list[list[list[int]]] = []
     used = 0
     for b, size in zip(bins, sizes):
@@ -117,16 +123,7 @@ def plan_shared_prompt_micro_batches(
         sizes, limit = [sum(widths[c] for c in members) for members in packed], max_tokens
     else:
         sizes, limit = [len(b) for b in bins], max_rows
-    micro: list[list[list[int]]] = []
-    used = 0
-    for b, size in zip(bins, sizes):
-        if micro and used + size <= limit:
-            micro[-1].append(b)
-            used += size
-        else:
-            micro.append([b])
-            used = size
-    return micro
+    return consecutive_micro_batches(bins, sizes, limit)
 
 
 def prompt_keys_and_lengths(tensors: dict[str, torch.Tensor]) -> tuple[list[bytes], list[int]]:
