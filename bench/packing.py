@@ -117,7 +117,7 @@ def main() -> None:
         *MODEL, f"data.batch_size={args.rows}", "data.rollout_repeat_n=1",
         f"service.train_service.actor.ppo_mini_batch_size={args.rows}", "service.train_service.actor.grad_clip=1.0e9",
         "service.train_service.actor.optim.lr=1.0e-6", "service.train_service.num_threads=2",
-        "service.train_service.actor.share_prompt=false",  # padded and packed as named; the third engine shares
+        "service.train_service.actor.share_prompt=false",  # padded and packed as named (the default); the third shares
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialize_base_model(compose(common)["model"], os.path.join(tmp, "model"))

@@ -37,7 +37,6 @@ GPU_KEYS = {
     "service.train_service.dist_backend": ("gloo", "nccl"),
     "service.train_service.fsdp.param_dtype": ("float32", "bfloat16"),
     "service.train_service.fsdp.reduce_dtype": ("float32", "float32"),
-    "service.train_service.actor.share_prompt": (True, False),
     "service.inference_service.vllm.device": ("cpu", "cuda"),
     "service.inference_service.vllm.dtype": ("float32", "bfloat16"),  # follows the trainer's
     "service.inference_service.vllm.gpu_memory_utilization": (None, 0.85),

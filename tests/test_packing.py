@@ -24,7 +24,7 @@ from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
 from nexrl_hpc.types import Batch
 from tests.test_policy_trainer import trainer
 
-PADDED = ["service.train_service.actor.share_prompt=false"]  # hardware=cpu shares prompts by default
+PADDED = ["service.train_service.actor.share_prompt=false"]  # the default, said where a test compares layouts
 PACKED = ["service.train_service.actor.packing=true", *PADDED]
 SHARED = ["service.train_service.actor.share_prompt=true"]
 

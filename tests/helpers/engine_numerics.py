@@ -37,7 +37,7 @@ def main() -> None:
         "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
         "service.train_service.actor.ppo_micro_batch_size=3",  # ranks get 4/4 then 3/2 rows: 2 vs 1 passes
         "service.train_service.actor.optim.lr_warmup_steps=2",  # LR x0.5 then x1: the scheduled LR must apply
-        "service.train_service.actor.share_prompt=false",  # padded unless a test packs (hardware=cpu shares prompts)
+        "service.train_service.actor.share_prompt=false",  # the padded reference unless a test packs
         *extra,
     ]
     cfg = compose_config(overrides)
