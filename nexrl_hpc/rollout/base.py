@@ -214,6 +214,8 @@ class BaseRolloutWorker(NexRLModule):
         return _mapped(request, lambda tasks: (tasks, False))
 
     def _fetch_tasks(self, max_items: int, wait_s: float = 0.0) -> tuple[list[dict[str, Any]], bool]:
+        if not self._is_running_validate:
+            return self._request_training_tasks(max_items, wait_s).result()  # one call, one long poll
         tasks, is_validate = self._request_tasks(max_items, 0.0).result()
         if tasks or wait_s <= 0:
             return tasks, is_validate
