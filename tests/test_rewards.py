@@ -233,6 +233,26 @@ def test_every_thread_hung_scores_timeouts_at_once_and_recovers() -> None:
         runner.close()
 
 
+def test_a_batch_is_scored_in_order_and_a_hung_item_does_not_hold_the_rest_of_its_chunk() -> None:
+    """Two threads: chunks [ok, hang, 2, 3] and [4, hang, 6, 7]; both threads hang on their second
+    item, the watchdog requeues the rest of each chunk and the replacement threads score it."""
+
+    def by_response(task: dict[str, Any], response: str) -> float:
+        return flaky(task, response) if response in ("ok", "hang") else float(response)
+
+    runner = RewardRunner(as_reward(by_response, KEY), timeout_s=0.3, num_threads=2)
+    try:
+        start = time.monotonic()
+        responses = ["ok", "hang", "2", "3", "4", "hang", "6", "7"]
+        results = [f.result(timeout=10) for f in runner.submit_many([(TASK, r) for r in responses])]
+        elapsed = time.monotonic() - start
+    finally:
+        runner.close()
+    assert [r["reward"] for r in results] == [1.0, 0.0, 2.0, 3.0, 4.0, 0.0, 6.0, 7.0]
+    assert [r[TIMEOUTS] for r in results] == [0, 1, 0, 0, 0, 1, 0, 0]
+    assert elapsed < 2.0  # the hung calls take 3 s each: nothing waited for them
+
+
 # --- shipped scorers ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("answer", "response", "correct"),

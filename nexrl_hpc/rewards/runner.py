@@ -9,6 +9,12 @@ that the function is not called any more (each score is a timeout at once) until
 returns. Daemon threads never hold up the process's exit. A reward that busy-loops holds the GIL in
 turns and slows the worker down: untrusted code belongs in a sandbox (nexrl_hpc.agents.sandbox).
 
+Many responses that finish together (a coalesced completion request returns a whole batch) are
+submitted together (``submit_many``): cut into one chunk per pool thread, each chunk one hand-off to
+a thread that scores its items in turn, each item with its own deadline; when an item times out
+the rest of its chunk goes back to the queue for the other threads. One hand-off per item cost
+40-110 µs each on 2 cores, twenty times the default task's reward itself.
+
 Every failure is a score of 0 with a count: ``reward/errors`` (raised, or returned no reward) and
 ``reward/timeouts``, both present in every score dict so per-step sums are counts. A warning names
 the function and the exception, at most once per ``WARN_EVERY_S`` per kind.
@@ -22,6 +28,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +58,7 @@ class _Worker:
     thread: threading.Thread | None = None
     job: _Job | None = None
     abandoned: bool = False
+    rest: deque[_Job] = field(default_factory=deque)  # what is left of the chunk it is scoring
 
 
 @dataclass
@@ -71,7 +80,7 @@ class RewardRunner:
         self.num_timeouts = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()  # chunks
         self._live: list[_Worker] = []
         self._abandoned: list[_Worker] = []
         self._deadlines: list[tuple[float, int, _Worker]] = []  # heap of running calls
@@ -85,21 +94,31 @@ class RewardRunner:
 
     # --- the caller's side ------------------------------------------------------------------------
     def submit(self, task: Any, response: str) -> Future:
-        future: Future = Future()
+        return self.submit_many([(task, response)])[0]
+
+    def submit_many(self, pairs: Sequence[tuple[Any, str]]) -> list[Future]:
+        """A future per ``(task, response)``, in order; the pairs go to the threads as one chunk per
+        live thread."""
+        jobs = [_Job(task, response, Future()) for task, response in pairs]
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the reward runner is closed")
             saturated = not self._live
-            if not saturated:  # queued under the lock: the watchdog's drain sees it if all threads hang
-                self._queue.put(_Job(task, response, future))
+            if (
+                not saturated and jobs
+            ):  # queued under the lock: the watchdog's drain sees it if all threads hang
+                size = -(-len(jobs) // len(self._live))
+                for start in range(0, len(jobs), size):
+                    self._queue.put(jobs[start : start + size])
         if saturated:  # every thread hung: do not queue behind them
-            self._resolve_failure(
-                future,
-                TIMEOUTS,
-                f"{len(self._abandoned)} calls are still running past {self.timeout_s} s; not called "
-                "until one returns",
-            )
-        return future
+            for job in jobs:
+                self._resolve_failure(
+                    job.future,
+                    TIMEOUTS,
+                    f"{len(self._abandoned)} calls are still running past {self.timeout_s} s; not called "
+                    "until one returns",
+                )
+        return [job.future for job in jobs]
 
     def score(self, task: Any, response: str) -> dict[str, float]:
         """``submit`` and wait (for callers on a thread of their own, e.g. an environment's step)."""
@@ -125,36 +144,52 @@ class RewardRunner:
 
     def _serve(self, worker: _Worker) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            chunk = self._queue.get()
+            if chunk is None:
                 return
             with self._lock:
-                if not job.future.set_running_or_notify_cancel():
-                    continue
-                job.deadline = time.monotonic() + self.timeout_s
-                worker.job = job
-                heapq.heappush(self._deadlines, (job.deadline, next(self._order), worker))
+                worker.rest.extend(chunk)
+            while (outcome := self._score_next(worker)) == "scored":
+                pass
+            if outcome == "retired":
+                return
+
+    def _score_next(self, worker: _Worker) -> str:
+        """Score the next item of the worker's chunk: "scored"; "done" when nothing is left of it
+        (a timed-out item's thread finds its chunk requeued by the watchdog); "retired" when that
+        thread is not needed any more (the pool was refilled meanwhile) and must exit."""
+        with self._lock:
+            if not worker.rest:
+                return "done"
+            job = worker.rest.popleft()
+            if not job.future.set_running_or_notify_cancel():
+                return "scored"
+            job.deadline = time.monotonic() + self.timeout_s
+            worker.job = job
+            heapq.heappush(self._deadlines, (job.deadline, next(self._order), worker))
+            if len(self._deadlines) == 1:  # a later deadline than those queued needs no wake-up
                 self._wake.notify()
-            try:
-                scores: dict[str, float] | None = self.reward(job.task, job.response)
-                failure = ""
-            except Exception as exc:
-                scores, failure = None, f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                timed_out = worker.abandoned  # then the watchdog answered for this call
-                worker.job = None
-                if worker.abandoned:
-                    self._abandoned.remove(worker)
-                    if self._closed or len(self._live) >= self.num_threads:
-                        return
-                    worker.abandoned = False  # back in the pool: a hung call returned
-                    self._live.append(worker)
-            if timed_out:
-                continue
-            if scores is None:
-                self._resolve_failure(job.future, ERRORS, failure)
-            else:
-                job.future.set_result({**scores, ERRORS: 0.0, TIMEOUTS: 0.0})
+        try:
+            scores: dict[str, float] | None = self.reward(job.task, job.response)
+            failure = ""
+        except Exception as exc:
+            scores, failure = None, f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            timed_out = worker.abandoned  # then the watchdog answered for this call
+            worker.job = None
+            if worker.abandoned:
+                self._abandoned.remove(worker)
+                if self._closed or len(self._live) >= self.num_threads:
+                    return "retired"
+                worker.abandoned = False  # back in the pool: a hung call returned
+                self._live.append(worker)
+        if timed_out:
+            return "done"  # the watchdog requeued the rest of the chunk
+        if scores is None:
+            self._resolve_failure(job.future, ERRORS, failure)
+        else:
+            job.future.set_result({**scores, ERRORS: 0.0, TIMEOUTS: 0.0})
+        return "scored"
 
     def _watch(self) -> None:
         """Answer calls past their deadline with a timeout and replace their threads."""
@@ -172,6 +207,9 @@ class RewardRunner:
                     worker.abandoned = True
                     self._live.remove(worker)
                     self._abandoned.append(worker)
+                    if worker.rest:  # the rest of its chunk: to the threads still live
+                        self._queue.put(list(worker.rest))
+                        worker.rest.clear()
                     if len(self._abandoned) <= ABANDONED_PER_THREAD * self.num_threads:
                         self._spawn()
                     expired.append(job)
@@ -195,11 +233,12 @@ class RewardRunner:
                 return
         while True:
             try:
-                job = self._queue.get_nowait()
+                chunk = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if job is not None and job.future.set_running_or_notify_cancel():
-                self._resolve_failure(job.future, TIMEOUTS, "every reward thread is hung")
+            for job in chunk or ():
+                if job.future.set_running_or_notify_cancel():
+                    self._resolve_failure(job.future, TIMEOUTS, "every reward thread is hung")
 
     # --- failures ----------------------------------------------------------------------------------
     def _resolve_failure(self, future: Future, kind: str, message: str) -> None:

@@ -3,7 +3,9 @@
 The reward runs on the RewardRunner's threads, not on the worker's event loop: a slow scorer
 (math-verify, a sandbox) does not hold up the requests of the other steps in flight, and a reward
 that raises, returns no number or runs past ``reward_timeout_s`` scores 0 and is counted
-(``reward/errors``, ``reward/timeouts`` in every trajectory's scores).
+(``reward/errors``, ``reward/timeouts`` in every trajectory's scores). Responses that come back
+together (one coalesced completion request) are scored as one submission and their scores come
+back to the loop together: per-response hand-offs cost more than the default task's reward.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.core.bridge import FutureBridge
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import RewardRunner
 from nexrl_hpc.rollout.base import BaseRolloutWorker
@@ -25,6 +28,8 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         self._reward_timeout_s = rw["reward_timeout_s"]
         self._reward_threads = rw["reward_threads"]
         self._rewards: RewardRunner | None = None
+        self._to_score: list[tuple[dict[str, Any], str, asyncio.Future[dict[str, float]]]] = []
+        self._bridge: FutureBridge | None = None
 
     def _reward_runner(self) -> RewardRunner:
         """Made on first use, so a worker that never runs starts no threads."""
@@ -47,5 +52,29 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         self._mark_generated()
-        scores = await asyncio.wrap_future(self._reward_runner().submit(task, result["response"]))
+        scores = await self._score(task, result["response"])
         return await self._aput_trajectory(self.make_trajectory(task, result, scores))
+
+    async def _score(self, task: dict[str, Any], response: str) -> dict[str, float]:
+        """The reward's score dict; responses scored in the same turn of the loop go out together."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[dict[str, float]] = loop.create_future()
+        if not self._to_score:
+            loop.call_soon(self._submit_scores)
+        self._to_score.append((task, response, waiter))
+        return await waiter
+
+    def _submit_scores(self) -> None:
+        batch, self._to_score = self._to_score, []
+        loop = asyncio.get_running_loop()
+        if self._bridge is None or self._bridge.loop is not loop:
+            self._bridge = FutureBridge(loop)
+        try:
+            futures = self._reward_runner().submit_many([(task, response) for task, response, _ in batch])
+        except Exception as exc:  # the runner was closed (the worker stops)
+            for _, _, waiter in batch:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
+        for (_, _, waiter), future in zip(batch, futures):
+            self._bridge.deliver(future, waiter)
