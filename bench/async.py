@@ -1,6 +1,6 @@
 """Throughput of fully-async and batch-async RL against sync mode, with generation time ≈ train step time.
 
-The trainer is the real one (the default task's tiny model, local mode); the LLM is the fake
+The trainer is the real one (the default task's tiny model); the LLM is the fake
 engine (``service.inference_service.backend=fake``), whose requests take ``--gen-ms`` each — by
 default the trainer's own step time, measured first in a calibration run, so that generating a
 batch takes as long as training on it. Sync mode pays generation + training per step; the async
@@ -10,7 +10,11 @@ train time), so the ideal speedup is ``sync s/step / max(generation s, train s)`
 two are equal); it is printed beside each speedup with the fraction of it reached. Throughput counts trained trajectories from
 the end of the first step to the end of the last (warm-up excluded).
 
-    python bench/async.py [--steps 30] [--gen-ms auto] [--repeats 1]
+``--launch local`` runs everything in this process: the rollout side (fake engine, rollout worker,
+reward threads) shares the trainer's interpreter and takes GIL time from it. ``--launch mpi`` puts
+the driver, the trainer and the rollout side on three ranks (``mpirun -n 3``), as on a cluster.
+
+    python bench/async.py [--steps 30] [--gen-ms auto] [--repeats 1] [--launch local|mpi]
 """
 
 from __future__ import annotations
@@ -20,24 +24,24 @@ import logging
 import statistics
 import time
 
-from local_run import run_local
+from local_run import run_local, run_mpi
 
 GOALS = {"fully-async": 1.9, "batch-async": 1.6}
 GOAL_OF_IDEAL = {"fully-async": 0.97}
 
 
-def run(mode: str, threshold: int, steps: int, gen_ms: float) -> dict[str, float]:
-    cfg, rows = run_local(
-        f"nexrl_bench_async_{mode}_",
-        [
-            f"weight.sync_mode={mode}",
-            f"weight.staleness_threshold={threshold}",
-            "service.inference_service.backend=fake",
-            f"service.inference_service.fake_latency_ms={gen_ms}",
-            "service.train_service.num_threads=1",  # the rollout side needs the other core
-            f"train_worker.total_train_steps={steps}",
-        ],
-    )
+def run(mode: str, threshold: int, steps: int, gen_ms: float, launch: str) -> dict[str, float]:
+    overrides = [
+        f"weight.sync_mode={mode}",
+        f"weight.staleness_threshold={threshold}",
+        "service.inference_service.backend=fake",
+        f"service.inference_service.fake_latency_ms={gen_ms}",
+        "service.train_service.num_threads=1",  # the rollout side needs the other core
+        f"train_worker.total_train_steps={steps}",
+    ]
+    prefix = f"nexrl_bench_async_{mode}_"
+    # mpi: driver, trainer and rollout side (worker + fake engine) on ranks 0, 1, 2
+    cfg, rows = run_mpi(prefix, overrides, 3) if launch == "mpi" else run_local(prefix, overrides)
     elapsed = rows[-1]["time"] - rows[0]["time"]
     trajectories = sum(r["train/num_groups"] for r in rows[1:]) * cfg["data"]["rollout_repeat_n"]
     train_s = [r["timing/update_s"] + r["timing/export_s"] + r["timing/old_log_prob_s"] for r in rows[1:]]
@@ -59,11 +63,17 @@ def main() -> None:
         "--gen-ms", default="auto", help="fake generation time per request; auto: the train step time"
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the table shows the median")
+    parser.add_argument(
+        "--launch",
+        choices=["local", "mpi"],
+        default="local",
+        help="local: one process; mpi: mpirun -n 3 (driver, trainer, rollout side on ranks of their own)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nexrl_hpc").setLevel(logging.WARNING)
     if args.gen_ms == "auto":
-        calibration = run("sync", 0, max(6, args.steps // 3), 0.0)
+        calibration = run("sync", 0, max(6, args.steps // 3), 0.0, args.launch)
         gen_ms = round(1000 * calibration["train_s"], 1)
     else:
         gen_ms = float(args.gen_ms)
@@ -72,7 +82,7 @@ def main() -> None:
     t0 = time.monotonic()
     for _ in range(args.repeats):
         for mode, threshold in modes:
-            results[mode].append(run(mode, threshold, args.steps, gen_ms))
+            results[mode].append(run(mode, threshold, args.steps, gen_ms, args.launch))
     median = {m: sorted(rs, key=lambda r: r["per_s"])[len(rs) // 2] for m, rs in results.items()}
     sync = median["sync"]
     base = sync["per_s"]
@@ -80,7 +90,7 @@ def main() -> None:
     ideal = sync["step_s"] / max(gen_ms / 1000, sync["train_s"])
     print()
     print(
-        f"generation {gen_ms:.1f} ms per request (fake engine), {args.steps} steps per run, "
+        f"{args.launch} mode, generation {gen_ms:.1f} ms per request (fake engine), {args.steps} steps per run, "
         f"{args.repeats} run(s) per mode, {time.monotonic() - t0:.0f} s; "
         f"sync step {sync['step_s']:.3f} s of which training {sync['train_s']:.3f} s: ideal {ideal:.2f}x"
     )
