@@ -10,10 +10,11 @@ accumulated gradients of one optimizer step over the whole batch (fp32, no clipp
 The model: a Llama built from model.tiny with hidden 256, 4 layers, 8 heads over 4 KV heads, tied
 embeddings, 1024 positions.
 
-With ``--group N`` every N consecutive rows share one prompt (a GRPO group of N samples) and a third
-engine runs: packed by shared prompts (``actor.share_prompt=true``, the same token budget), each
-group's prompt computed once. Its tokens/s counts the same real tokens as the others (every row's
-prompt), so the ratio is what a user's batch gains.
+With ``--group N`` every N consecutive rows share one prompt (a GRPO group of N samples) and two
+more engines run: packed by shared prompts (``actor.share_prompt=true``, the same token budget), each
+group's prompt computed once, and ``share_prompt=auto`` (the default; packed otherwise), which
+shares only when its FLOP estimate says so (the bench prints what it chose). Tokens/s counts the
+same real tokens for every engine (every row's prompt), so a ratio is what a user's batch gains.
 
     python bench/packing.py [--repeats 3] [--rows 64] [--group 8]
 """
@@ -127,12 +128,23 @@ def main() -> None:
         width = batch["input_ids"].shape[1]
         budget = 8 * width
         engines = {"padded": padded}
-        layouts = {"packed": "packing", "shared prompts": "share_prompt"}
-        for name in ("packed", "shared prompts") if args.group > 1 else ("packed",):
+        layouts = {
+            "packed": ["service.train_service.actor.packing=true"],
+            "shared prompts": ["service.train_service.actor.share_prompt=true"],
+            # the default: shares prompts when its estimate says it is cheaper, else packed here
+            "auto": [
+                "service.train_service.actor.packing=true",
+                "service.train_service.actor.share_prompt=auto",
+            ],
+        }
+        for name in ("packed", "shared prompts", "auto") if args.group > 1 else ("packed",):
             engines[name] = trainer(
                 model_dir,
-                [*common, f"service.train_service.actor.{layouts[name]}=true", f"service.train_service.actor.ppo_max_token_len_per_gpu={budget}"],
+                [*common, *layouts[name], f"service.train_service.actor.ppo_max_token_len_per_gpu={budget}"],
             )  # fmt: skip
+        auto_shares = (
+            "auto" in engines and engines["auto"].plan_batch("update_actor", batch)[0]["shared_prompts"]
+        )
         real_tokens = int(batch["attention_mask"].sum())
         # gradients of one step from the same weights
         for eng in engines.values():
@@ -170,9 +182,11 @@ def main() -> None:
             continue
         ratio = results["padded"][0] / results[name][0]
         logp_ratio = results["padded"][1] / results[name][1]
-        label = "packed" if name == "packed" else "shared-prompt"
+        label = {"packed": "packed", "shared prompts": "shared-prompt"}.get(name, name)
         print(f"{label} / padded tokens/s: {ratio:.2f}x (update_actor), {logp_ratio:.2f}x (compute_log_prob)")
         print(f"{label} max |grad diff|: {grad_diff[name]:.2e} (largest gradient element {grad_max:.2e})")
+    if args.group > 1:
+        print(f"auto chose: {'shared prompts' if auto_shares else 'packed'}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,15 @@ tests/test_parallel_engines.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.models.tiny import load_model
+from nexrl_hpc.trainer import packing
 from nexrl_hpc.trainer.packing import (
     micro_batch_ranges,
     pack_sequences,
@@ -24,7 +28,7 @@ from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
 from nexrl_hpc.types import Batch
 from tests.test_policy_trainer import trainer
 
-PADDED = ["service.train_service.actor.share_prompt=false"]  # the default, said where a test compares layouts
+PADDED = ["service.train_service.actor.share_prompt=false"]  # padded unless actor.packing (default: auto)
 PACKED = ["service.train_service.actor.packing=true", *PADDED]
 SHARED = ["service.train_service.actor.share_prompt=true"]
 
@@ -257,3 +261,43 @@ def test_packed_token_budget_update_matches_the_padded_update(
     a = padded.compute_log_prob({"batch": dict(batch)})["batch"]["old_log_probs"]
     b = packed.compute_log_prob({"batch": dict(batch)})["batch"]["old_log_probs"]
     assert float(((a - b) * batch["response_mask"]).abs().max()) <= 1e-5
+
+
+def test_auto_shares_prompts_only_where_its_estimate_is_cheaper(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of 8 with 1-2 token responses (the default task's shape): sharing computes each prompt
+    once and wins; with responses up to 400 tokens a family's row makes attention quadratic in
+    its whole width, so the batch stays padded. flash_attention_2 never shares."""
+    auto = trainer(tiny_model_dir, ["service.train_service.actor.share_prompt=auto"])
+    short = variable_batch(64, 16, max_prompt=8, max_response=2, seed=1, group=8)
+    long = variable_batch(64, 16, max_prompt=8, max_response=400, seed=1, group=8)
+    assert auto.plan_batch("update_actor", short)[0]["shared_prompts"] is True
+    assert auto.plan_batch("update_actor", long)[0]["shared_prompts"] is False
+    packed_families: list[int] = []
+    original = packing.pack_shared_prompts
+
+    def counting(micro: dict[str, torch.Tensor], bins: list[list[int]], pad_token_id: int = 0) -> Any:
+        packed_families.append(len(bins))
+        return original(micro, bins, pad_token_id)
+
+    monkeypatch.setattr(packing, "pack_shared_prompts", counting)
+    padded = trainer(tiny_model_dir, PADDED)
+    got = auto.compute_log_prob({"batch": dict(short)})["batch"]["old_log_probs"]
+    assert packed_families  # the forward took the plan's choice
+    ref = padded.compute_log_prob({"batch": dict(short)})["batch"]["old_log_probs"]
+    assert float(((got - ref) * short["response_mask"]).abs().max()) <= 1e-5
+    monkeypatch.setattr(auto.model.config, "_attn_implementation", "flash_attention_2")
+    assert auto.plan_batch("update_actor", short)[0]["shared_prompts"] is False
+
+
+def test_the_cost_estimate_reads_the_hf_config_through_an_engine_wrapper(tiny_model_dir: str) -> None:
+    """A DeepSpeed engine holds DeepSpeed's own ``config`` and the model as ``module``."""
+    model = load_model(tiny_model_dir)
+    engine_like = SimpleNamespace(config={"train_batch_size": 8}, module=model)
+    assert packing.hf_config(engine_like) is model.config
+    per_token, per_pair = packing.forward_costs(packing.hf_config(engine_like))
+    hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
+    assert per_pair == 4.0 * layers * hidden
+    weights = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
+    assert per_token == 2.0 * (weights + hidden * model.config.vocab_size)  # every matmul weight, once

@@ -123,7 +123,7 @@ def semantic_problems(cfg: Mapping) -> list[ConfigProblem]:
 
     check(
         lambda: (
-            not g("service.train_service.actor.share_prompt")
+            g("service.train_service.actor.share_prompt") is not True
             or g("model.attn_implementation") != "flash_attention_2"
         ),
         "service.train_service.actor.share_prompt",

@@ -25,7 +25,8 @@ class ActorConfig(TypedDict):
     ppo_micro_batch_size: Annotated[int, Ge(1)]
     ppo_max_token_len_per_gpu: Annotated[int, Ge(1)] | None  # micro-batches by real tokens; null: by rows
     packing: bool  # sequences packed end to end (no padding computed); false: padded rows
-    share_prompt: bool  # rows with one prompt packed as that prompt once + each response (4-D mask)
+    # rows with one prompt packed as that prompt once + each response (4-D mask); auto: when it is cheaper
+    share_prompt: bool | Literal["auto"]
     grad_clip: Annotated[float, Gt(0.0)]
     clip_ratio_low: Annotated[float, Ge(0.0), Le(1.0)]
     clip_ratio_high: Annotated[float, Ge(0.0)]

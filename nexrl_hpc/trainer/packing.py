@@ -17,6 +17,11 @@ then each row's response, and a 4-D mask lets every response attend to the promp
 (causally) only. The prompt's hidden states are the same in every row of the family, so the
 log-probs and gradients are those of the padded batch while the prompt is computed once instead
 of n times. Custom masks need eager or SDPA attention (not flash_attention_2).
+
+Sharing pays when prompts outweigh responses; with long responses a family packed into one row
+makes attention quadratic in the whole family's width and loses (responses of 16-512 tokens:
+0.77x of padded). ``share_prompt=auto`` decides per batch: it plans the batch both ways and shares
+when the estimated forward FLOPs (``forward_costs``, ``plan_cost``) are lower.
 """
 
 from __future__ import annotations
@@ -124,6 +129,34 @@ def plan_shared_prompt_micro_batches(
     else:
         sizes, limit = [len(b) for b in bins], max_rows
     return consecutive_micro_batches(bins, sizes, limit)
+
+
+def forward_costs(model_config: Any) -> tuple[float, float]:
+    """(FLOPs per token, FLOPs per attending token pair) of one forward pass, from the model's HF
+    config: the weight matmuls (projections, MLP, LM head) grow with tokens, attention (dense on
+    CPU/SDPA: a mask does not skip work) with each row's width squared."""
+    hidden = int(model_config.hidden_size)
+    layers = int(model_config.num_hidden_layers)
+    heads = int(getattr(model_config, "num_attention_heads", 1) or 1)
+    kv_dim = hidden * int(getattr(model_config, "num_key_value_heads", heads) or heads) // heads
+    intermediate = int(getattr(model_config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    per_layer = hidden * (2 * hidden + 2 * kv_dim) + 3 * hidden * intermediate  # q, o, k, v; gate, up, down
+    per_token = 2.0 * (layers * per_layer + hidden * int(model_config.vocab_size))
+    return per_token, 4.0 * layers * hidden
+
+
+def plan_cost(widths: list[list[int]], per_token: float, per_pair: float) -> float:
+    """Estimated forward FLOPs of micro-batches given as the widths of their bins (rows): every bin
+    of a micro-batch is as wide as its widest."""
+    return sum(len(w) * (per_token * max(w) + per_pair * max(w) ** 2) for w in widths if w)
+
+
+def shared_prompt_width(
+    rows: list[int], prompt_keys: list[bytes], prompt_lengths: list[int], lengths: list[int]
+) -> int:
+    """Tokens of a bin with shared prompts: each family's prompt once, then every row's response."""
+    prompts = {prompt_keys[i]: prompt_lengths[i] for i in rows}
+    return sum(prompts.values()) + sum(lengths[i] - prompt_lengths[i] for i in rows)
 
 
 def prompt_keys_and_lengths(tensors: dict[str, torch.Tensor]) -> tuple[list[bytes], list[int]]:
@@ -289,13 +322,26 @@ def pack_shared_prompts(
     )
 
 
+def hf_config(model: Any) -> Any:
+    """The HF config of a model, or of the model a DeepSpeed engine wraps (the engine's own
+    ``config`` is DeepSpeed's)."""
+    from transformers import PretrainedConfig
+
+    for holder in (model, getattr(model, "module", None)):
+        config = getattr(holder, "config", None)
+        if isinstance(config, PretrainedConfig):
+            return config
+    return None
+
+
+def attention_kind(model: Any) -> str:
+    return getattr(hf_config(model), "_attn_implementation", None) or "eager"
+
+
 def _attention_mask_for(model: Any, allowed: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``allowed`` as the 4-D mask the model's attention takes as given: boolean for SDPA, additive
     (0 / the dtype's minimum) for eager, which adds it to the scores."""
-    kind = None
-    for holder in (model, getattr(model, "module", None)):  # a DeepSpeed engine wraps the model
-        kind = kind or getattr(getattr(holder, "config", None), "_attn_implementation", None)
-    kind = kind or "eager"
+    kind = attention_kind(model)
     if kind == "flash_attention_2":
         raise ValueError(
             "service.train_service.actor.share_prompt needs eager or sdpa attention, not "

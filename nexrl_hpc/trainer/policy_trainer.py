@@ -30,10 +30,15 @@ from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.packing import (
+    attention_kind,
+    forward_costs,
+    hf_config,
     packed_response_log_probs_and_entropy,
+    plan_cost,
     plan_micro_batches,
     plan_shared_prompt_micro_batches,
     prompt_keys_and_lengths,
+    shared_prompt_width,
 )
 from nexrl_hpc.trainer.parallel import ParallelStrategy, dp_slices
 from nexrl_hpc.trainer.service import TrainServiceClient
@@ -109,6 +114,7 @@ class MicroBatch:
     real: bool
     rows: torch.Tensor
     bins: list[list[int]]
+    shared_prompts: bool  # bins are families packed as their prompt once (the plan's choice)
 
 
 class PolicyTrainer(TrainServiceClient):
@@ -234,11 +240,13 @@ class PolicyTrainer(TrainServiceClient):
             raise ValueError(f"no batch plan for operation {operation!r}")
         agg = actor["loss_agg_mode"]
         lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
-        keys, prompt_lengths = prompt_keys_and_lengths(tensors) if actor["share_prompt"] else ([], [])
+        setting = actor["share_prompt"]
+        keys, prompt_lengths = prompt_keys_and_lengths(tensors) if setting else ([], [])
+        parts = [(m_start, m_end, dp_slices(m_end - m_start, world)) for m_start, m_end in bounds]
 
-        def plan_slice(a: int, b: int) -> list[list[list[int]]]:
+        def plan_slice(a: int, b: int, shared: bool) -> list[list[list[int]]]:
             """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
-            if actor["share_prompt"]:
+            if shared:
                 return plan_shared_prompt_micro_batches(
                     keys[a:b], prompt_lengths[a:b], lengths[a:b],
                     actor["ppo_micro_batch_size"], actor["ppo_max_token_len_per_gpu"],
@@ -250,14 +258,40 @@ class PolicyTrainer(TrainServiceClient):
                 actor["packing"],
             )
 
+        def plan_all(shared: bool) -> list[list[list[list[list[int]]]]]:
+            """Per mini-batch, per rank: its micro-batches."""
+            return [[plan_slice(m + lo, m + hi, shared) for lo, hi in slices] for m, _, slices in parts]
+
+        def cost(shared: bool, planned: list[list[list[list[list[int]]]]]) -> float:
+            width = int(tensors["input_ids"].shape[1])  # a padded row is as wide as the batch
+
+            def bin_width(rows: list[int]) -> int:
+                if shared:
+                    return shared_prompt_width(rows, keys, prompt_lengths, lengths)
+                return sum(lengths[i] for i in rows) if actor["packing"] else width
+
+            widths = [
+                [bin_width([m + lo + i for i in b]) for b in batch]
+                for (m, _, slices), per_rank in zip(parts, planned)
+                for (lo, _), batches in zip(slices, per_rank)
+                for batch in batches
+            ]
+            return plan_cost(widths, *forward_costs(hf_config(self.model)))
+
+        if setting == "auto" and attention_kind(self.model) != "flash_attention_2":
+            options = {shared: plan_all(shared) for shared in (True, False)}
+            shared_prompts = cost(True, options[True]) < cost(False, options[False])
+            planned = options[shared_prompts]
+        else:
+            shared_prompts = setting is True
+            planned = plan_all(shared_prompts)
+
         counts, normalizers, passes, micro = [], [], [], []
         rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        for m_start, m_end in bounds:
-            slices = dp_slices(m_end - m_start, world)
+        for (m_start, m_end, slices), per_rank in zip(parts, planned):
             counts.append([hi - lo for lo, hi in slices])
-            # each rank's micro-batches (row ranges of its slice); every rank runs as many passes
-            micro.append([plan_slice(m_start + lo, m_start + hi) for lo, hi in slices])
-            passes.append(max(1, max(len(batches) for batches in micro[-1])))
+            micro.append(per_rank)  # each rank's micro-batches (bins of rows of its slice)
+            passes.append(max(1, max(len(batches) for batches in per_rank)))  # every rank runs as many
             mask = tensors["response_mask"][m_start:m_end]
             if agg == "token-mean":
                 normalizers.append(float(mask.sum().clamp(min=1.0)))
@@ -282,10 +316,13 @@ class PolicyTrainer(TrainServiceClient):
             "normalizers": normalizers,
             "passes": passes,
             "micro": micro,
+            "shared_prompts": shared_prompts,
         }
         return plan, shards
 
-    def _micro(self, shard: dict[str, Any], lo: int, batches: list[Any], index: int) -> MicroBatch:
+    def _micro(
+        self, shard: dict[str, Any], lo: int, batches: list[Any], index: int, shared_prompts: bool
+    ) -> MicroBatch:
         """Micro-batch ``index`` of the mini-batch slice starting at shard row ``lo`` (``batches``: its
         planned micro-batches, bins of slice rows); a stand-in row (not real) when this rank has none left."""
         real = index < len(batches)
@@ -301,18 +338,19 @@ class PolicyTrainer(TrainServiceClient):
             for k, v in shard.items()
             if isinstance(v, torch.Tensor)
         }
-        return MicroBatch(part, real, index_t, [[position[i] for i in members] for members in bins])
+        bins_of_part = [[position[i] for i in members] for members in bins]
+        return MicroBatch(part, real, index_t, bins_of_part, shared_prompts)
 
     def _log_probs(
         self, micro: MicroBatch, with_entropy: bool, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs (and entropy) of a micro-batch: packed (``actor.packing``), packed by
-        shared prompts (``actor.share_prompt``) or padded."""
+        shared prompts (the plan's choice under ``actor.share_prompt``) or padded."""
         part = micro.tensors
         actor = self._require_cfg()["actor"]
-        if actor["packing"] or actor["share_prompt"]:
+        if actor["packing"] or micro.shared_prompts:
             return packed_response_log_probs_and_entropy(
-                self.model, part, with_entropy, entropy_grad, micro.bins, share_prompt=actor["share_prompt"]
+                self.model, part, with_entropy, entropy_grad, micro.bins, share_prompt=micro.shared_prompts
             )
         if not with_entropy:
             return response_log_probs(self.model, part), None
@@ -339,7 +377,7 @@ class PolicyTrainer(TrainServiceClient):
         self.model.eval()
         out = torch.zeros((plan["counts"][0][par.rank], shard["responses"].shape[1]))
         for i in range(plan["passes"][0]):
-            micro = self._micro(shard, 0, plan["micro"][0][par.rank], i)
+            micro = self._micro(shard, 0, plan["micro"][0][par.rank], i, plan["shared_prompts"])
             logp = self._log_probs(micro, with_entropy=False)[0].cpu()
             if micro.real:
                 out[micro.rows] = logp  # packed micro-batches hold their rows in bin order
@@ -374,7 +412,7 @@ class PolicyTrainer(TrainServiceClient):
                 hi = lo + counts[par.rank]
                 par.zero_grad(self.model, self.optimizer)
                 for i in range(passes):
-                    micro = self._micro(shard, lo, ranges[par.rank], i)
+                    micro = self._micro(shard, lo, ranges[par.rank], i, plan["shared_prompts"])
                     part, real = micro.tensors, micro.real
                     weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
                     logp, maybe_entropy = self._log_probs(
