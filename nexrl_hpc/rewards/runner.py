@@ -104,9 +104,8 @@ class RewardRunner:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the reward runner is closed")
             saturated = not self._live
-            if (
-                not saturated and jobs
-            ):  # queued under the lock: the watchdog's drain sees it if all threads hang
+            # queued under the lock: the watchdog's drain sees them if all threads hang
+            if not saturated and jobs:
                 size = -(-len(jobs) // len(self._live))
                 for start in range(0, len(jobs), size):
                     self._queue.put(jobs[start : start + size])
