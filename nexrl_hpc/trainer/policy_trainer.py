@@ -27,20 +27,10 @@ import torch
 from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, policy_loss
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
-from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.trainer.batch_plan import plan_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
-from nexrl_hpc.trainer.packing import (
-    attention_kind,
-    forward_costs,
-    hf_config,
-    packed_response_log_probs_and_entropy,
-    plan_cost,
-    plan_micro_batches,
-    plan_shared_prompt_micro_batches,
-    prompt_keys_and_lengths,
-    shared_prompt_width,
-)
-from nexrl_hpc.trainer.parallel import ParallelStrategy, dp_slices
+from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
+from nexrl_hpc.trainer.parallel import ParallelStrategy
 from nexrl_hpc.trainer.service import TrainServiceClient
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
 
@@ -218,107 +208,8 @@ class PolicyTrainer(TrainServiceClient):
     def plan_batch(
         self, operation: str, tensors: dict[str, Any]
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Split a whole batch for the trainer ranks: (plan, one shard per rank).
-
-        Every mini-batch (for ``compute_log_prob`` the whole batch is one) is cut into contiguous
-        per-rank slices; a rank's shard is its slices one after another. The plan, the same for
-        every rank, holds what a rank cannot see from its shard: each mini-batch's rows per rank,
-        its global loss normaliser and the number of forward/backward passes (equal on all ranks
-        so that the collectives line up). Rank 0 of a trainer group calls this and scatters.
-        """
-        cfg = self._require_cfg()
-        actor = cfg["actor"]
-        world = self._world_size
-        if operation == "compute_log_prob":
-            n = check_training_batch(tensors, REQUIRED_KEYS)
-            bounds = [(0, n)]
-        elif operation == "update_actor":
-            n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
-            mini = min(actor["ppo_mini_batch_size"], n)
-            bounds = [(m, min(m + mini, n)) for m in range(0, n, mini)]
-        else:
-            raise ValueError(f"no batch plan for operation {operation!r}")
-        agg = actor["loss_agg_mode"]
-        lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
-        setting = actor["share_prompt"]
-        keys, prompt_lengths = prompt_keys_and_lengths(tensors) if setting else ([], [])
-        parts = [(m_start, m_end, dp_slices(m_end - m_start, world)) for m_start, m_end in bounds]
-
-        def plan_slice(a: int, b: int, shared: bool) -> list[list[list[int]]]:
-            """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
-            if shared:
-                return plan_shared_prompt_micro_batches(
-                    keys[a:b], prompt_lengths[a:b], lengths[a:b],
-                    actor["ppo_micro_batch_size"], actor["ppo_max_token_len_per_gpu"],
-                )  # fmt: skip
-            return plan_micro_batches(
-                lengths[a:b],
-                actor["ppo_micro_batch_size"],
-                actor["ppo_max_token_len_per_gpu"],
-                actor["packing"],
-            )
-
-        def plan_all(shared: bool) -> list[list[list[list[list[int]]]]]:
-            """Per mini-batch, per rank: its micro-batches."""
-            return [[plan_slice(m + lo, m + hi, shared) for lo, hi in slices] for m, _, slices in parts]
-
-        def cost(shared: bool, planned: list[list[list[list[list[int]]]]]) -> float:
-            width = int(tensors["input_ids"].shape[1])  # a padded row is as wide as the batch
-
-            def bin_width(rows: list[int]) -> int:
-                if shared:
-                    return shared_prompt_width(rows, keys, prompt_lengths, lengths)
-                return sum(lengths[i] for i in rows) if actor["packing"] else width
-
-            widths = [
-                [bin_width([m + lo + i for i in b]) for b in batch]
-                for (m, _, slices), per_rank in zip(parts, planned)
-                for (lo, _), batches in zip(slices, per_rank)
-                for batch in batches
-            ]
-            return plan_cost(widths, *forward_costs(hf_config(self.model)))
-
-        if setting == "auto" and attention_kind(self.model) != "flash_attention_2":
-            options = {shared: plan_all(shared) for shared in (True, False)}
-            shared_prompts = cost(True, options[True]) < cost(False, options[False])
-            planned = options[shared_prompts]
-        else:
-            shared_prompts = setting is True
-            planned = plan_all(shared_prompts)
-
-        counts, normalizers, passes, micro = [], [], [], []
-        rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        for (m_start, m_end, slices), per_rank in zip(parts, planned):
-            counts.append([hi - lo for lo, hi in slices])
-            micro.append(per_rank)  # each rank's micro-batches (bins of rows of its slice)
-            passes.append(max(1, max(len(batches) for batches in per_rank)))  # every rank runs as many
-            mask = tensors["response_mask"][m_start:m_end]
-            if agg == "token-mean":
-                normalizers.append(float(mask.sum().clamp(min=1.0)))
-            elif agg == "seq-mean-token-sum-norm":
-                normalizers.append(float(m_end - m_start) * actor["loss_norm_tokens"])
-            else:
-                normalizers.append(float(m_end - m_start))
-            for r, (lo, hi) in enumerate(slices):
-                rows[r].append((m_start + lo, m_start + hi))
-        shards = []
-        for r in range(world):
-            index = torch.cat([torch.arange(lo, hi) for lo, hi in rows[r]])
-            if index.numel() == 0:  # no real rows: one stand-in row for the zero-weighted passes
-                index = torch.zeros(1, dtype=torch.long)
-            shards.append(
-                {k: v.index_select(0, index) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-            )
-        plan = {
-            "operation": operation,
-            "rows": n,
-            "counts": counts,
-            "normalizers": normalizers,
-            "passes": passes,
-            "micro": micro,
-            "shared_prompts": shared_prompts,
-        }
-        return plan, shards
+        """Split a whole batch for the trainer ranks: (plan, one shard per rank); see ``batch_plan``."""
+        return plan_batch(operation, tensors, self._require_cfg()["actor"], self._world_size, self.model)
 
     def _micro(
         self, shard: dict[str, Any], lo: int, batches: list[Any], index: int, shared_prompts: bool

@@ -1,0 +1,126 @@
+"""How a training batch is split over a trainer group's ranks (``plan_batch``).
+
+Every mini-batch (for ``compute_log_prob`` the whole batch is one) is cut into contiguous per-rank
+slices; a rank's shard is its slices one after another. The plan, the same for every rank, holds
+what a rank cannot see from its shard: each mini-batch's rows per rank, its global loss
+normaliser, the number of forward/backward passes (equal on all ranks so that the collectives line
+up), each rank's micro-batches as bins of rows, and whether they share prompts
+(``actor.share_prompt``; ``auto`` plans both layouts and keeps the one estimated cheaper). Rank 0
+of a trainer group calls this and scatters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nexrl_hpc.config.train_service_schema import ActorConfig
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
+from nexrl_hpc.trainer.packing import (
+    attention_kind,
+    forward_costs,
+    hf_config,
+    plan_cost,
+    plan_micro_batches,
+    plan_shared_prompt_micro_batches,
+    prompt_keys_and_lengths,
+    shared_prompt_width,
+)
+from nexrl_hpc.trainer.parallel import dp_slices
+
+
+def plan_batch(
+    operation: str, tensors: dict[str, Any], actor: ActorConfig, world: int, model: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(plan, one shard per rank) of a whole batch for ``operation`` on ``world`` ranks."""
+    if operation == "compute_log_prob":
+        n = check_training_batch(tensors, REQUIRED_KEYS)
+        bounds = [(0, n)]
+    elif operation == "update_actor":
+        n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
+        mini = min(actor["ppo_mini_batch_size"], n)
+        bounds = [(m, min(m + mini, n)) for m in range(0, n, mini)]
+    else:
+        raise ValueError(f"no batch plan for operation {operation!r}")
+    agg = actor["loss_agg_mode"]
+    lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
+    setting = actor["share_prompt"]
+    keys, prompt_lengths = prompt_keys_and_lengths(tensors) if setting else ([], [])
+    parts = [(m_start, m_end, dp_slices(m_end - m_start, world)) for m_start, m_end in bounds]
+
+    def plan_slice(a: int, b: int, shared: bool) -> list[list[list[int]]]:
+        """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
+        if shared:
+            return plan_shared_prompt_micro_batches(
+                keys[a:b], prompt_lengths[a:b], lengths[a:b],
+                actor["ppo_micro_batch_size"], actor["ppo_max_token_len_per_gpu"],
+            )  # fmt: skip
+        return plan_micro_batches(
+            lengths[a:b],
+            actor["ppo_micro_batch_size"],
+            actor["ppo_max_token_len_per_gpu"],
+            actor["packing"],
+        )
+
+    def plan_all(shared: bool) -> list[list[list[list[list[int]]]]]:
+        """Per mini-batch, per rank: its micro-batches."""
+        return [[plan_slice(m + lo, m + hi, shared) for lo, hi in slices] for m, _, slices in parts]
+
+    def cost(shared: bool, planned: list[list[list[list[list[int]]]]]) -> float:
+        width = int(tensors["input_ids"].shape[1])  # a padded row is as wide as the batch
+
+        def bin_width(rows: list[int]) -> int:
+            if shared:
+                return shared_prompt_width(rows, keys, prompt_lengths, lengths)
+            return sum(lengths[i] for i in rows) if actor["packing"] else width
+
+        widths = [
+            [bin_width([m + lo + i for i in b]) for b in batch]
+            for (m, _, slices), per_rank in zip(parts, planned)
+            for (lo, _), batches in zip(slices, per_rank)
+            for batch in batches
+        ]
+        return plan_cost(widths, *forward_costs(hf_config(model)))
+
+    if setting == "auto" and attention_kind(model) != "flash_attention_2":
+        options = {shared: plan_all(shared) for shared in (True, False)}
+        shared_prompts = cost(True, options[True]) < cost(False, options[False])
+        planned = options[shared_prompts]
+    else:
+        shared_prompts = setting is True
+        planned = plan_all(shared_prompts)
+
+    counts, normalizers, passes, micro = [], [], [], []
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for (m_start, m_end, slices), per_rank in zip(parts, planned):
+        counts.append([hi - lo for lo, hi in slices])
+        micro.append(per_rank)  # each rank's micro-batches (bins of rows of its slice)
+        passes.append(max(1, max(len(batches) for batches in per_rank)))  # every rank runs as many
+        mask = tensors["response_mask"][m_start:m_end]
+        if agg == "token-mean":
+            normalizers.append(float(mask.sum().clamp(min=1.0)))
+        elif agg == "seq-mean-token-sum-norm":
+            normalizers.append(float(m_end - m_start) * actor["loss_norm_tokens"])
+        else:
+            normalizers.append(float(m_end - m_start))
+        for r, (lo, hi) in enumerate(slices):
+            rows[r].append((m_start + lo, m_start + hi))
+    shards = []
+    for r in range(world):
+        index = torch.cat([torch.arange(lo, hi) for lo, hi in rows[r]])
+        if index.numel() == 0:  # no real rows: one stand-in row for the zero-weighted passes
+            index = torch.zeros(1, dtype=torch.long)
+        shards.append(
+            {k: v.index_select(0, index) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+        )
+    plan = {
+        "operation": operation,
+        "rows": n,
+        "counts": counts,
+        "normalizers": normalizers,
+        "passes": passes,
+        "micro": micro,
+        "shared_prompts": shared_prompts,
+    }
+    return plan, shards
