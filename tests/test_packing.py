@@ -291,9 +291,13 @@ def test_auto_shares_prompts_only_where_its_estimate_is_cheaper(
     assert auto.plan_batch("update_actor", short)[0]["shared_prompts"] is False
 
 
-def test_the_cost_estimate_reads_the_hf_config_through_an_engine_wrapper(tiny_model_dir: str) -> None:
-    """A DeepSpeed engine holds DeepSpeed's own ``config`` and the model as ``module``."""
-    model = load_model(tiny_model_dir)
+@pytest.mark.parametrize("model_name", ["tiny", "qwen2_tied_gqa"])
+def test_the_cost_estimate_reads_the_hf_config_through_an_engine_wrapper(
+    model_name: str, tiny_model_dir: str, chatml_model_dir: str
+) -> None:
+    """A DeepSpeed engine holds DeepSpeed's own ``config`` and the model as ``module``; the estimate
+    counts every weight matmul once, grouped-query K/V and a tied LM head included."""
+    model = load_model(tiny_model_dir if model_name == "tiny" else chatml_model_dir)
     engine_like = SimpleNamespace(config={"train_batch_size": 8}, module=model)
     assert packing.hf_config(engine_like) is model.config
     per_token, per_pair = packing.forward_costs(packing.hf_config(engine_like))
