@@ -1,7 +1,7 @@
 """On-policy distillation end to end: ``python -m launch.train algorithm=opd`` with the model of a
-finished default run as the teacher takes a fresh student to held-out accuracy >= 0.9 in 15 steps
-(GRPO alone is at ~0.6 there) — with the teacher in the process, on its own ranks of an MPI job,
-and as a worker group of a standalone API server beside the student's."""
+finished default run as the teacher takes a fresh student most of the way to the teacher's held-out
+accuracy in 15 steps (GRPO alone is at ~0.45-0.6 there) — with the teacher in the process, on its own
+ranks of an MPI job, and as a worker group of a standalone API server beside the student's."""
 
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ def held_out_accuracy(run_dir: Path) -> list[float]:
 
 
 def check_distilled(run_dir: Path, teacher: str) -> None:
-    """In 15 steps the fresh student comes within 0.1 of the teacher's own held-out accuracy, in the
-    run's validation and by an independent greedy evaluation of its last checkpoint; the reverse KL
-    to the teacher fell. (The teacher is a 50-step GRPO run at ~0.94; the student ends at 0.86-0.94
-    by seed, so the bar is relative to the teacher rather than a fixed 0.9.)"""
-    bar = held_out_accuracy(Path(teacher).parents[2])[-1] - 0.1
+    """In 15 steps the fresh student closes at least 80% of the gap from its own start to the teacher's
+    held-out accuracy, in the run's validation and by an independent greedy evaluation of its last
+    checkpoint; the reverse KL to the teacher fell. The teacher is a 50-step GRPO run, which ends
+    anywhere from ~0.83 to 1.0 by scheduling; a student ends ~0.12 under a 0.83 teacher and ~0.03 under
+    a 1.0 one, so the bar is a share of the teacher's gain rather than a fixed gap (GRPO alone is at
+    ~0.45-0.6 after 15 steps: under 80% of either)."""
+    teacher_accuracy = held_out_accuracy(Path(teacher).parents[2])[-1]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    bar = val[0] + 0.8 * (teacher_accuracy - val[0])
     assert val[0] <= 0.3 and val[-1] >= bar, (val, bar)
     kl = [r["train/opd_reverse_kl"] for r in rows if "train/opd_reverse_kl" in r]
     assert len(kl) == STEPS and kl[-1] < 0.5 * kl[0], kl
