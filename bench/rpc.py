@@ -14,7 +14,6 @@ actor. Goals: <= 0.15x Ray's latency, >= 10x Ray's pipelined throughput, >= 5k t
 from __future__ import annotations
 
 import argparse
-import gc
 import multiprocessing as mp
 import os
 import secrets
@@ -34,6 +33,7 @@ from nexrl_hpc.core.execute import (  # noqa: E402
 from nexrl_hpc.rpc.endpoint import RpcEndpoint  # noqa: E402
 from nexrl_hpc.rpc.handles import ModuleRegistry, RemoteModuleHandle  # noqa: E402
 from nexrl_hpc.rpc.preauth import WireLimits  # noqa: E402
+from nexrl_hpc.runtime.gc_tuning import settle_after_setup  # noqa: E402
 
 
 class Echo:
@@ -56,11 +56,7 @@ def default_config(overrides: list[str] | None = None) -> Any:
 def configure_gc_like_a_run() -> None:
     """The GC settings a run's controller rank applies after start-up (``runtime.gc_thresholds``,
     ``runtime.gc_freeze_after_setup``); applied to this bench's processes alike, Ray's driver too."""
-    runtime = default_config()["runtime"]
-    gc.set_threshold(*runtime["gc_thresholds"])
-    if runtime["gc_freeze_after_setup"]:
-        gc.collect()
-        gc.freeze()
+    settle_after_setup(default_config()["runtime"])
 
 
 def make_pool() -> Any:

@@ -46,9 +46,11 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    from nexrl_hpc.runtime.gc_tuning import freeze_imports, hold_collections
     from nexrl_hpc.runtime.run_files import restrict_run_files
 
     restrict_run_files(config)  # before anything is written (Slurm jobs inherit it via sbatch)
+    hold_collections(config["runtime"])  # no full GC passes over the imports' objects as they pile up
     _quiet_third_party()
     if config["launcher"]["name"] == "slurm":
         _exit_unless_ok(submit_to_slurm(config))
@@ -64,6 +66,7 @@ def hydra_main(cfg: DictConfig) -> None:
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi
     from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
+    freeze_imports(config["runtime"])
     grace_s = config["runtime_monitor"]["stop_timeout_s"]
     if config["launch_mode"] == "mpi":
         code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
@@ -85,7 +88,7 @@ def _prewarm_inference_server(config: dict) -> None:
     if config["launch_mode"] == "local" and own_server and inference["local"]["prewarm"]:
         from nexrl_hpc.inference.prewarm import prewarm
 
-        prewarm(inference["local"]["num_threads"])
+        prewarm(inference["local"]["num_threads"], config["runtime"]["gc_thresholds"])
 
 
 def _exit_unless_ok(code: int) -> None:

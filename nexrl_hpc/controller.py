@@ -11,7 +11,6 @@ mirroring those classes, called the same way through ``execute``.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -37,6 +36,7 @@ from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.run_health import RunFailed, RunHealth
+from nexrl_hpc.runtime.gc_tuning import settle_after_setup
 from nexrl_hpc.runtime.local import LocalRuntime
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.runtime.protocol import Runtime
@@ -168,15 +168,7 @@ class NexRLController:
             self._load_resume_checkpoint(self.resumed_from, resume_state)
         else:
             self._load_initial_checkpoint()
-        self._tune_gc()
-
-    def _tune_gc(self) -> None:
-        runtime = self.config["runtime"]
-        if len(runtime["gc_thresholds"]) == 3:
-            gc.set_threshold(*runtime["gc_thresholds"])
-        if runtime["gc_freeze_after_setup"]:
-            gc.collect()
-            gc.freeze()
+        settle_after_setup(cfg["runtime"])
 
     def _wire_modules(self) -> None:
         assert self.activity_tracker is not None and self._health is not None

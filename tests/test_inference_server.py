@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,11 +239,12 @@ def test_a_prewarmed_process_serves_what_launch_hands_it(chat_model_dir: str, tm
     output lands in the log, and a second launch starts a fresh process."""
     from nexrl_hpc.inference import prewarm
 
-    cfg = compose_config()["service"]["inference_service"]["local"]
-    prewarm.prewarm(cfg["num_threads"])
+    config = compose_config()
+    cfg, runtime = config["service"]["inference_service"]["local"], config["runtime"]
+    prewarm.prewarm(cfg["num_threads"], runtime["gc_thresholds"])
     waiting = prewarm._prewarmed[0] if prewarm._prewarmed else None
     assert waiting is not None and waiting.poll() is None
-    srv = LocalInferenceServer(chat_model_dir, cfg, str(tmp_path / "logs"), "policy")
+    srv = LocalInferenceServer(chat_model_dir, cfg, str(tmp_path / "logs"), "policy", runtime=runtime)
     old_umask = os.umask(0o027)
     try:
         srv.start()
@@ -254,7 +256,12 @@ def test_a_prewarmed_process_serves_what_launch_hands_it(chat_model_dir: str, tm
         assert len(out.choices) == 1
         with pytest.raises(openai.AuthenticationError):
             oai(srv, key="wrong").completions.create(model="policy", prompt="a", max_tokens=1)
-        assert f"serving {chat_model_dir}" in Path(srv.log_path).read_text()
+        log = Path(srv.log_path).read_text()
+        assert f"serving {chat_model_dir}" in log
+        # the run's GC settings: set before the server's imports, its start-up objects frozen
+        found = re.search(r"garbage collector: thresholds (\(.*?\)), (\d+) start-up objects frozen", log)
+        assert found is not None, log[-2000:]
+        assert found[1] == str(tuple(runtime["gc_thresholds"])) and int(found[2]) > 100_000, found[0]
         assert (
             Path(srv.log_path).stat().st_mode & 0o777 == 0o640
         )  # the run's umask, not the parent's at spawn
@@ -274,17 +281,21 @@ def test_an_unused_prewarmed_process_leaves_when_the_run_lets_go() -> None:
     """A run that fails before starting its server, or wants another thread count, leaves no process."""
     from nexrl_hpc.inference import prewarm
 
-    prewarm.prewarm(1)
+    prewarm.prewarm(1, [])
     assert prewarm._prewarmed is not None
     waiting = prewarm._prewarmed[0]
-    assert prewarm.take_prewarmed(2) is None  # another thread count: stopped, not handed out
+    assert prewarm.take_prewarmed(2, []) is None  # another thread count: stopped, not handed out
     assert waiting.poll() is not None
-    prewarm.prewarm(1)
+    prewarm.prewarm(1, [])
+    waiting = prewarm._prewarmed[0]
+    assert prewarm.take_prewarmed(1, [700, 10, 10]) is None  # other GC thresholds: the same
+    assert waiting.poll() is not None
+    prewarm.prewarm(1, [])
     waiting = prewarm._prewarmed[0]
     prewarm.discard_prewarmed()
     assert waiting.poll() is not None and prewarm._prewarmed is None
     # a run that dies without a word: the pipe closes, the process reads no spec and leaves on its own
-    prewarm.prewarm(1)
+    prewarm.prewarm(1, [])
     waiting = prewarm._prewarmed[0]
     assert waiting.stdin is not None
     waiting.stdin.close()

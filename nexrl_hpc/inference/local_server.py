@@ -13,8 +13,9 @@ import time
 
 import httpx
 
-from nexrl_hpc.config.schema import LocalInferenceConfig
+from nexrl_hpc.config.schema import LocalInferenceConfig, RuntimeConfig
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, send_spec, server_env, take_prewarmed
+from nexrl_hpc.inference.server_process import threshold_args
 from nexrl_hpc.runtime.network import resolve_bind_address
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class LocalInferenceServer:
         weight_version: int = 0,
         attn_implementation: str | None = None,
         log_name: str = "inference_server.log",
+        runtime: RuntimeConfig | None = None,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -50,6 +52,7 @@ class LocalInferenceServer:
         self.dtype = dtype
         self.weight_version = weight_version
         self.attn_implementation = attn_implementation
+        self.runtime = runtime  # its gc_* settings, applied once the model is loaded (None: Python's)
         self.api_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self._ready_file = ""
@@ -69,10 +72,7 @@ class LocalInferenceServer:
         ready_file = self._ready_file = f"{self.log_path}.{os.getpid()}.ready"
         if os.path.exists(ready_file):
             os.remove(ready_file)
-        cmd = [
-            sys.executable,
-            "-m",
-            "nexrl_hpc.inference.server",
+        args = [
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
             "--host", host,
@@ -92,12 +92,17 @@ class LocalInferenceServer:
             "--max-request-mb", str(self.config["max_request_mb"]),
         ]  # fmt: skip
         if self.attn_implementation:
-            cmd += ["--attn-implementation", self.attn_implementation]
+            args += ["--attn-implementation", self.attn_implementation]
+        thresholds = self.runtime["gc_thresholds"] if self.runtime is not None else []
+        if self.runtime is not None and self.runtime["gc_freeze_after_setup"]:
+            args.append("--gc-freeze-after-setup")
         self._deadline = time.monotonic() + self.config["startup_timeout_s"]
-        waiting = take_prewarmed(self.config["num_threads"])  # started with the run (launch.train)
-        if waiting is not None and send_spec(waiting, cmd[3:], self.api_key, self.log_path):
+        # started with the run (launch.train), with the same threads and GC thresholds
+        waiting = take_prewarmed(self.config["num_threads"], thresholds)
+        if waiting is not None and send_spec(waiting, args, self.api_key, self.log_path):
             self.process = waiting
             return
+        cmd = [sys.executable, "-m", "nexrl_hpc.inference.server_process", *threshold_args(thresholds), *args]
         env = server_env(self.config["num_threads"])
         env[API_KEY_ENV] = self.api_key
         with open(self.log_path, "ab") as log:

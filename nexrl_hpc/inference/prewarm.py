@@ -21,11 +21,13 @@ import tempfile
 import threading
 from typing import IO, Any
 
+from nexrl_hpc.inference.server_process import threshold_args
+
 API_KEY_ENV = "NEXRL_INFERENCE_API_KEY"  # the server's bearer key (never on its command line)
 SPEC_FROM_STDIN = "--spec-from-stdin"
 
 _lock = threading.Lock()
-_prewarmed: tuple[subprocess.Popen, int] | None = None  # (process, its OMP thread count)
+_prewarmed: tuple[subprocess.Popen, int, list[int]] | None = None  # (process, OMP threads, GC thresholds)
 
 
 def server_env(num_threads: int) -> dict[str, str]:
@@ -35,7 +37,7 @@ def server_env(num_threads: int) -> dict[str, str]:
     return env
 
 
-def prewarm(num_threads: int) -> None:
+def prewarm(num_threads: int, gc_thresholds: list[int]) -> None:
     """Start the waiting server process (once per process; a second call keeps the first)."""
     global _prewarmed
     with _lock:
@@ -44,26 +46,32 @@ def prewarm(num_threads: int) -> None:
         # its output (import warnings) goes to an unnamed file until it knows its log; it copies it there
         with tempfile.TemporaryFile() as early_output:
             process = subprocess.Popen(
-                [sys.executable, "-m", "nexrl_hpc.inference.server", SPEC_FROM_STDIN],
+                [
+                    sys.executable,
+                    "-m",
+                    "nexrl_hpc.inference.server_process",
+                    *threshold_args(gc_thresholds),
+                    SPEC_FROM_STDIN,
+                ],
                 stdin=subprocess.PIPE,
                 stdout=early_output,
                 stderr=subprocess.STDOUT,
                 env=server_env(num_threads),
                 start_new_session=True,  # as a launched server: one process group to kill
             )
-        _prewarmed = (process, num_threads)
+        _prewarmed = (process, num_threads, list(gc_thresholds))
 
 
-def take_prewarmed(num_threads: int) -> subprocess.Popen | None:
-    """The waiting process, if there is one started with ``num_threads`` and still alive (it is
-    then the caller's: hand it a spec with ``send_spec``)."""
+def take_prewarmed(num_threads: int, gc_thresholds: list[int]) -> subprocess.Popen | None:
+    """The waiting process, if there is one started with ``num_threads`` and ``gc_thresholds`` and
+    still alive (it is then the caller's: hand it a spec with ``send_spec``)."""
     global _prewarmed
     with _lock:
         found, _prewarmed = _prewarmed, None
     if found is None:
         return None
-    process, threads = found
-    if threads != num_threads or process.poll() is not None:
+    process, threads, thresholds = found
+    if threads != num_threads or thresholds != list(gc_thresholds) or process.poll() is not None:
         _close(process)
         return None
     return process

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -39,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nexrl_hpc.inference.engine import GenerationOutput, HFEngine, SamplingParams
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, SPEC_FROM_STDIN, read_spec
+from nexrl_hpc.runtime.gc_tuning import GcSettings, freeze_imports, settle_after_setup
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
 CONFIG_KEY = "service.inference_service.local"
@@ -416,7 +418,15 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="exit when this process is gone (no orphans after kill -9)",
     )
+    parser.add_argument(
+        "--gc-freeze-after-setup",
+        action="store_true",
+        help="runtime.gc_freeze_after_setup, once the model is loaded",
+    )
     args = parser.parse_args(argv)
+    # the thresholds were set before the imports (nexrl_hpc.inference.server_process)
+    gc_settings = GcSettings(gc_thresholds=[], gc_freeze_after_setup=args.gc_freeze_after_setup)
+    freeze_imports(gc_settings)  # the module's imports are done (also in a prewarmed process)
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
     # Slurm sends its notification signals (preemption, time limit) to every process of the job:
@@ -444,6 +454,12 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None, limits)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    settle_after_setup(gc_settings)
+    logger.info(
+        "garbage collector: thresholds %s, %d start-up objects frozen",
+        gc.get_threshold(),
+        gc.get_freeze_count(),
+    )
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60)
     server = uvicorn.Server(config)

@@ -30,6 +30,7 @@ class InferenceService(NexRLModule):
         self._service = config["service"]["inference_service"]
         self._train = config["service"]["train_service"]
         self._attn = config["model"]["attn_implementation"]
+        self._runtime = config["runtime"]
         self._model_dir = model_dir
         self._run_dir = run_dir
         self._server: VLLMServer | LocalInferenceServer | None = None
@@ -70,6 +71,7 @@ class InferenceService(NexRLModule):
             dtype=self._train["dtype"],
             attn_implementation=self._attn,
             log_name=f"{self._module_name}.log",
+            runtime=self._runtime,
         )
         self._server.launch()
 

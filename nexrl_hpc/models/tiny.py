@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from nexrl_hpc.checkpoint.hf import write_safetensors
 from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
 from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer, load_tokenizer
 
@@ -74,14 +76,25 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
                 model, tokenizer, cfg["tiny"]["init_seed"], **dict(cfg["tiny"].get("warmup_args") or {})
             )
         model.eval()
-    hf_logging.disable_progress_bar()
     tmp = f"{out_dir}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_model_dir(model, tmp)
     tokenizer.save_pretrained(tmp)
     if os.path.exists(out_dir):  # an earlier, interrupted attempt
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def save_model_dir(model: PreTrainedModel, out_dir: str) -> None:
+    """config.json, generation_config.json and one model.safetensors: what ``save_pretrained``
+    writes, without its detour through accelerate's ``unwrap_model``, which imports DeepSpeed
+    (~0.5 s of every run's start-up) whenever it is installed."""
+    os.makedirs(out_dir, exist_ok=True)
+    model.config.architectures = [type(model).__name__]  # what vLLM picks the model class by
+    model.config.save_pretrained(out_dir)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    write_safetensors(model.state_dict(), out_dir, max_shard_bytes=sys.maxsize)  # one file: never sharded
 
 
 def stop_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from nexrl_hpc.core.activity import ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute_async
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.runtime.bootstrap import TRACKER, MPIWorld, build_rank_modules
+from nexrl_hpc.runtime.gc_tuning import settle_after_setup
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 from nexrl_hpc.runtime.roles import RunContext
 
@@ -85,6 +86,7 @@ class RankServer:
         world.registry.add_builtin("release", self.release)
         self._modules += build_rank_modules(world, self._config, ctx, ActivityTrackerProxy(self._tracker))
         world.comm.barrier()
+        settle_after_setup(self._config["runtime"])  # as rank 0 does: no long GC pauses mid-step
         self._names = world.peers[world.rank]["modules"]
         trainer_stop = threading.Event()
         trainer_thread = None
