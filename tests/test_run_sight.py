@@ -265,3 +265,26 @@ def test_a_failing_drawing_is_logged_not_raised(tmp_path: Path, caplog: pytest.L
         refresher.refresh(final=True)  # reaps the failed one (and logs why), starts another
         refresher.close(leaving=True)
     assert "plots: drawing failed: error: drawing the plots failed: ValueError" in caplog.text
+
+
+def test_the_metrics_line_is_written_at_once_and_tensorboard_gets_every_row_in_order(tmp_path: Path) -> None:
+    """TensorBoard's events are written by a thread of their own (the trainer's step does not wait
+    for them); the jsonl line is on disk when ``post`` returns, and closing writes what was posted."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nexrl_hpc.tracking.experiment import ExperimentLogger
+    from tests.conftest import compose_config
+
+    logger_ = ExperimentLogger(compose_config(["logger.backend=[]"]), str(tmp_path), None)
+    for step in range(1, 201):
+        logger_.post("all", {"train/reward_mean": step / 10, "train/loss": -step, "note": "text"}, step)
+        last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["step"] == step and last["train/reward_mean"] == step / 10
+    logger_.post("jsonl", {"val/accuracy": 0.5}, 200)  # jsonl only: never in TensorBoard
+    logger_.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/reward_mean"]
+    rewards = events.Scalars("train/reward_mean")
+    assert [e.step for e in rewards] == list(range(1, 201))
+    assert [round(e.value, 4) for e in rewards] == [round(s / 10, 4) for s in range(1, 201)]
