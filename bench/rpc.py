@@ -54,7 +54,7 @@ def default_config(overrides: list[str] | None = None) -> Any:
 
 
 def configure_gc_like_a_run() -> None:
-    """The GC settings a run's controller rank applies after start-up (``runtime.gc_thresholds``,
+    """The GC settings every process of a run applies after start-up (``runtime.gc_thresholds``,
     ``runtime.gc_freeze_after_setup``); applied to this bench's processes alike, Ray's driver too."""
     settle_after_setup(default_config()["runtime"])
 
