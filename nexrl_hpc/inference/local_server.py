@@ -52,7 +52,7 @@ class LocalInferenceServer:
         self.dtype = dtype
         self.weight_version = weight_version
         self.attn_implementation = attn_implementation
-        self.runtime = runtime  # its gc_* settings, applied once the model is loaded (None: Python's)
+        self.runtime = runtime  # the run's gc_* settings for the server process (None: Python's defaults)
         self.api_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self._ready_file = ""
