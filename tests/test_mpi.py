@@ -297,9 +297,10 @@ def test_finalized_ranks_leaving_one_by_one_keep_the_exit_code(code: int) -> Non
     """This MPICH tells Hydra a rank finished (PMI ``cmd=finalize``) from a C exit handler, not in
     MPI_Finalize: a finalized rank that left with ``os._exit`` looked crashed, and Hydra SIGKILLed
     the ranks still running (mpirun exit 9 after a finished run; this helper with ``--os-exit``:
-    8 of 8 jobs). ``exit_process`` leaves through ``exit``: every job ends with the ranks' code."""
+    8 of 8 jobs, so two jobs per code catch a regression). ``exit_process`` leaves through
+    ``exit``: every job ends with the ranks' code."""
     cmd = ["mpirun", "-n", "4", sys.executable, "-m", "tests.helpers.mpi_exit", str(code)]
-    for _ in range(4):
+    for _ in range(2):
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "BAD TERMINATION" not in proc.stdout

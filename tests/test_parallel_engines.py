@@ -25,8 +25,18 @@ pytestmark = pytest.mark.e2e
 
 
 def run_engine(model_dir: str, out: Path, engine: str, ranks: int, overrides: tuple[str, ...] = ()) -> None:
-    out.mkdir(parents=True)
-    module = ["-m", "tests.helpers.engine_numerics", model_dir, str(out), engine, "3", *overrides]
+    run_engines([(model_dir, out, engine, overrides)], ranks)
+
+
+Case = tuple[str, Path, str, tuple[str, ...]]  # model dir, output dir, engine, config overrides
+
+
+def run_engines(cases: list[Case], ranks: int) -> None:
+    """The cases one after another in one launch of ``ranks`` processes (one start-up for all)."""
+    module = ["-m", "tests.helpers.engine_numerics"]
+    for i, (model_dir, out, engine, overrides) in enumerate(cases):
+        out.mkdir(parents=True)
+        module += [*(["::"] if i else []), model_dir, str(out), engine, "3", *overrides]
     if ranks == 1:
         cmd = [sys.executable, *module]
     else:
@@ -40,16 +50,82 @@ def run_engine(model_dir: str, out: Path, engine: str, ranks: int, overrides: tu
             *module,
         ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120 + 120 * len(cases)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
-def single_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the single-process engine computes (shared by every comparison in this module)."""
-    out = tmp_path_factory.mktemp("engines") / "single"
-    run_engine(tiny_model_dir, out, "single", 1)
-    return out
+def single_runs(
+    tiny_model_dir: str, chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """What the single-process engine computes for the tiny model and the tied chat model (shared
+    by every comparison in this module)."""
+    root = tmp_path_factory.mktemp("engines")
+    runs = {"tiny": root / "single", "tied": root / "single_tied"}
+    run_engines(
+        [(tiny_model_dir, runs["tiny"], "single", ()), (chatml_model_dir, runs["tied"], "single", ())], 1
+    )
+    return runs
+
+
+@pytest.fixture(scope="module")
+def single_run(single_runs: dict[str, Path]) -> Path:
+    return single_runs["tiny"]
+
+
+@pytest.fixture(scope="module")
+def tied_single_run(single_runs: dict[str, Path]) -> Path:
+    return single_runs["tied"]
+
+
+PACKED_BY_TOKENS = (
+    "service.train_service.actor.packing=true",
+    "service.train_service.actor.ppo_max_token_len_per_gpu=20",
+)
+SHARED_PROMPTS = (
+    "service.train_service.actor.share_prompt=true",
+    "service.train_service.actor.ppo_max_token_len_per_gpu=20",
+)
+ZERO3 = ("service.train_service.deepspeed.zero_stage=3",)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(
+    tiny_model_dir: str, chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every FSDP2 case of this module, on two ranks of one launch."""
+    root = tmp_path_factory.mktemp("fsdp")
+    cases = {
+        "plain": (tiny_model_dir, ()),
+        "packed": (tiny_model_dir, PACKED_BY_TOKENS),
+        "shared": (tiny_model_dir, SHARED_PROMPTS),  # the 4-D mask through FSDP2
+        "tied": (chatml_model_dir, ()),
+    }
+    run_engines([(model, root / name, "fsdp", over) for name, (model, over) in cases.items()], 2)
+    return {name: root / name for name in cases}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(
+    tiny_model_dir: str, chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every two-rank DeepSpeed case of this module (ZeRO stages 0-3, packed, shared prompts, the
+    tied model), on two ranks of one launch."""
+    _need_deepspeed()
+    root = tmp_path_factory.mktemp("deepspeed")
+    stages = {
+        f"zero{k}": (tiny_model_dir, (f"service.train_service.deepspeed.zero_stage={k}",)) for k in range(4)
+    }
+    cases = {
+        **stages,
+        "packed": (tiny_model_dir, (*PACKED_BY_TOKENS, *ZERO3)),
+        "shared": (tiny_model_dir, (*SHARED_PROMPTS, *ZERO3)),  # the 4-D mask through ZeRO-3
+        "tied": (chatml_model_dir, ZERO3),
+    }
+    run_engines([(model, root / name, "deepspeed", over) for name, (model, over) in cases.items()], 2)
+    return {name: root / name for name in cases}
 
 
 def assert_matches_single(ref: Path, got: Path, base_model_dir: str, reload_in_place: bool = True) -> None:
@@ -112,18 +188,16 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
 
 
 def test_fsdp2_on_two_ranks_matches_the_single_process_engine(
-    tiny_model_dir: str, single_run: Path, tmp_path: Path
+    tiny_model_dir: str, single_run: Path, fsdp_runs: dict[str, Path]
 ) -> None:
-    run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
-    assert_matches_single(single_run, tmp_path / "fsdp", tiny_model_dir)
+    assert_matches_single(single_run, fsdp_runs["plain"], tiny_model_dir)
 
 
 def test_checkpoint_of_two_fsdp_ranks_loads_weights_anywhere_and_refuses_its_optimizer_elsewhere(
-    tiny_model_dir: str, tmp_path: Path
+    tiny_model_dir: str, fsdp_runs: dict[str, Path]
 ) -> None:
-    run_engine(tiny_model_dir, tmp_path / "fsdp", "fsdp", 2)
     assert_other_layout_loads_weights_and_refuses_optimizer(
-        tiny_model_dir, tmp_path / "fsdp" / "ckpt", "fsdp"
+        tiny_model_dir, fsdp_runs["plain"] / "ckpt", "fsdp"
     )
 
 
@@ -132,23 +206,18 @@ def _need_deepspeed() -> None:
 
 
 def test_zero3_on_two_ranks_matches_the_single_process_engine(
-    tiny_model_dir: str, single_run: Path, tmp_path: Path
+    tiny_model_dir: str, single_run: Path, deepspeed_runs: dict[str, Path]
 ) -> None:
-    _need_deepspeed()
-    out = tmp_path / "zero3"
-    run_engine(tiny_model_dir, out, "deepspeed", 2, ("service.train_service.deepspeed.zero_stage=3",))
+    out = deepspeed_runs["zero3"]
     assert_matches_single(single_run, out, tiny_model_dir, reload_in_place=False)
     assert_other_layout_loads_weights_and_refuses_optimizer(tiny_model_dir, out / "ckpt", "deepspeed")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zero_stages_0_to_2_on_two_ranks_match_the_single_process_engine(
-    tiny_model_dir: str, single_run: Path, tmp_path: Path, stage: int
+    tiny_model_dir: str, single_run: Path, deepspeed_runs: dict[str, Path], stage: int
 ) -> None:
-    _need_deepspeed()
-    out = tmp_path / f"zero{stage}"
-    run_engine(tiny_model_dir, out, "deepspeed", 2, (f"service.train_service.deepspeed.zero_stage={stage}",))
-    assert_matches_single(single_run, out, tiny_model_dir, reload_in_place=False)
+    assert_matches_single(single_run, deepspeed_runs[f"zero{stage}"], tiny_model_dir, reload_in_place=False)
 
 
 def test_deepspeed_in_one_process_matches_the_single_process_engine(
@@ -160,27 +229,15 @@ def test_deepspeed_in_one_process_matches_the_single_process_engine(
     assert_matches_single(single_run, tmp_path / "zero3", tiny_model_dir, reload_in_place=False)
 
 
-@pytest.fixture(scope="module")
-def tied_single_run(chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines_tied") / "single"
-    run_engine(chatml_model_dir, out, "single", 1)
-    return out
-
-
-@pytest.mark.parametrize(
-    "engine,overrides", [("fsdp", ()), ("deepspeed", ("service.train_service.deepspeed.zero_stage=3",))]
-)
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_tied_model_on_two_ranks_matches_one_process_and_stays_tied(
-    chatml_model_dir: str, tied_single_run: Path, tmp_path: Path, engine: str, overrides: tuple[str, ...]
+    chatml_model_dir: str, tied_single_run: Path, request: pytest.FixtureRequest, engine: str
 ) -> None:
     """A tied GQA Qwen2 trains alike on one process, FSDP2 and ZeRO-3; every export and checkpoint
     holds ``lm_head.weight`` equal to the embedding, and loads as the user's tied model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if engine == "deepspeed":
-        _need_deepspeed()
-    out = tmp_path / engine
-    run_engine(chatml_model_dir, out, engine, 2, overrides)
+    out = request.getfixturevalue(f"{engine}_runs")["tied"]
     assert_matches_single(tied_single_run, out, chatml_model_dir, reload_in_place=engine == "fsdp")
     for run in (tied_single_run, out):
         for weights in (run / "weights", run / "ckpt" / "model"):
@@ -193,34 +250,13 @@ def test_tied_model_on_two_ranks_matches_one_process_and_stays_tied(
         assert tok.chat_template == AutoTokenizer.from_pretrained(chatml_model_dir).chat_template
 
 
-PACKED_BY_TOKENS = (
-    "service.train_service.actor.packing=true",
-    "service.train_service.actor.ppo_max_token_len_per_gpu=20",
-)
-
-
-SHARED_PROMPTS = (
-    "service.train_service.actor.share_prompt=true",
-    "service.train_service.actor.ppo_max_token_len_per_gpu=20",
-)
-
-
 @pytest.mark.parametrize(
-    "engine,overrides",
-    [
-        ("fsdp", PACKED_BY_TOKENS),
-        ("deepspeed", (*PACKED_BY_TOKENS, "service.train_service.deepspeed.zero_stage=3")),
-        ("fsdp", SHARED_PROMPTS),  # the 4-D mask through FSDP2 and ZeRO-3
-        ("deepspeed", (*SHARED_PROMPTS, "service.train_service.deepspeed.zero_stage=3")),
-    ],
+    "engine,case", [("fsdp", "packed"), ("deepspeed", "packed"), ("fsdp", "shared"), ("deepspeed", "shared")]
 )
 def test_packed_token_budget_engines_on_two_ranks_match_the_padded_single_process(
-    tiny_model_dir: str, single_run: Path, tmp_path: Path, engine: str, overrides: tuple[str, ...]
+    tiny_model_dir: str, single_run: Path, request: pytest.FixtureRequest, engine: str, case: str
 ) -> None:
     """Packing and token-budget micro-batches (the ranks then run different numbers of real passes)
-    change no number: FSDP2 and ZeRO-3 against the padded single-process engine."""
-    if engine == "deepspeed":
-        _need_deepspeed()
-    out = tmp_path / engine
-    run_engine(tiny_model_dir, out, engine, 2, overrides)
+    and shared prompts change no number: FSDP2 and ZeRO-3 against the padded single-process engine."""
+    out = request.getfixturevalue(f"{engine}_runs")[case]
     assert_matches_single(single_run, out, tiny_model_dir, reload_in_place=engine == "fsdp")

@@ -200,11 +200,15 @@ def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict
     run this rank, then end as the job needs. Preempted: leave at once (rank 0 saved and requeued
     the job; there is no result). Failed: raise on rank 0 (submitit's result carries the error).
     Finished: return the result, for submitit to store."""
+    from nexrl_hpc.runtime.gc_tuning import freeze_imports, hold_collections
     from nexrl_hpc.runtime.preemption import catch_signal_early
 
     catch_signal_early(config["preemption"])  # a signal during start-up is remembered, not fatal
+    hold_collections(config["runtime"])  # as launch.train: before the heavy imports
     from nexrl_hpc.controller import run_controller
     from nexrl_hpc.runtime.mpi import run_mpi
+
+    freeze_imports(config["runtime"])
 
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))

@@ -6,6 +6,9 @@ exported weights. The FSDP test compares this against the single-process engine.
     torchrun --nproc_per_node 2 -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR fsdp
     torchrun --nproc_per_node 2 -m tests.helpers.engine_numerics MODEL_DIR OUT_DIR deepspeed 3 \
         service.train_service.deepspeed.zero_stage=2      # UPDATES, then config overrides
+
+Several cases, separated by ``::``, run one after another in the same processes (one start-up,
+one process group: the tests' 2-rank launches cost ~10 s of start-up each).
 """
 
 from __future__ import annotations
@@ -18,20 +21,28 @@ import torch
 
 
 def main() -> None:
-    model_dir, out_dir, engine_name = sys.argv[1:4]
-    updates = int(sys.argv[4]) if len(sys.argv) > 4 else 3
-    extra = sys.argv[5:]
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    from nexrl_hpc.checkpoint.state_file import load_state_file
     from nexrl_hpc.trainer.parallel import init_trainer_process_group
+
+    if world_size > 1:
+        init_trainer_process_group("gloo")
+    args = sys.argv[1:]
+    while args:
+        case, args = (args[: args.index("::")], args[args.index("::") + 1 :]) if "::" in args else (args, [])
+        model_dir, out_dir, engine_name = case[:3]
+        run_case(model_dir, out_dir, engine_name, int(case[3]) if len(case) > 3 else 3, case[4:], world_size)
+
+
+def run_case(
+    model_dir: str, out_dir: str, engine_name: str, updates: int, extra: list[str], world_size: int
+) -> None:
+    from nexrl_hpc.checkpoint.state_file import load_state_file
     from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
     from nexrl_hpc.trainer.worker import TrainWorker
     from tests.conftest import compose_config
     from tests.test_policy_trainer import make_batch
 
-    if world_size > 1:
-        init_trainer_process_group("gloo")
     overrides = [
         f"service.train_service.engine={engine_name}",
         "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
