@@ -93,9 +93,10 @@ class LocalInferenceServer:
         ]  # fmt: skip
         if self.attn_implementation:
             args += ["--attn-implementation", self.attn_implementation]
-        thresholds = self.runtime["gc_thresholds"] if self.runtime is not None else []
-        if self.runtime is not None and self.runtime["gc_freeze_after_setup"]:
-            args.append("--gc-freeze-after-setup")
+        thresholds: list[int] = []
+        if self.runtime is not None:
+            thresholds = self.runtime["gc_thresholds"]
+            args += ["--gc-freeze-after-setup"] if self.runtime["gc_freeze_after_setup"] else []
         self._deadline = time.monotonic() + self.config["startup_timeout_s"]
         # started with the run (launch.train), with the same threads and GC thresholds
         waiting = take_prewarmed(self.config["num_threads"], thresholds)

@@ -7,7 +7,8 @@ waits on its stdin for what to serve; ``LocalInferenceServer.launch`` hands it t
 the API key, the umask and the log file (``take_prewarmed``). A run that never gets that far kills
 it (``discard_prewarmed``); should the run die first, its pipe closes and the process leaves.
 
-Only the standard library here: this module is imported before the heavy imports it overlaps.
+Nothing heavy here (the standard library and the stdlib-only ``server_process``): this module is
+imported before the heavy imports it overlaps.
 """
 
 from __future__ import annotations
