@@ -353,3 +353,59 @@ def test_a_stale_drop_takes_the_whole_group_so_group_advantages_still_sum_to_zer
     groups = kept.values["group_index"]
     for g in groups.unique():
         assert float(kept.values["advantages"][groups == g].sum()) == 0.0
+
+
+class SlowAnnouncements:
+    """The weight sync controller's announcement side: each takes ``seconds``; ``fail_at`` raises."""
+
+    def __init__(self, seconds: float, fail_at: int | None = None) -> None:
+        self.seconds = seconds
+        self.fail_at = fail_at
+        self.calls: list[tuple[int, float, float]] = []  # (version, started, ended)
+
+    def train_worker_notify_weight_update(self, worker_name: str, model_tag: str, version: int) -> None:
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        self.calls.append((version, started, time.monotonic()))
+        if version == self.fail_at:
+            raise RuntimeError(f"publishing version {version} failed")
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully-async"])
+def test_async_modes_announce_a_version_while_the_next_step_trains_and_in_order(
+    tmp_path: Path, mode: str
+) -> None:
+    from nexrl_hpc.trainer.noop import NoopTrainService
+    from nexrl_hpc.trainer.worker import TrainWorker
+
+    cfg = compose_config([f"run_dir={tmp_path}", f"weight.sync_mode={mode}"])
+    worker = TrainWorker(cfg, NoopTrainService())
+    controller = SlowAnnouncements(0.2)
+    worker.set_module_references(None, controller)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    worker._announce(1)
+    returned = time.monotonic() - t0
+    worker._announce(2)  # waits for version 1's announcement first
+    worker._wait_announced()
+    assert [v for v, _, _ in controller.calls] == [1, 2]
+    assert controller.calls[1][1] >= controller.calls[0][2]  # one at a time
+    if mode == "sync":
+        assert returned >= 0.2  # the next batch needs these weights: the trainer waits
+    else:
+        assert returned < 0.1  # the next step trains meanwhile
+        worker.stop()
+
+
+def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announcement(tmp_path: Path) -> None:
+    from nexrl_hpc.trainer.noop import NoopTrainService
+    from nexrl_hpc.trainer.worker import TrainWorker
+
+    cfg = compose_config([f"run_dir={tmp_path}", "weight.sync_mode=fully-async"])
+    worker = TrainWorker(cfg, NoopTrainService())
+    controller = SlowAnnouncements(0.05, fail_at=1)
+    worker.set_module_references(None, controller)  # type: ignore[arg-type]
+    worker._announce(1)
+    with pytest.raises(RuntimeError, match="publishing version 1 failed"):
+        worker._announce(2)
+    assert [v for v, _, _ in controller.calls] == [1]  # version 2 was not announced after the failure
+    worker.stop()

@@ -129,7 +129,7 @@ def write_safetensors(
         path = os.path.join(out_dir, fname)
         items = list(shard.items())
         if writable(items):
-            hexdigest, nbytes = write_tensor_file(path, items, {"format": "pt"})
+            hexdigest, nbytes = write_tensor_file(path, items, {"format": "pt"}, hashed=sidecars)
             if sidecars:
                 write_sidecar(path, hexdigest, nbytes)
         else:  # a dtype without a code here (float8...): safetensors' writer; COMPLETE hashes it by reading

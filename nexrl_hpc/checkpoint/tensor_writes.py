@@ -26,11 +26,13 @@ def writable(tensors: list[tuple[str, torch.Tensor]]) -> bool:
 
 
 def write_tensor_file(
-    path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
+    path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str], hashed: bool = True
 ) -> tuple[str, int]:
     """Write ``tensors`` (name, tensor) with ``metadata`` to ``path``; returns (xxh3-128, size).
 
-    No fsync: the checkpoint's writer fsyncs what it wrote."""
+    ``hashed=False`` returns "" for the digest: a weight-sync export is read once and replaced, and
+    its digest thread (started per file, one hand-off per tensor) was half of a small model's
+    export. No fsync: the checkpoint's writer fsyncs what it wrote."""
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -45,20 +47,23 @@ def write_tensor_file(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % PAGE)
-    digest = StreamDigest()
+    digest = StreamDigest() if hashed else None
+    size = 0
     with open(path, "wb", buffering=0) as f:
-        _write(f, digest, memoryview(struct.pack("<Q", len(raw)) + raw))
+        size += _write(f, digest, memoryview(struct.pack("<Q", len(raw)) + raw))
         for i in order:
             data = tensors[i][1].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
             view = memoryview(data)  # type: ignore[arg-type]
             for lo in range(0, len(view), CHUNK):
-                _write(f, digest, view[lo : lo + CHUNK])
-    return digest.hexdigest(), digest.size
+                size += _write(f, digest, view[lo : lo + CHUNK])
+    return (digest.hexdigest(), digest.size) if digest is not None else ("", size)
 
 
-def _write(f: Any, digest: StreamDigest, part: memoryview) -> None:
-    digest.update(part)  # hashed on its thread while this one is in the write
+def _write(f: Any, digest: StreamDigest | None, part: memoryview) -> int:
+    if digest is not None:
+        digest.update(part)  # hashed on its thread while this one is in the write
     done = 0
     while done < len(part):
         done += f.write(part[done:])
+    return done

@@ -4,13 +4,19 @@ One training step: (optionally) recompute old log-probs -> (on-policy distillati
 log-probs of the sampled tokens become per-token advantages -> ``update_actor`` -> export the new
 weights to ``sync_weight_path/version_<step>`` -> checkpoint every ``save_freq`` steps and at
 the last step -> one metrics line -> tell the weight sync controller.
+
+In the async modes the announcement (the inference service's reload, the next batch's release)
+runs on a thread of its own while the next step trains: the trainer waits only for the previous
+announcement before it makes the next, so versions are published in order, a failed publication
+fails the next step, and the last step's announcement (or a stop's) is waited for before the
+worker reports itself done.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.distillation import distillation_advantages
@@ -75,6 +81,8 @@ class TrainWorker(NexRLModule):
         self._stop_requested = False  # preemption: the next step to finish is this session's last
         self._stopped_early = False
         self._in_step = False
+        self._announcer: ThreadPoolExecutor | None = None  # async modes: announcements, in order
+        self._announcing: Future | None = None  # the announcement in flight
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
@@ -178,6 +186,8 @@ class TrainWorker(NexRLModule):
 
     def stop(self) -> None:
         self._stop_thread(timeout=self._config["train_worker"]["stop_timeout_s"])
+        if self._announcer is not None:
+            self._announcer.shutdown(wait=True)
 
     def _loop(self) -> None:
         while not self.stopped and self._train_step < self._total_steps and not self._stopped_early:
@@ -190,9 +200,12 @@ class TrainWorker(NexRLModule):
             try:
                 with self._activity_tracker.track(self._module_name, "train_step"):
                     self._step(batch)
+                    if self._train_step >= self._total_steps or self._stopped_early:
+                        self._wait_announced()
             finally:
                 self._in_step = False
                 self._timeline.begin_wait()
+        self._wait_announced()  # stopped between steps
 
     def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
         assert self._train_batch_pool is not None
@@ -337,13 +350,28 @@ class TrainWorker(NexRLModule):
             self._stopped_early = True
         else:
             t5, wall = time.monotonic(), time.time()
-            execute(
-                self._weight_sync_controller.train_worker_notify_weight_update,
-                self._module_name,
-                self._model_tag,
-                step,
-            )
+            self._announce(step)
             timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
+
+    def _announce(self, step: int) -> None:
+        """Tell the weight sync controller that version ``step`` is exported: it publishes it and
+        releases the next batch. Sync mode waits (the next batch needs these weights); the async
+        modes hand it to the announcer thread after the previous announcement has ended."""
+        assert self._weight_sync_controller is not None
+        notify = self._weight_sync_controller.train_worker_notify_weight_update
+        if not self._async:
+            execute(notify, self._module_name, self._model_tag, step)
+            return
+        self._wait_announced()
+        if self._announcer is None:
+            self._announcer = ThreadPoolExecutor(1, thread_name_prefix=f"{self._module_name}-announce")
+        self._announcing = self._announcer.submit(execute, notify, self._module_name, self._model_tag, step)
+
+    def _wait_announced(self) -> None:
+        """The announcement in flight has ended (its error, e.g. a failed publication, is raised here)."""
+        announcing, self._announcing = self._announcing, None
+        if announcing is not None:
+            announcing.result()
 
 
 def throughput(metrics: dict[str, Any], batch: Batch) -> dict[str, float]:
