@@ -10,7 +10,8 @@ time; every trajectory records the weight version that produced it.
 - ``fully-async``: the controller holds no request for a reload (the local engine swaps weights
   between two forward batches; vLLM pauses itself briefly) and batches are handed out ahead of the trainer: batch b goes out once the trainer
   holds version b - 1 - staleness_threshold. Generation overlaps training; the pool is the
-  back-pressure.
+  back-pressure. The trainer does not wait for a publication either: it trains the next
+  step while its announcement runs (TrainWorker).
 - ``batch-async``: as fully-async, counted from the version the engines *serve*: a rollout waits
   while train_version + 1 - rollout_version > staleness_threshold and resumes when the sync lands.
 
