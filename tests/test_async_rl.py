@@ -393,7 +393,6 @@ def test_async_modes_announce_a_version_while_the_next_step_trains_and_in_order(
         assert returned >= 0.2  # the next batch needs these weights: the trainer waits
     else:
         assert returned < 0.1  # the next step trains meanwhile
-        worker.stop()
 
 
 def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announcement(tmp_path: Path) -> None:
@@ -408,4 +407,3 @@ def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announce
     with pytest.raises(RuntimeError, match="publishing version 1 failed"):
         worker._announce(2)
     assert [v for v, _, _ in controller.calls] == [1]  # version 2 was not announced after the failure
-    worker.stop()

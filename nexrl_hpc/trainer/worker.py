@@ -15,8 +15,9 @@ worker reports itself done.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.distillation import distillation_advantages
@@ -81,8 +82,7 @@ class TrainWorker(NexRLModule):
         self._stop_requested = False  # preemption: the next step to finish is this session's last
         self._stopped_early = False
         self._in_step = False
-        self._announcer: ThreadPoolExecutor | None = None  # async modes: announcements, in order
-        self._announcing: Future | None = None  # the announcement in flight
+        self._announcing: Future | None = None  # async modes: the announcement in flight
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
@@ -186,8 +186,6 @@ class TrainWorker(NexRLModule):
 
     def stop(self) -> None:
         self._stop_thread(timeout=self._config["train_worker"]["stop_timeout_s"])
-        if self._announcer is not None:
-            self._announcer.shutdown(wait=True)
 
     def _loop(self) -> None:
         while not self.stopped and self._train_step < self._total_steps and not self._stopped_early:
@@ -205,7 +203,6 @@ class TrainWorker(NexRLModule):
             finally:
                 self._in_step = False
                 self._timeline.begin_wait()
-        self._wait_announced()  # stopped between steps
 
     def _get_batch(self, wait_s: float = 0.0) -> Batch | None:
         assert self._train_batch_pool is not None
@@ -342,6 +339,7 @@ class TrainWorker(NexRLModule):
         # a stop request read here ends the session at this step; arriving later, at the next one
         early = self._stop_requested and step < self._total_steps
         if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps or early:
+            self._wait_announced()  # the checkpoint sees no release of a batch half done
             t4 = time.monotonic()
             self.save_checkpoint()
             timeline.add("timing/checkpoint_s", time.monotonic() - t4)
@@ -356,16 +354,24 @@ class TrainWorker(NexRLModule):
     def _announce(self, step: int) -> None:
         """Tell the weight sync controller that version ``step`` is exported: it publishes it and
         releases the next batch. Sync mode waits (the next batch needs these weights); the async
-        modes hand it to the announcer thread after the previous announcement has ended."""
+        modes make it on a thread of its own once the previous announcement has ended (a daemon
+        thread: one stuck behind a validation that never ends must not hold the process's exit)."""
         assert self._weight_sync_controller is not None
         notify = self._weight_sync_controller.train_worker_notify_weight_update
         if not self._async:
             execute(notify, self._module_name, self._model_tag, step)
             return
         self._wait_announced()
-        if self._announcer is None:
-            self._announcer = ThreadPoolExecutor(1, thread_name_prefix=f"{self._module_name}-announce")
-        self._announcing = self._announcer.submit(execute, notify, self._module_name, self._model_tag, step)
+        announced: Future = Future()
+
+        def announce() -> None:
+            try:
+                announced.set_result(execute(notify, self._module_name, self._model_tag, step))
+            except BaseException as exc:  # handed to the trainer thread, raised at its next wait
+                announced.set_exception(exc)
+
+        threading.Thread(target=announce, name=f"{self._module_name}-announce-{step}", daemon=True).start()
+        self._announcing = announced
 
     def _wait_announced(self) -> None:
         """The announcement in flight has ended (its error, e.g. a failed publication, is raised here)."""
