@@ -181,19 +181,26 @@ def test_weight_sync_makes_greedy_outputs_those_of_transformers_with_the_new_wei
     assert info["weight_version"] == "1" and transport.served_version == 1
 
 
-async def _until_generating(server: VLLMServer, timeout_s: float = 30.0) -> None:
-    """Until vLLM reports running requests (its Prometheus gauge ``vllm:num_requests_running``)."""
+async def _until_generating(server: VLLMServer, wave: list[asyncio.Future], timeout_s: float = 30.0) -> None:
+    """Until vLLM reports running requests (its Prometheus gauge ``vllm:num_requests_running``) or a
+    request of ``wave`` has come back (the engine generated; the gauge can miss a short burst)."""
     deadline = time.monotonic() + timeout_s
+    gauges: dict[str, float] = {}
     async with httpx.AsyncClient(base_url=str(server.base_url), headers=_auth(server)) as http:
         while time.monotonic() < deadline:
+            if any(f.done() for f in wave):
+                return
             text = (await http.get("/metrics")).text
-            running = [
-                float(v) for v in re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)
-            ]
-            if running and sum(running) > 0:
+            for name in ("running", "waiting"):
+                found = re.findall(rf"^vllm:num_requests_{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+                gauges[name] = sum(float(v) for v in found)
+            if gauges["running"] > 0:
                 return
             await asyncio.sleep(0.002)
-    raise AssertionError(f"vLLM reported no running request within {timeout_s} s")
+    raise AssertionError(
+        f"vLLM reported no running request within {timeout_s} s (last gauges {gauges}, "
+        f"{sum(f.done() for f in wave)}/{len(wave)} requests done)"
+    )
 
 
 def test_reload_while_requests_are_in_flight_loses_none_and_mixes_no_versions(
@@ -222,7 +229,7 @@ def test_reload_while_requests_are_in_flight_loses_none_and_mixes_no_versions(
     async def run() -> tuple[list[Any], list[Any]]:
         try:
             wave1 = [asyncio.ensure_future(one(p)) for p in prompts[:48]]
-            await _until_generating(server)  # not a fixed sleep: a fast engine had finished by then
+            await _until_generating(server, wave1)  # not a fixed sleep: a fast engine had finished by then
             reloading = asyncio.get_running_loop().run_in_executor(None, reload)
             async with httpx.AsyncClient(base_url=str(server.base_url), headers=_auth(server)) as http:
                 while not reloading.done() and not (await http.get("/is_paused")).json()["is_paused"]:
