@@ -7,9 +7,9 @@ the last step -> one metrics line -> tell the weight sync controller.
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
 runs on a thread of its own while the next step trains: the trainer waits only for the previous
-announcement before it makes the next, so versions are published in order, a failed publication
-fails the next step, and the last step's announcement (or a stop's) is waited for before the
-worker reports itself done.
+announcement before it makes the next, so versions are published in order and a failed publication
+fails the next step; a checkpoint, and the worker before it reports itself done, wait for the
+announcement in flight.
 """
 
 from __future__ import annotations
