@@ -266,3 +266,45 @@ def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_colle
     collector.start()
     assert done.wait(20), "gc.collect() hung on the client's ZMQ context"
     assert ctx.closed
+
+
+class RecordingControl(ApiServerControl):
+    """The standalone control's protocol, recording its execute signals instead of sending them."""
+
+    def __init__(self) -> None:
+        self.executed: list[str] = []
+
+    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
+        self.executed.append(op_id)
+
+
+@pytest.mark.parametrize("embedded", [True, False])
+def test_the_embedded_group_takes_the_execute_signal_with_the_batch(embedded: bool) -> None:
+    """Inside the MPI job the batch's message carries the execute signal (one round trip, no ACK);
+    the standalone service keeps data, ACK, then execute through the API server."""
+    from nexrl_hpc.trainer.group_client import DirectControl
+
+    control = DirectControl() if embedded else RecordingControl()
+    client = TrainGroupClient(
+        "tcp://127.0.0.1:9", b"k" * 32, control,
+        recv_timeout_ms=1_000, total_timeout_ms=1_000, max_message_bytes=1 << 20, limits=wire_limits(),
+    )  # fmt: skip
+    sent: list[dict] = []
+    waited: list[str] = []
+    client.send = lambda header, tensors=None: sent.append(header)  # type: ignore[method-assign]
+
+    def wait_result(op_id: str, operation: str, timeout_s: float, kind: str = "result") -> tuple:
+        waited.append(kind)
+        return {"metrics": {"actor/loss": 0.5}}, {}
+
+    client.wait_result = wait_result  # type: ignore[method-assign]
+    batch = make_batch(n=4)
+    metrics = client.update_actor({"batch": batch, "meta_info": {}})["meta_info"]["metrics"]
+    assert metrics == {"actor/loss": 0.5}
+    assert [h["kind"] for h in sent] == ["data"]
+    if embedded:
+        assert sent[0]["execute"] is True and waited == ["result"]
+    else:
+        assert "execute" not in sent[0] and waited == ["ack", "result"]
+        assert control.executed == [sent[0]["op_id"]]  # type: ignore[attr-defined]
+    client.close()

@@ -139,6 +139,9 @@ class TrainerRank:
             if operation not in BATCH_OPERATIONS:
                 self._reply(client, op_id, error=f"unknown batch operation {operation!r}")
                 return
+            if header.get("execute") is True:  # the embedded client's batch with its execute signal
+                self._run(client, op_id, operation, tensors, {})
+                return
             while len(self._pending) >= _MAX_PENDING:  # clients that gave up never execute theirs
                 dropped = next(iter(self._pending))
                 del self._pending[dropped]
