@@ -1,8 +1,9 @@
 """One rank of a trainer group: rank 0 serves clients, the other ranks follow rank 0.
 
 Rank 0 binds one ZMQ ROUTER. A client sends a whole batch there (``data``); rank 0 keeps it and
-ACKs. Only an ``execute`` for that op id — from the client itself (embedded in an MPI job) or
-relayed by the API server (standalone) — starts the work: rank 0 broadcasts the operation to the
+ACKs, and only an ``execute`` for that op id, relayed by the API server (standalone), starts the
+work. The embedded client (inside the MPI job, no API server between) marks its batch ``execute``
+instead and rank 0 starts on receipt, saving the ACK round trip. Either way rank 0 broadcasts the
 group, plans the batch into per-rank shards and scatters them, every rank computes on its shard,
 rows and per-rank status gather on rank 0, and the result goes back to the client that sent the
 data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay short and
