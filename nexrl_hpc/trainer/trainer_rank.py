@@ -4,10 +4,9 @@ Rank 0 binds one ZMQ ROUTER. A client sends a whole batch there (``data``); rank
 ACKs, and only an ``execute`` for that op id, relayed by the API server (standalone), starts the
 work. The embedded client (inside the MPI job, no API server between) marks its batch ``execute``
 instead and rank 0 starts on receipt, saving the ACK round trip. Either way rank 0 broadcasts the
-operation to the
-group, plans the batch into per-rank shards and scatters them, every rank computes on its shard,
-rows and per-rank status gather on rank 0, and the result goes back to the client that sent the
-data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay short and
+operation to the group, plans the batch into per-rank shards and scatters them, every rank
+computes on its shard, rows and per-rank status gather on rank 0, and the result goes back to the
+client that sent the data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay short and
 a dead rank is noticed. A collective that fails breaks the group for good: every later request
 gets that error (torch.distributed groups cannot heal).
 
