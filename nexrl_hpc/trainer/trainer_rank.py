@@ -7,8 +7,8 @@ instead and rank 0 starts on receipt, saving the ACK round trip. Either way rank
 operation to the group, plans the batch into per-rank shards and scatters them, every rank
 computes on its shard, rows and per-rank status gather on rank 0, and the result goes back to the
 client that sent the data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers'
-waits stay short and a dead rank is noticed. A collective that fails breaks the group for good: every later request
-gets that error (torch.distributed groups cannot heal).
+waits stay short and a dead rank is noticed. A collective that fails breaks the group for good:
+every later request gets that error (torch.distributed groups cannot heal).
 
 Rank 0's ROUTER keeps the run's pre-authentication limits (``nexrl_hpc/rpc/preauth.py``): PLAIN
 with the password derived from the group key, checked on its ``ConnectionWatch``'s thread (so a
