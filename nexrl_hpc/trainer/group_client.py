@@ -1,12 +1,13 @@
 """TrainGroupClient: the TrainServiceClient of a trainer group (the training service's direct-ZMQ client).
 
-Batches go to trainer rank 0 only, over one signed ZMQ connection; the client waits for the ACK,
-then asks for the execution through its control plane, then waits for the result:
+Batches go to trainer rank 0 only, over one signed ZMQ connection; the control plane decides how
+a batch is started (``Control.submit``), then the client waits for the result:
 
 - ``DirectControl`` (embedded: trainer ranks inside the MPI job): the execute signal travels with
   the batch (rank 0 runs it on receipt: no ACK round trip, ~1.2 ms a step under load) and the
   batch-less calls go to rank 0 over the same connection.
-- ``ApiServerControl`` (standalone): they go to the API server over HTTP with the bearer token,
+- ``ApiServerControl`` (standalone): the client waits for rank 0's ACK of the batch, then the
+  execute signal and the batch-less calls go to the API server over HTTP with the bearer token,
   which relays them; the server also reports each rank's heartbeat, so a dead rank is named.
 
 Every wait is bounded: ``zmq_recv_timeout_ms`` for one answer, ``zmq_total_timeout_ms`` for a
@@ -38,10 +39,12 @@ class Control(ABC):
     """How the execute signal and batch-less operations reach the trainer group."""
 
     heartbeat_timeout_s = 0.0
-    executes_with_data = False  # the batch's own message carries the execute signal
 
     @abstractmethod
-    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None: ...
+    def submit(
+        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+    ) -> None:
+        """Hand the batch to rank 0 and start ``operation`` on it (the client waits for the result)."""
 
     @abstractmethod
     def call(
@@ -54,10 +57,10 @@ class Control(ABC):
 
 
 class DirectControl(Control):
-    executes_with_data = True
-
-    def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
-        client.send({"kind": "execute", "op_id": op_id})
+    def submit(
+        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+    ) -> None:
+        client.send({"kind": "data", "op_id": op_id, "operation": operation, "execute": True}, tensors)
 
     def call(self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float) -> Any:
         op_id = client.new_op_id(operation)
@@ -159,14 +162,7 @@ class TrainGroupClient(TrainServiceClient):
         with self._lock:
             start = time.monotonic()
             op_id = self.new_op_id(operation)
-            header = {"kind": "data", "op_id": op_id, "operation": operation}
-            if self._control.executes_with_data:
-                self.send(dict(header, execute=True), tensors)
-                return self.wait_result(op_id, operation, self._total_timeout_s)
-            self.send(header, tensors)
-            self.wait_result(op_id, operation, self._total_timeout_s, kind="ack")
-            left = self._total_timeout_s - (time.monotonic() - start)
-            self._control.execute(self, op_id, left)
+            self._control.submit(self, op_id, operation, tensors, self._total_timeout_s)
             left = self._total_timeout_s - (time.monotonic() - start)
             return self.wait_result(op_id, operation, left)
 
@@ -270,6 +266,14 @@ class ApiServerControl(Control):
             f"worker group {self.identifier!r} at {self.url} not ready after {timeout_s:.0f}s "
             f"(rank 0 endpoint reported: {bool(info.get('endpoints', {}).get('0'))}, {reported} endpoint(s))"
         )
+
+    def submit(
+        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+    ) -> None:
+        start = time.monotonic()
+        client.send({"kind": "data", "op_id": op_id, "operation": operation}, tensors)
+        client.wait_result(op_id, operation, timeout_s, kind="ack")
+        self.execute(client, op_id, timeout_s - (time.monotonic() - start))
 
     def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
         self._post("/execute", {"identifier": self.identifier, "op_id": op_id}, timeout_s)
