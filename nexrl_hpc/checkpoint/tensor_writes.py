@@ -57,7 +57,7 @@ def write_tensor_file(
             view = memoryview(data)  # type: ignore[arg-type]
             for lo in range(0, len(view), CHUNK):
                 size += _write(f, digest, view[lo : lo + CHUNK])
-    return (digest.hexdigest(), digest.size) if digest is not None else ("", size)
+    return (digest.hexdigest() if digest is not None else ""), size
 
 
 def _write(f: Any, digest: StreamDigest | None, part: memoryview) -> int:
