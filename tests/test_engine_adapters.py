@@ -114,9 +114,9 @@ def fake_sglang() -> Iterator[tuple[str, _FakeSGLang]]:
     server.shutdown()
 
 
-def _client(url: str) -> LLMServiceClient:
+def _client(url: str, *overrides: str) -> LLMServiceClient:
     cfg = compose_config(
-        ["service.inference_service.backend=sglang", f"service.inference_service.base_url={url}"]
+        ["service.inference_service.backend=sglang", f"service.inference_service.base_url={url}", *overrides]
     )
     return LLMServiceClient(cfg["service"]["inference_service"])
 
@@ -168,6 +168,50 @@ def test_sglang_batched_and_n_samples_keep_prompt_order(fake_sglang: tuple[str, 
         assert [g["response_ids"] for g in group] == [
             [5 + (sum(_tokenize(prompt)) + j) % 7] for j in range(2)
         ]
+
+
+def test_calls_that_keep_joining_go_out_together_until_quiet_or_the_cap(
+    fake_sglang: tuple[str, _FakeSGLang],
+) -> None:
+    """A batch's steps start over a few milliseconds: calls arriving closer together than
+    coalesce_wait_ms share one request however long the stream lasts (up to coalesce_max_wait_ms
+    after its first call); a call after a quiet gap starts a new one."""
+    url, state = fake_sglang
+
+    async def waves(client: LLMServiceClient, count: int, gap_s: float, tag: str) -> list[Any]:
+        calls = []
+        for i in range(count):
+            calls.append(asyncio.ensure_future(client.acompletion(f"{tag}{i}", max_tokens=1)))
+            await asyncio.sleep(gap_s)
+        return await asyncio.gather(*calls)
+
+    async def run(client: LLMServiceClient) -> None:
+        await waves(client, 10, 0.03, "a")  # 300 ms of calls, 30 ms apart: one request
+        await asyncio.sleep(0.4)
+        await waves(client, 2, 0.0, "b")  # after a quiet gap: a request of its own
+        await client.aclose()
+
+    state.requests.clear()
+    quiet = (
+        "service.inference_service.coalesce_wait_ms=100",
+        "service.inference_service.coalesce_max_wait_ms=2000",
+    )
+    asyncio.run(run(_client(url, *quiet)))
+    assert [body["text"] for _, body in state.requests] == [[f"a{i}" for i in range(10)], ["b0", "b1"]]
+
+    async def capped(client: LLMServiceClient) -> None:
+        await waves(client, 12, 0.05, "c")  # 600 ms of calls 50 ms apart, never quiet for 150 ms
+        await client.aclose()
+
+    state.requests.clear()
+    overrides = (
+        "service.inference_service.coalesce_wait_ms=150",
+        "service.inference_service.coalesce_max_wait_ms=250",
+    )
+    asyncio.run(capped(_client(url, *overrides)))
+    sent = [body["text"] if isinstance(body["text"], list) else [body["text"]] for _, body in state.requests]
+    assert [p for batch in sent for p in batch] == [f"c{i}" for i in range(12)]  # all, in order
+    assert 2 <= len(sent) <= 4  # cut by the cap (~250 ms each), not one request per call
 
 
 def test_sglang_without_prompt_token_ids_is_an_error_naming_the_server(

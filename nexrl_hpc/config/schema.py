@@ -268,7 +268,10 @@ class InferenceServiceConfig(TypedDict):
         float, Gt(0.0)
     ]  # a request held during a weight reload asks again this often
     fake_latency_ms: Annotated[float, Ge(0.0)]  # backend=fake: each request takes this long
-    coalesce_wait_ms: Annotated[float, Ge(0.0)]
+    coalesce_wait_ms: Annotated[
+        float, Ge(0.0)
+    ]  # a coalesced request goes out once no call joined for this long
+    coalesce_max_wait_ms: Annotated[float, Ge(0.0)]  # ... or this long after its first call
     max_coalesce: Annotated[int, Ge(1)]
     local: LocalInferenceConfig
     vllm: VLLMInferenceConfig

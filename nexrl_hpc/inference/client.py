@@ -45,7 +45,9 @@ class _Bucket:
     """Calls waiting to be sent together: same kwargs, a list of (prompt, future)."""
 
     kwargs: dict[str, Any]
+    opened: float  # loop time of the first call
     items: list[tuple[Any, asyncio.Future]] = field(default_factory=list)
+    seen: int = 0  # items when the flush timer last looked
 
 
 def _freeze(value: Any) -> Any:
@@ -77,6 +79,7 @@ class LLMServiceClient:
         self._timeout = config["request_timeout_s"]
         self._freeze_for_weight_sync = config["freeze_for_weight_sync"]
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
+        self._coalesce_max_wait_s = config["coalesce_max_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
         self._weight_sync_controller: WeightSyncController | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(self._model_tag)
@@ -116,12 +119,27 @@ class LLMServiceClient:
         future: asyncio.Future = loop.create_future()
         bucket = self._pending.get(key)
         if bucket is None:
-            bucket = self._pending[key] = _Bucket(kwargs=dict(kwargs))
-            loop.call_later(self._coalesce_wait_s, self._flush, key, bucket)
+            bucket = self._pending[key] = _Bucket(kwargs=dict(kwargs), opened=loop.time())
+            loop.call_later(self._coalesce_wait_s, self._flush_when_quiet, key, bucket)
         bucket.items.append((prompt, future))
         if len(bucket.items) >= self._max_coalesce:
             self._flush(key, bucket)
         return await future
+
+    def _flush_when_quiet(self, key: Any, bucket: _Bucket) -> None:
+        """Send once no call joined for ``coalesce_wait_ms`` (or ``coalesce_max_wait_ms`` after the
+        first): the steps of a batch start over a few milliseconds of the loop's time (more on a
+        slow machine), and a fixed window cut them into several requests, i.e. engine batches."""
+        if self._pending.get(key) is not bucket:
+            return  # already sent (size trigger)
+        loop = asyncio.get_running_loop()
+        grew = len(bucket.items) != bucket.seen
+        bucket.seen = len(bucket.items)
+        left = bucket.opened + self._coalesce_max_wait_s - loop.time()
+        if grew and left > 0:
+            loop.call_later(min(self._coalesce_wait_s, left), self._flush_when_quiet, key, bucket)
+            return
+        self._flush(key, bucket)
 
     async def agenerate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         await self._await_weight_sync()
@@ -132,7 +150,7 @@ class LLMServiceClient:
 
     def _flush(self, key: Any, bucket: _Bucket) -> None:
         if self._pending.get(key) is not bucket:
-            return  # already sent (size trigger) — this is the stale timer
+            return  # already sent
         del self._pending[key]
         asyncio.ensure_future(self._send_bucket(bucket))
 
