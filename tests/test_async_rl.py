@@ -362,8 +362,10 @@ class SlowAnnouncements:
         self.seconds = seconds
         self.fail_at = fail_at
         self.calls: list[tuple[int, float, float]] = []  # (version, started, ended)
+        self.threads: list[int] = []  # the thread that made each announcement
 
     def train_worker_notify_weight_update(self, worker_name: str, model_tag: str, version: int) -> None:
+        self.threads.append(threading.get_ident())
         started = time.monotonic()
         time.sleep(self.seconds)
         self.calls.append((version, started, time.monotonic()))
@@ -391,8 +393,11 @@ def test_async_modes_announce_a_version_while_the_next_step_trains_and_in_order(
     assert controller.calls[1][1] >= controller.calls[0][2]  # one at a time
     if mode == "sync":
         assert returned >= 0.2  # the next batch needs these weights: the trainer waits
+        assert controller.threads == [threading.get_ident()] * 2
     else:
         assert returned < 0.1  # the next step trains meanwhile
+        # one announcement thread for the run, not one started (and waited for) per step
+        assert len(set(controller.threads)) == 1 and controller.threads[0] != threading.get_ident()
 
 
 def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announcement(tmp_path: Path) -> None:
@@ -407,3 +412,6 @@ def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announce
     with pytest.raises(RuntimeError, match="publishing version 1 failed"):
         worker._announce(2)
     assert [v for v, _, _ in controller.calls] == [1]  # version 2 was not announced after the failure
+    worker._announce(3)  # the announcement thread outlives a failed announcement
+    worker._wait_announced()
+    assert [v for v, _, _ in controller.calls] == [1, 3]

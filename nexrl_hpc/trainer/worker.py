@@ -6,7 +6,7 @@ weights to ``sync_weight_path/version_<step>`` -> checkpoint every ``save_freq``
 the last step -> one metrics line -> tell the weight sync controller.
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
-runs on a thread of its own while the next step trains: the trainer waits only for the previous
+runs on the worker's announcement thread while the next step trains: the trainer waits only for the previous
 announcement before it makes the next, so versions are published in order and a failed publication
 fails the next step; a checkpoint, and the worker before it reports itself done, wait for the
 announcement in flight.
@@ -15,6 +15,7 @@ announcement in flight.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -83,6 +84,8 @@ class TrainWorker(NexRLModule):
         self._stopped_early = False
         self._in_step = False
         self._announcing: Future | None = None  # async modes: the announcement in flight
+        self._announcements: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
+        self._announcer: threading.Thread | None = None  # made at the first announcement
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
@@ -354,7 +357,7 @@ class TrainWorker(NexRLModule):
     def _announce(self, step: int) -> None:
         """Tell the weight sync controller that version ``step`` is exported: it publishes it and
         releases the next batch. Sync mode waits (the next batch needs these weights); the async
-        modes make it on a thread of its own once the previous announcement has ended (a daemon
+        modes hand it to the announcement thread once the previous announcement has ended (a daemon
         thread: one stuck behind a validation that never ends must not hold the process's exit)."""
         assert self._weight_sync_controller is not None
         notify = self._weight_sync_controller.train_worker_notify_weight_update
@@ -363,15 +366,25 @@ class TrainWorker(NexRLModule):
             return
         self._wait_announced()
         announced: Future = Future()
+        if self._announcer is None:
+            self._announcer = threading.Thread(
+                target=self._announce_loop, name=f"{self._module_name}-announce", daemon=True
+            )
+            self._announcer.start()
+        self._announcements.put((step, announced))
+        self._announcing = announced
 
-        def announce() -> None:
+    def _announce_loop(self) -> None:
+        """The announcement thread: one thread for the run (starting a thread per step waits for
+        it to run, a GIL hand-off the trainer's thread paid on every step)."""
+        while True:
+            step, announced = self._announcements.get()
             try:
+                assert self._weight_sync_controller is not None
+                notify = self._weight_sync_controller.train_worker_notify_weight_update
                 announced.set_result(execute(notify, self._module_name, self._model_tag, step))
             except BaseException as exc:  # handed to the trainer thread, raised at its next wait
                 announced.set_exception(exc)
-
-        threading.Thread(target=announce, name=f"{self._module_name}-announce-{step}", daemon=True).start()
-        self._announcing = announced
 
     def _wait_announced(self) -> None:
         """The announcement in flight has ended (its error, e.g. a failed publication, is raised here)."""
