@@ -20,8 +20,10 @@ from typing import Any
 
 import h5py
 import pytest
+import torch
 import yaml
 
+from nexrl_hpc.checkpoint.hf import read_safetensors_dir
 from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import JsonlDataLoader
@@ -363,3 +365,28 @@ def test_mpi_run_with_two_trainer_ranks_learns(tmp_path: Path, engine: str) -> N
         "rank_1.safetensors",
     ]
     assert (ckpt / "model" / "model.safetensors").exists()
+
+
+def test_mpi_fully_async_feeds_the_trainer_back_to_back_and_exports_each_version(tmp_path: Path) -> None:
+    """mpirun -n 3 (driver, trainer, rollout), fully-async with batches always ready (the fake
+    engine): the next batch goes to the trainer rank while it trains the current one, every step
+    trains once, and each checkpoint holds exactly the weights exported as its version."""
+    run_dir = tmp_path / "ahead"
+    args = [
+        f"run_dir={run_dir}", "seed=4", "weight.sync_mode=fully-async", "weight.staleness_threshold=2",
+        "service.inference_service.backend=fake", "train_worker.total_train_steps=16",
+        "train_worker.save_freq=8", "train_worker.max_ckpt_to_keep=null", "weight.keep_versions=20",
+        "service.train_service.num_threads=1", *FAST,
+    ]  # fmt: skip
+    proc = subprocess.run(mpirun(3, args), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [r for r in metrics(run_dir) if "train/sent_ahead" in r]
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    ahead = [r["step"] for r in rows if r["train/sent_ahead"] == 1.0]
+    assert ahead, "no batch went to the trainer while it trained"
+    assert not {1, 9} & set(ahead)  # nothing rides past a checkpoint (steps 8 and 16), the first waits
+    for step in (8, 16):
+        saved = read_safetensors_dir(str(run_dir / "checkpoints" / f"global_step_{step}" / "model"))
+        exported = read_safetensors_dir(str(run_dir / "weights" / f"version_{step}"))
+        assert set(exported) <= set(saved)
+        assert all(torch.equal(saved[k], exported[k]) for k in exported), step

@@ -166,6 +166,23 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
         teacher_w = read_safetensors_dir(str(tmp_path / "teacher"))
         assert max(float((teacher_w[k] - base[k]).abs().max()) for k in base) == 0.0
 
+        # two updates sent back to back, the second while the group trains the first, each exporting
+        # the weights it made: answered in order, each export holds its own version's weights
+        later = [make_batch(13, seed=s) for s in (3, 4)]
+        sent = [
+            clients["student"].start_update_actor({"batch": dict(b)}, str(tmp_path / f"v{i}"))
+            for i, b in enumerate(later)
+        ]
+        answers = [update.result()["meta_info"] for update in sent]
+        for i, (b, answer) in enumerate(zip(later, answers)):
+            want = ref.update_actor({"batch": dict(b)})["meta_info"]["metrics"]
+            assert answer["metrics"]["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], abs=1e-6)
+            assert answer["export_s"] > 0.0
+            ref.export_weights(str(tmp_path / f"ref{i}"))
+            got_w = read_safetensors_dir(str(tmp_path / f"v{i}"))
+            want_w = read_safetensors_dir(str(tmp_path / f"ref{i}"))
+            assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= 1e-5
+
         # bad input is refused on the client, before anything is sent
         broken = dict(batches[0])
         del broken["advantages"]

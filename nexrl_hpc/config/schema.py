@@ -203,6 +203,7 @@ class TrainWorkerConfig(TypedDict):
     long_poll_s: Annotated[
         float, Gt(0.0)
     ]  # longest wait for work in one call (returns early when work comes)
+    send_ahead_poll_s: Annotated[float, Gt(0.0)]  # while a trainer group trains: is it done? (TrainWorker)
     stop_timeout_s: Annotated[float, Gt(0.0)]  # stop() waits this long for the training loop
 
 

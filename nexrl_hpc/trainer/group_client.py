@@ -30,7 +30,7 @@ import zmq
 from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.trainer.batch_contract import check_batch
 from nexrl_hpc.trainer.protocol import SignedChannel, TrainerRankError
-from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.service import TrainServiceClient, UpdateInFlight
 
 _LIVENESS_CHECK_S = 1.0
 
@@ -42,7 +42,13 @@ class Control(ABC):
 
     @abstractmethod
     def submit(
-        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+        self,
+        client: TrainGroupClient,
+        op_id: str,
+        operation: str,
+        tensors: dict[str, Any],
+        timeout_s: float,
+        args: dict[str, Any] | None = None,
     ) -> None:
         """Hand the batch to rank 0 and start ``operation`` on it (the client waits for the result)."""
 
@@ -58,9 +64,16 @@ class Control(ABC):
 
 class DirectControl(Control):
     def submit(
-        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+        self,
+        client: TrainGroupClient,
+        op_id: str,
+        operation: str,
+        tensors: dict[str, Any],
+        timeout_s: float,
+        args: dict[str, Any] | None = None,
     ) -> None:
-        client.send({"kind": "data", "op_id": op_id, "operation": operation, "execute": True}, tensors)
+        header = {"kind": "data", "op_id": op_id, "operation": operation, "execute": True, "args": args or {}}
+        client.send(header, tensors)
 
     def call(self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float) -> Any:
         op_id = client.new_op_id(operation)
@@ -97,6 +110,10 @@ class TrainGroupClient(TrainServiceClient):
         # term() would wait for that socket forever; the finalizer holds both and closes in order
         self._release = weakref.finalize(self, _close_zmq, self._sock, self._ctx)
         self._lock = threading.Lock()
+        self._in_flight: set[str] = set()  # updates sent and not yet answered (start_update_actor)
+        self._early: dict[
+            tuple[str, str], tuple[dict, dict]
+        ] = {}  # their answers read while waiting for another
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -114,6 +131,9 @@ class TrainGroupClient(TrainServiceClient):
         start = time.monotonic()
         deadline = start + min(timeout_s, self._recv_timeout_s)
         next_check = start + _LIVENESS_CHECK_S
+        early = self._early.pop((op_id, kind), None)
+        if early is not None:
+            return self._answer(early[0], kind, early[1])
         while True:
             now = time.monotonic()
             if now >= deadline:
@@ -133,10 +153,15 @@ class TrainGroupClient(TrainServiceClient):
                 continue  # part of a longer answer, or dropped and counted (never taken for the real one)
             _, _, header, tensors = message
             if header.get("op_id") != op_id or header["kind"] != kind:
-                continue  # a late answer to an operation that already timed out
-            if kind == "result" and not header["ok"]:
-                raise TrainerRankError(header["error"] + self._who_is_gone(header["error"]))
-            return header.get("value"), tensors
+                if header.get("op_id") in self._in_flight:  # an update sent earlier: its caller reads it
+                    self._early[(str(header["op_id"]), str(header["kind"]))] = (header, tensors)
+                continue  # else a late answer to an operation that already timed out
+            return self._answer(header, kind, tensors)
+
+    def _answer(self, header: dict, kind: str, tensors: dict) -> tuple[Any, dict]:
+        if kind == "result" and not header["ok"]:
+            raise TrainerRankError(header["error"] + self._who_is_gone(header["error"]))
+        return header.get("value"), tensors
 
     def _who_is_gone(self, error: str) -> str:
         """A broken group: wait (at most one heartbeat timeout) to learn which rank is gone."""
@@ -188,6 +213,47 @@ class TrainGroupClient(TrainServiceClient):
         value, _ = self._batch_operation("update_actor", batch["batch"])
         return {"meta_info": {"metrics": value["metrics"]}}
 
+    queues_updates = True
+
+    def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
+        """Send the batch with its export path and return: rank 0 takes messages one at a time, so
+        a batch sent behind this one starts when this one is exported (``_GroupUpdate.result``)."""
+        tensors = batch["batch"]
+        check_batch("update_actor", tensors)
+        with self._lock:
+            start = time.monotonic()
+            op_id = self.new_op_id("update_actor")
+            self._in_flight.add(op_id)
+            try:
+                self._control.submit(
+                    self, op_id, "update_actor", tensors, self._total_timeout_s, {"export_path": export_path}
+                )
+            except BaseException:
+                self._in_flight.discard(op_id)
+                raise
+        return _GroupUpdate(self, op_id, start)
+
+    def answered(self, op_id: str) -> bool:
+        """Whether the update ``op_id`` has been answered; reads (and keeps) what has arrived."""
+        with self._lock:
+            while (op_id, "result") not in self._early and self._sock.poll(0):
+                message = self._channel.feed(self._sock.recv_multipart(copy=False))
+                if message is not None and message[2].get("op_id") in self._in_flight:
+                    header = message[2]
+                    self._early[(str(header["op_id"]), str(header["kind"]))] = (header, message[3])
+            return (op_id, "result") in self._early
+
+    def finish_update(self, op_id: str, start: float) -> dict[str, Any]:
+        with self._lock:
+            try:
+                # queued behind the updates sent before it: its budget counts from its own sending
+                left = self._total_timeout_s - (time.monotonic() - start)
+                value, _ = self.wait_result(op_id, "update_actor", left)
+            finally:
+                self._in_flight.discard(op_id)
+                self._early.pop((op_id, "result"), None)
+        return {"meta_info": {"metrics": value["metrics"], "export_s": value.get("export_s")}}
+
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self._call(
             "save_checkpoint",
@@ -211,6 +277,17 @@ class TrainGroupClient(TrainServiceClient):
 
     def close(self) -> None:
         self._release()
+
+
+class _GroupUpdate(UpdateInFlight):
+    def __init__(self, client: TrainGroupClient, op_id: str, start: float):
+        self._client, self._op_id, self._start = client, op_id, start
+
+    def result(self) -> dict[str, Any]:
+        return self._client.finish_update(self._op_id, self._start)
+
+    def done(self) -> bool:
+        return self._client.answered(self._op_id)
 
 
 class ApiServerControl(Control):
@@ -268,10 +345,16 @@ class ApiServerControl(Control):
         )
 
     def submit(
-        self, client: TrainGroupClient, op_id: str, operation: str, tensors: dict[str, Any], timeout_s: float
+        self,
+        client: TrainGroupClient,
+        op_id: str,
+        operation: str,
+        tensors: dict[str, Any],
+        timeout_s: float,
+        args: dict[str, Any] | None = None,
     ) -> None:
         start = time.monotonic()
-        client.send({"kind": "data", "op_id": op_id, "operation": operation}, tensors)
+        client.send({"kind": "data", "op_id": op_id, "operation": operation, "args": args or {}}, tensors)
         client.wait_result(op_id, operation, timeout_s, kind="ack")
         self.execute(client, op_id, timeout_s - (time.monotonic() - start))
 

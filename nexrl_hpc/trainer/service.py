@@ -8,11 +8,37 @@ Backends are chosen by ``service.train_service.backend`` through ``factory.creat
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 
+class UpdateInFlight(ABC):
+    """An ``update_actor`` handed to the backend; ``result`` waits for it and its export."""
+
+    @abstractmethod
+    def result(self) -> dict[str, Any]:
+        """``update_actor``'s answer; ``meta_info["export_s"]``: the export's seconds (within the wait)."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """The answer is in (``result`` returns without waiting)."""
+
+
+class _DoneUpdate(UpdateInFlight):
+    def __init__(self, answer: dict[str, Any]):
+        self._answer = answer
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, Any]:
+        return self._answer
+
+
 class TrainServiceClient(ABC):
+    queues_updates = False  # True: start_update_actor returns before the update is done (see there)
+
     @abstractmethod
     def initialize_worker(
         self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
@@ -30,6 +56,16 @@ class TrainServiceClient(ABC):
     @abstractmethod
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One training step (PPO epochs x mini-batches) on ``batch``; returns metrics."""
+
+    def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
+        """``update_actor``, then ``export_weights(export_path)`` of the weights it made. A backend
+        that ``queues_updates`` returns at once and takes the next call's batch behind this one
+        (the trainer starts it when this one is exported); this one does both before returning."""
+        answer = self.update_actor(batch)
+        started = time.monotonic()
+        self.export_weights(export_path)
+        answer.setdefault("meta_info", {})["export_s"] = time.monotonic() - started
+        return _DoneUpdate(answer)
 
     @abstractmethod
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:

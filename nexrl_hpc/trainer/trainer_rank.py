@@ -6,7 +6,10 @@ work. The embedded client (inside the MPI job, no API server between) marks its 
 instead and rank 0 starts on receipt, saving the ACK round trip. Either way rank 0 broadcasts the
 operation to the group, plans the batch into per-rank shards and scatters them, every rank
 computes on its shard, rows and per-rank status gather on rank 0, and the result goes back to the
-client that sent the data. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers'
+client that sent the data. An ``update_actor`` may carry ``export_path``: the group then exports the
+weights it made in the same operation (one round trip, and a batch sent behind it cannot be trained
+before the export). Messages are taken one at a time: a batch sent while another trains waits in
+the socket and starts the moment the one before it is answered. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers'
 waits stay short and a dead rank is noticed. A collective that fails breaks the group for good:
 every later request gets that error (torch.distributed groups cannot heal).
 
@@ -40,6 +43,24 @@ _MAX_PENDING = 4  # batches held between their ACK and their execute signal
 Client = tuple[bytes, str]  # a client of rank 0: its ROUTER routing id and its channel's sender id
 
 
+def _batch_args(operation: str, args: Any) -> tuple[dict[str, Any], str | None]:
+    """A batch's arguments: ``update_actor`` may name where to export the weights it makes."""
+    if args is None or args == {}:
+        return {}, None
+    if (
+        operation == "update_actor"
+        and isinstance(args, dict)
+        and set(args) == {"export_path"}
+        and isinstance(args["export_path"], str)
+        and args["export_path"]
+    ):
+        return {"export_path": args["export_path"]}, None
+    return (
+        {},
+        f"{operation}: unexpected arguments {sorted(args) if isinstance(args, dict) else type(args).__name__}",
+    )
+
+
 class TrainerRank:
     def __init__(
         self,
@@ -58,7 +79,7 @@ class TrainerRank:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._idle_tick_s = idle_tick_s
         self._channel = SignedChannel(key, max_message_bytes, limits, name=f"trainer{self.rank}")
-        self._pending: dict[str, tuple[Client, str, dict[str, torch.Tensor]]] = {}
+        self._pending: dict[str, tuple[Client, str, dict[str, torch.Tensor], dict[str, Any]]] = {}
         self.broken: str | None = None
         self.address: str | None = None
         self._ctx: zmq.Context | None = None
@@ -140,14 +161,18 @@ class TrainerRank:
             if operation not in BATCH_OPERATIONS:
                 self._reply(client, op_id, error=f"unknown batch operation {operation!r}")
                 return
+            args, problem = _batch_args(operation, header.get("args"))
+            if problem is not None:
+                self._reply(client, op_id, error=problem)
+                return
             if header.get("execute") is True:  # the embedded client's batch with its execute signal
-                self._run(client, op_id, operation, tensors, {})
+                self._run(client, op_id, operation, tensors, args)
                 return
             while len(self._pending) >= _MAX_PENDING:  # clients that gave up never execute theirs
                 dropped = next(iter(self._pending))
                 del self._pending[dropped]
                 logger.warning("trainer rank 0: dropped the data of %s (never executed)", dropped)
-            self._pending[op_id] = (client, operation, tensors)
+            self._pending[op_id] = (client, operation, tensors, args)
             logger.debug("data for %s %s received; ACK", operation, op_id)
             self._send(client, {"kind": "ack", "op_id": op_id})
         elif kind == "execute":
@@ -157,8 +182,8 @@ class TrainerRank:
                 return
             if client != entry[0]:  # relayed by the API server: it only needs to know it started
                 self._send(client, {"kind": "started", "op_id": op_id})
-            data_client, operation, batch = entry
-            self._run(data_client, op_id, operation, batch, {})
+            data_client, operation, batch, args = entry
+            self._run(data_client, op_id, operation, batch, args)
         elif kind == "call":
             operation = header.get("operation")
             if operation not in CALL_OPERATIONS:
@@ -249,6 +274,10 @@ class TrainerRank:
             elif op == "update_actor":
                 assert shard is not None
                 out["value"] = {"metrics": trainer.update_actor_shard(shard, plan)}
+                if args.get("export_path"):  # the new weights for the inference service, same op
+                    started = time.monotonic()
+                    trainer.export_weights(args["export_path"])
+                    out["value"]["export_s"] = time.monotonic() - started
             elif op == "initialize_worker":
                 trainer.initialize_worker(
                     args["config"], role=args.get("role", "actor"), world_size=args["world_size"]

@@ -1,9 +1,11 @@
 """TrainWorker: takes processed batches, trains through a TrainServiceClient, exports, checkpoints, notifies.
 
 One training step: (optionally) recompute old log-probs -> (on-policy distillation) the teacher's
-log-probs of the sampled tokens become per-token advantages -> ``update_actor`` -> export the new
-weights to ``sync_weight_path/version_<step>`` -> checkpoint every ``save_freq`` steps and at
-the last step -> one metrics line -> tell the weight sync controller.
+log-probs of the sampled tokens become per-token advantages -> ``update_actor`` and the export of
+the new weights to ``sync_weight_path/version_<step>`` (one ``start_update_actor``) -> one
+metrics line -> checkpoint every ``save_freq`` steps and at the last step -> tell the weight sync
+controller. A backend that queues updates (a trainer group on ranks of its own) gets the next
+step's batch while it trains this one, in the async modes (``_send_ahead``).
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
 runs on the worker's announcement thread while the next step trains: the trainer waits only for the previous
@@ -19,6 +21,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.algorithm.distillation import distillation_advantages
@@ -37,7 +40,7 @@ from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
-from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.service import TrainServiceClient, UpdateInFlight
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.controller import sync_weight_dir
 
@@ -63,6 +66,7 @@ class TrainWorker(NexRLModule):
         self._total_steps = tw["total_train_steps"]
         self._save_freq = tw["save_freq"]
         self._long_poll_s = tw["long_poll_s"]
+        self._ahead_poll_s = tw["send_ahead_poll_s"]
         self._sync_path = tw["sync_weight_path"]
         self._model_tag = config["service"]["train_service"]["model_tag"]
         algo = config["algorithm"]
@@ -71,6 +75,10 @@ class TrainWorker(NexRLModule):
         self._is_cap = algo["is_cap"]
         weight = config["weight"]
         self._async = weight["sync_mode"] != "sync"
+        # the next batch may go to the trainer while it trains the current one (see _send_ahead)
+        self._send_ahead_enabled = (
+            self._async and not self._recompute and teacher is None and client.queues_updates
+        )
         self._staleness_bound = weight["staleness_threshold"]
         self._drop_stale = weight["stale_policy"] == "drop"
         self._stale_dropped_total = 0
@@ -200,7 +208,11 @@ class TrainWorker(NexRLModule):
             self._in_step = True
             try:
                 with self._activity_tracker.track(self._module_name, "train_step"):
-                    self._step(batch)
+                    started = self._start_step(batch, self._train_step + 1)
+                    while started is not None:  # a step, and each sent behind it while it trained
+                        ahead = self._send_ahead(started)
+                        self._finish_step(started, ahead is not None)
+                        started = ahead
                     if self._train_step >= self._total_steps or self._stopped_early:
                         self._wait_announced()
             finally:
@@ -238,11 +250,12 @@ class TrainWorker(NexRLModule):
         metrics["train/stale_over_bound"] = float(n_stale)
         return kept, metrics
 
-    def _step(self, batch: Batch) -> None:
-        assert self._activity_tracker is not None
+    def _start_step(self, batch: Batch, step: int) -> _StartedStep | None:
+        """Step ``step`` up to its update being sent: staleness bound, (recomputed) old log-probs,
+        (the teacher's advantages); None when the batch was dropped (no step trained)."""
         t0 = time.monotonic()
         consumed = list(batch.metadata.get("task_keys", []))  # trained or dropped below
-        kept, stale_metrics = self._apply_staleness_bound(batch, self._train_step + 1)
+        kept, stale_metrics = self._apply_staleness_bound(batch, step)
         assert self._weight_sync_controller is not None
         if kept is None:
             self._release_tasks(consumed)
@@ -252,16 +265,13 @@ class TrainWorker(NexRLModule):
                 len(batch),
                 self._staleness_bound,
             )
-            return
+            return None
         batch = kept
-        # answered while the step trains: the validations the trainer's waits may overlap
-        validations = execute_async(
-            self._weight_sync_controller.validation_intervals, self._timeline.wall_since()
-        )
         tensors = dict(batch.values)
         tensors["old_log_probs"] = tensors["behaviour_log_probs"]
         metrics: dict[str, Any] = dict(batch.metadata.get("metrics", {}))
         metrics.update(stale_metrics)
+        metrics["train/sent_ahead"] = 0.0  # 1: sent while the trainer trained the step before
         if self._recompute:
             recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"][
                 "old_log_probs"
@@ -297,16 +307,65 @@ class TrainWorker(NexRLModule):
             )
             metrics.update(opd_metrics)
         t1 = time.monotonic()
-        result = self._client.update_actor(
-            {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}}
+        self._timeline.add("timing/old_log_prob_s", t_teacher - t0)
+        self._timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)
+        update = self._client.start_update_actor(
+            {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}},
+            sync_weight_dir(self._sync_path, step),
         )
+        # sending (a backend that does not queue: the whole update and export, split at the finish)
+        sent_s = time.monotonic() - t1
+        self._timeline.add("timing/update_s", sent_s)
+        return _StartedStep(
+            batch, step, consumed, metrics, update, 0.0 if self._client.queues_updates else sent_s
+        )
+
+    def _send_ahead(self, current: _StartedStep) -> _StartedStep | None:
+        """The next batch to the trainer group behind ``current`` (which it is training): the group
+        starts it the moment ``current`` and its export are done, instead of idling while this
+        thread finishes ``current``'s step. Only where nothing between the two steps needs the
+        trainer: async modes, no recomputed log-probs or teacher (they need the new weights' answer
+        first), no checkpoint or last step, no stop requested — and a batch that comes before the
+        trainer has answered ``current`` (looked for every ``train_worker.send_ahead_poll_s``)."""
+        step = current.step
+        checkpoint = self._save_freq > 0 and step % self._save_freq == 0
+        if (
+            not self._send_ahead_enabled
+            or self.stopped
+            or checkpoint
+            or step + 1 > self._total_steps
+            or self._stop_requested
+        ):
+            return None
+        t0 = time.monotonic()
+        batch = None
+        while batch is None and not current.update.done():  # it usually lands while this one trains
+            batch = self._get_batch(wait_s=self._ahead_poll_s)
+        self._timeline.add("timing/update_s", time.monotonic() - t0)  # waiting while the trainer trains
+        if batch is None:
+            return None
+        ahead = self._start_step(batch, step + 1)
+        if ahead is not None:
+            ahead.metrics["train/sent_ahead"] = 1.0
+        return ahead
+
+    def _finish_step(self, started: _StartedStep, ahead: bool) -> None:
+        """Wait for the update (and its export), then the step's line, checkpoint and announcement.
+        ``ahead``: the next step's batch is already with the trainer."""
+        assert self._activity_tracker is not None and self._weight_sync_controller is not None
+        batch, metrics = started.batch, started.metrics
+        # answered while the update finishes: the validations the trainer's waits may overlap
+        validations = execute_async(
+            self._weight_sync_controller.validation_intervals, self._timeline.wall_since()
+        )
+        t1 = time.monotonic()
+        result = started.update.result()
         actor = result["meta_info"]["metrics"]
-        t2 = time.monotonic()
-        self._train_step += 1
-        step = self._train_step
+        waited = time.monotonic() - t1
+        # the export ran within this wait (or, a backend that does not queue, within the send)
+        export_s = min(float(result["meta_info"].get("export_s") or 0.0), waited + started.exported_in_send_s)
+        self._train_step = step = started.step
         self._activity_tracker.set_training_step(step)
-        self.export_weights(step)
-        t3 = time.monotonic()
         if actor.get("actor/nan_skipped"):
             self._activity_tracker.report_error(
                 self._module_name,
@@ -322,15 +381,13 @@ class TrainWorker(NexRLModule):
         metrics["train/grad_norm"] = actor["actor/grad_norm"]
         metrics.setdefault("train/logprob_mismatch_max", actor.get("actor/logprob_mismatch_max"))
         metrics["train/nan_skipped"] = actor["actor/nan_skipped"]
-        self._release_tasks(consumed)  # before the checkpoint: a resume does not hand them out again
+        self._release_tasks(started.consumed)  # before the checkpoint: a resume does not hand them out again
         if self._dataloader is not None:
             metrics["data/skipped_rows"] = execute(self._dataloader.get_skipped_rows)
             metrics["data/filtered_long_prompts"] = execute(self._dataloader.get_filtered_long_prompts)
         timeline = self._timeline
-        timeline.add("timing/old_log_prob_s", t_teacher - t0)
-        timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)
-        timeline.add("timing/update_s", t2 - t1)
-        timeline.add("timing/export_s", t3 - t2)
+        timeline.add("timing/update_s", waited - export_s)
+        timeline.add("timing/export_s", export_s)
         timing = timeline.line(_intervals(validations), batch.metadata.get("rollout_intervals") or {})
         metrics.update(timing)
         per_s = 1.0 / max(timing["timing/step_s"], 1e-9)
@@ -339,8 +396,9 @@ class TrainWorker(NexRLModule):
         # the step's line is written before its checkpoint commits: a resume from this checkpoint
         # keeps the line, a resume from an older one truncates it and redoes the step
         self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
-        # a stop request read here ends the session at this step; arriving later, at the next one
-        early = self._stop_requested and step < self._total_steps
+        # a stop request read here ends the session at this step (at the next one when that one is
+        # already with the trainer: this step's checkpoint would hold its weights); later, at the next
+        early = self._stop_requested and step < self._total_steps and not ahead
         if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps or early:
             self._wait_announced()  # the checkpoint sees no release of a batch half done
             t4 = time.monotonic()
@@ -391,6 +449,18 @@ class TrainWorker(NexRLModule):
         announcing, self._announcing = self._announcing, None
         if announcing is not None:
             announcing.result()
+
+
+@dataclass
+class _StartedStep:
+    """A step whose update has been sent to the trainer (its number is its weights' version)."""
+
+    batch: Batch
+    step: int
+    consumed: list[str]  # the batch's task keys, released once the step is done
+    metrics: dict[str, Any]
+    update: UpdateInFlight
+    exported_in_send_s: float  # a backend that does not queue: the send's seconds (update + export)
 
 
 def throughput(metrics: dict[str, Any], batch: Batch) -> dict[str, float]:
