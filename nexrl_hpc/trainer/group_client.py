@@ -111,9 +111,8 @@ class TrainGroupClient(TrainServiceClient):
         self._release = weakref.finalize(self, _close_zmq, self._sock, self._ctx)
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()  # updates sent and not yet answered (start_update_actor)
-        self._early: dict[
-            tuple[str, str], tuple[dict, dict]
-        ] = {}  # their answers read while waiting for another
+        # their answers, read while waiting for another answer: (op id, kind) -> (header, tensors)
+        self._early: dict[tuple[str, str], tuple[dict, dict]] = {}
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 

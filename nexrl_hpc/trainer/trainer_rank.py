@@ -6,11 +6,12 @@ work. The embedded client (inside the MPI job, no API server between) marks its 
 instead and rank 0 starts on receipt, saving the ACK round trip. Either way rank 0 broadcasts the
 operation to the group, plans the batch into per-rank shards and scatters them, every rank
 computes on its shard, rows and per-rank status gather on rank 0, and the result goes back to the
-client that sent the data. An ``update_actor`` may carry ``export_path``: the group then exports the
-weights it made in the same operation (one round trip, and a batch sent behind it cannot be trained
-before the export). Messages are taken one at a time: a batch sent while another trains waits in
-the socket and starts the moment the one before it is answered. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers'
-waits stay short and a dead rank is noticed. A collective that fails breaks the group for good:
+client that sent the data. An ``update_actor`` may carry ``export_path``: once every rank has
+updated, the group exports the weights it made before rank 0 answers (one round trip for the
+client, and a batch sent behind it cannot be trained before the export). Messages are taken one at
+a time: a batch sent while another trains waits in the socket and starts the moment the one before
+it is answered. Idle, rank 0 broadcasts a tick every ``idle_tick_s`` so the followers' waits stay
+short and a dead rank is noticed. A collective that fails breaks the group for good:
 every later request gets that error (torch.distributed groups cannot heal).
 
 Rank 0's ROUTER keeps the run's pre-authentication limits (``nexrl_hpc/rpc/preauth.py``): PLAIN
@@ -210,17 +211,30 @@ class TrainerRank:
         except Exception as exc:  # bad batch: nothing was broadcast yet
             self._reply(client, op_id, error=f"{operation}: {type(exc).__name__}: {exc}")
             return
-        header = {"op": operation, "args": args, "plan": plan}
-        statuses = self._group_step(header, shards, lambda: out)
+        header = {"op": operation, "args": {} if batch is not None else args, "plan": plan}
+        if not self._group_ok(client, op_id, operation, self._group_step(header, shards, lambda: out)):
+            return
+        if args.get("export_path"):  # only once every rank has updated: the export is a collective too
+            started = time.monotonic()
+            export = {"op": "export_weights", "args": {"path": args["export_path"]}, "plan": None}
+            if not self._group_ok(client, op_id, operation, self._group_step(export, None, dict)):
+                return
+            out["value"]["export_s"] = time.monotonic() - started
+        self._reply(client, op_id, value=out.get("value"), tensors=out.get("tensors"))
+
+    def _group_ok(
+        self, client: Client, op_id: str, operation: str, statuses: list[dict[str, Any]] | None
+    ) -> bool:
+        """Every rank did its part; otherwise the client is told which rank failed and how."""
         if statuses is None:
             self._reply(client, op_id, error=f"{operation}: trainer group broke: {self.broken}")
-            return
+            return False
         failed = [(r, s["error"]) for r, s in enumerate(statuses) if not s["ok"]]
         if failed:
             where = "; ".join(f"trainer rank {r}: {e}" for r, e in failed)
             self._reply(client, op_id, error=f"{operation} failed on {where}")
-            return
-        self._reply(client, op_id, value=out.get("value"), tensors=out.get("tensors"))
+            return False
+        return True
 
     def _group_step(self, header: dict[str, Any], shards: Any, out_box: Any) -> list[dict[str, Any]] | None:
         """Broadcast, (scatter), execute here, gather; None when a collective failed."""
@@ -274,10 +288,6 @@ class TrainerRank:
             elif op == "update_actor":
                 assert shard is not None
                 out["value"] = {"metrics": trainer.update_actor_shard(shard, plan)}
-                if args.get("export_path"):  # the new weights for the inference service, same op
-                    started = time.monotonic()
-                    trainer.export_weights(args["export_path"])
-                    out["value"]["export_s"] = time.monotonic() - started
             elif op == "initialize_worker":
                 trainer.initialize_worker(
                     args["config"], role=args.get("role", "actor"), world_size=args["world_size"]
