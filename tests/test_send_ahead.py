@@ -130,9 +130,10 @@ def run_loop(
         ]
     )
     events: list[str] = []
-    holder: dict[str, TrainWorker] = {}
-    service = QueuedTrainService(events, lambda v: on_result(holder["worker"], v) if on_result else None)
-    worker = holder["worker"] = TrainWorker(cfg, service)
+    service = QueuedTrainService(events)
+    worker = TrainWorker(cfg, service)
+    if on_result is not None:
+        service.on_result = lambda version: on_result(worker, version)
     worker.set_module_references(ReadyBatches(steps), Announcements(events))  # type: ignore[arg-type]
     worker.set_activity_tracker(Tracker())  # type: ignore[arg-type]
     worker._loop()
