@@ -152,10 +152,14 @@ class TrainGroupClient(TrainServiceClient):
                 continue  # part of a longer answer, or dropped and counted (never taken for the real one)
             _, _, header, tensors = message
             if header.get("op_id") != op_id or header["kind"] != kind:
-                if header.get("op_id") in self._in_flight:  # an update sent earlier: its caller reads it
-                    self._early[(str(header["op_id"]), str(header["kind"]))] = (header, tensors)
-                continue  # else a late answer to an operation that already timed out
+                self._keep_if_in_flight(header, tensors)
+                continue
             return self._answer(header, kind, tensors)
+
+    def _keep_if_in_flight(self, header: dict, tensors: dict) -> None:
+        """An answer to a batch sent earlier is kept for its caller; any other was given up on (timed out)."""
+        if header.get("op_id") in self._in_flight:
+            self._early[(str(header["op_id"]), str(header["kind"]))] = (header, tensors)
 
     def _answer(self, header: dict, kind: str, tensors: dict) -> tuple[Any, dict]:
         if kind == "result" and not header["ok"]:
@@ -182,13 +186,34 @@ class TrainGroupClient(TrainServiceClient):
 
     # --- TrainServiceClient -----------------------------------------------------------------------
     def _batch_operation(self, operation: str, tensors: dict[str, Any]) -> tuple[Any, dict]:
+        op_id, start = self._send_batch(operation, tensors)
+        return self._wait_batch(op_id, operation, start)
+
+    def _send_batch(
+        self, operation: str, tensors: dict[str, Any], args: dict[str, Any] | None = None
+    ) -> tuple[str, float]:
+        """Hand a batch to rank 0 (started by the control plane); its op id and when it was sent."""
         check_batch(operation, tensors)  # names and row counts, before a byte is sent
         with self._lock:
             start = time.monotonic()
             op_id = self.new_op_id(operation)
-            self._control.submit(self, op_id, operation, tensors, self._total_timeout_s)
-            left = self._total_timeout_s - (time.monotonic() - start)
-            return self.wait_result(op_id, operation, left)
+            self._in_flight.add(op_id)
+            try:
+                self._control.submit(self, op_id, operation, tensors, self._total_timeout_s, args)
+            except BaseException:
+                self._in_flight.discard(op_id)
+                raise
+        return op_id, start
+
+    def _wait_batch(self, op_id: str, operation: str, start: float) -> tuple[Any, dict]:
+        """The answer to a batch sent at ``start``; queued behind batches sent before it, its budget
+        counts from its own sending."""
+        with self._lock:
+            try:
+                return self.wait_result(op_id, operation, self._total_timeout_s - (time.monotonic() - start))
+            finally:
+                self._in_flight.discard(op_id)
+                self._early.pop((op_id, "result"), None)
 
     def _call(self, operation: str, **args: Any) -> Any:
         with self._lock:
@@ -217,41 +242,17 @@ class TrainGroupClient(TrainServiceClient):
     def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
         """Send the batch with its export path and return: rank 0 takes messages one at a time, so
         a batch sent behind this one starts when this one is exported (``_GroupUpdate.result``)."""
-        tensors = batch["batch"]
-        check_batch("update_actor", tensors)
-        with self._lock:
-            start = time.monotonic()
-            op_id = self.new_op_id("update_actor")
-            self._in_flight.add(op_id)
-            try:
-                self._control.submit(
-                    self, op_id, "update_actor", tensors, self._total_timeout_s, {"export_path": export_path}
-                )
-            except BaseException:
-                self._in_flight.discard(op_id)
-                raise
+        op_id, start = self._send_batch("update_actor", batch["batch"], {"export_path": export_path})
         return _GroupUpdate(self, op_id, start)
 
     def answered(self, op_id: str) -> bool:
-        """Whether the update ``op_id`` has been answered; reads (and keeps) what has arrived."""
+        """Whether the batch ``op_id`` has been answered; reads (and keeps) what has arrived."""
         with self._lock:
             while (op_id, "result") not in self._early and self._sock.poll(0):
                 message = self._channel.feed(self._sock.recv_multipart(copy=False))
-                if message is not None and message[2].get("op_id") in self._in_flight:
-                    header = message[2]
-                    self._early[(str(header["op_id"]), str(header["kind"]))] = (header, message[3])
+                if message is not None:
+                    self._keep_if_in_flight(message[2], message[3])
             return (op_id, "result") in self._early
-
-    def finish_update(self, op_id: str, start: float) -> dict[str, Any]:
-        with self._lock:
-            try:
-                # queued behind the updates sent before it: its budget counts from its own sending
-                left = self._total_timeout_s - (time.monotonic() - start)
-                value, _ = self.wait_result(op_id, "update_actor", left)
-            finally:
-                self._in_flight.discard(op_id)
-                self._early.pop((op_id, "result"), None)
-        return {"meta_info": {"metrics": value["metrics"], "export_s": value.get("export_s")}}
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self._call(
@@ -283,7 +284,8 @@ class _GroupUpdate(UpdateInFlight):
         self._client, self._op_id, self._start = client, op_id, start
 
     def result(self) -> dict[str, Any]:
-        return self._client.finish_update(self._op_id, self._start)
+        value, _ = self._client._wait_batch(self._op_id, "update_actor", self._start)
+        return {"meta_info": {"metrics": value["metrics"], "export_s": value.get("export_s")}}
 
     def done(self) -> bool:
         return self._client.answered(self._op_id)

@@ -8,10 +8,10 @@ controller. A backend that queues updates (a trainer group on ranks of its own) 
 step's batch while it trains this one, in the async modes (``_send_ahead``).
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
-runs on the worker's announcement thread while the next step trains: the trainer waits only for the previous
-announcement before it makes the next, so versions are published in order and a failed publication
-fails the next step; a checkpoint, and the worker before it reports itself done, wait for the
-announcement in flight.
+runs on the worker's announcement thread while the next step trains: the trainer waits only for
+the previous announcement before it makes the next, so versions are published in order and a
+failed publication fails the next step; a checkpoint, and the worker before it reports itself
+done, wait for the announcement in flight.
 """
 
 from __future__ import annotations
