@@ -51,16 +51,18 @@ def hydra_main(cfg: DictConfig) -> None:
 
     restrict_run_files(config)  # before anything is written (Slurm jobs inherit it via sbatch)
     hold_collections(config["runtime"])  # no full GC passes over the imports' objects as they pile up
-    _quiet_third_party()
     if config["launcher"]["name"] == "slurm":
+        _quiet_third_party()
         _exit_unless_ok(submit_to_slurm(config))
         return  # a sweep goes on with its next point
     if os.environ.get("SUBMITIT_EXECUTOR"):  # a task of a job of Hydra's submitit launcher
         from nexrl_hpc.launcher.slurm import job_config, run_job_task
 
+        _quiet_third_party()
         run_job_task(job_config(config), HydraConfig.get().runtime.output_dir)  # returns: submitit stores it
         return
-    _prewarm_inference_server(config)  # before the heavy imports below, which it overlaps
+    _prewarm_inference_server(config)  # before any heavy import (transformers here), which it overlaps
+    _quiet_third_party()
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
     from nexrl_hpc.inference.prewarm import discard_prewarmed
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi

@@ -159,15 +159,18 @@ class NexRLController:
         self._wire_modules()
 
         execute(self.train_worker.initialize_workers)
+        if resume_state is not None:  # the trainer's side first: it overlaps the servers' start-up
+            assert self.resumed_from is not None
+            self._load_resume_checkpoint(self.resumed_from, resume_state)
+        else:
+            execute(self.train_worker.export_weights, 0)  # version 0: the initial weights
         for service in self._inference_services:
             execute(service.wait_ready)
             # kept now: when a server dies its rank may not answer any more
             self._health.server_descriptions[execute(service.get_module_name)] = execute(service.describe)
-        if resume_state is not None:
-            assert self.resumed_from is not None
-            self._load_resume_checkpoint(self.resumed_from, resume_state)
-        else:
-            self._load_initial_checkpoint()
+        execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
+        if self.resumed_from is not None:
+            logger.info("resumed at step %d from %s", resume_step, self.resumed_from)
         settle_after_setup(cfg["runtime"])
 
     def _wire_modules(self) -> None:
@@ -197,12 +200,9 @@ class NexRLController:
             execute(worker.set_inference_service, self._inference_services[i % len(self._inference_services)])
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def _load_initial_checkpoint(self) -> None:
-        """Fresh start: publish version 0 (the initial weights) to the inference services."""
-        execute(self.train_worker.export_weights, 0)
-        execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
-
     def _load_resume_checkpoint(self, path: str, state: dict[str, Any]) -> None:
+        """The trainer, the data position, the RNG and the versions as checkpointed, and the step's
+        weights exported (published once the servers are up)."""
         step = state["global_step"]
         execute(self.train_worker.load_checkpoint, path)
         execute(self.train_worker.set_train_step, step)
@@ -213,8 +213,6 @@ class NexRLController:
         assert self.activity_tracker is not None
         self.activity_tracker.set_training_step(step)
         execute(self.train_worker.export_weights, step)
-        execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
-        logger.info("resumed at step %d from %s", step, path)
 
     # --- training -------------------------------------------------------------------------------
     def _train(self) -> None:

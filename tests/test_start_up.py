@@ -1,5 +1,5 @@
-"""What a run's start-up does with the garbage collector and the base model, each in a fresh
-interpreter (the GC's state and ``sys.modules`` are per process)."""
+"""What a run's start-up does with the garbage collector, the base model and the imports (each in a
+fresh interpreter: the GC's state and ``sys.modules`` are per process), and in which order."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from tests.conftest import REPO
+import pytest
+
+from nexrl_hpc.inference.service import InferenceService
+from tests.conftest import REPO, compose_config
 
 GC_PROBE = """
 import gc, json, sys
@@ -99,3 +103,76 @@ def test_the_tiny_base_model_is_written_without_importing_deepspeed_and_loads_as
         ids = torch.randint(0, reference.config.vocab_size, (2, 9))
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+QUIET = ["validate.validate_before_train=false", "validate.validate_at_end=false", "logger.backend=[]"]
+
+
+def _run_recording_wait_ready(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str
+) -> list[dict[str, Any]]:
+    """Run in this process; for every server waited for, what the trainer's side had done by then."""
+    from nexrl_hpc.controller import NexRLController
+
+    seen: list[dict[str, Any]] = []
+    controller: NexRLController | None = None
+    original = InferenceService.wait_ready
+
+    def recording_wait_ready(self: InferenceService) -> str | None:
+        assert controller is not None
+        seen.append(
+            {
+                "exported": sorted(p.name for p in (run_dir / "weights").glob("version_*")),
+                "train_step": controller.train_worker.get_train_step(),
+            }
+        )
+        return original(self)
+
+    monkeypatch.setattr(InferenceService, "wait_ready", recording_wait_ready)
+    cfg = compose_config([f"run_dir={run_dir}", "service.inference_service.backend=fake", *QUIET, *overrides])
+    controller = NexRLController(cfg)
+    controller.run()
+    return seen
+
+
+def test_the_trainer_loads_and_exports_before_waiting_for_the_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh run exports version 0, a resumed one loads its checkpoint and exports that step,
+    before the first wait for a server (a vLLM start-up then overlaps the checkpoint's load)."""
+    run_dir = tmp_path / "run"
+    steps = ["train_worker.save_freq=2", "resume.mode=auto"]
+    fresh = _run_recording_wait_ready(run_dir, monkeypatch, "train_worker.total_train_steps=2", *steps)
+    assert fresh and fresh[0] == {"exported": ["version_0"], "train_step": 0}
+    resumed = _run_recording_wait_ready(run_dir, monkeypatch, "train_worker.total_train_steps=3", *steps)
+    assert resumed and resumed[0]["train_step"] == 2 and "version_2" in resumed[0]["exported"]
+    with open(run_dir / "metrics.jsonl") as f:
+        trained = [r["step"] for r in map(json.loads, f) if "train/loss" in r]
+    assert trained == [1, 2, 3]  # and the resumed run went on from its checkpoint
+
+
+IMPORT_AHEAD = """
+import sys
+from nexrl_hpc.inference.factory import CLIENT_MODULE, import_llm_client_ahead
+from tests.conftest import compose_config
+
+backend = sys.argv[1]
+cfg = compose_config(["run_dir=/nonexistent", f"service.inference_service.backend={backend}"])
+assert CLIENT_MODULE not in sys.modules and "openai" not in sys.modules
+thread = import_llm_client_ahead(cfg)
+if thread is not None:
+    assert thread.name == "import-llm-client"
+    thread.join(60)
+print(CLIENT_MODULE in sys.modules, "openai" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("backend", "imported"), [("local", "True True"), ("fake", "False False")])
+def test_the_llm_client_is_imported_ahead_on_a_thread_of_its_own(backend: str, imported: str) -> None:
+    """Wiring a rollout worker to a real backend's service starts the client's import (openai's
+    ~0.3 s) beside the servers' start-up; the fake backend never imports it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_AHEAD, backend], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == imported

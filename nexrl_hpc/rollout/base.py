@@ -25,7 +25,7 @@ from nexrl_hpc.core.execute import aexecute, execute, execute_async
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.data.prompts import engine_prompt, needs_chat_template
-from nexrl_hpc.inference.factory import create_llm_client
+from nexrl_hpc.inference.factory import create_llm_client, import_llm_client_ahead
 from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.types import Trajectory
 
@@ -118,6 +118,8 @@ class BaseRolloutWorker(NexRLModule):
     def set_inference_service(self, inference_service: InferenceService) -> None:
         """The engine this worker talks to (on its own rank: the endpoint and key stay local)."""
         self._inference_service = inference_service
+        if self._llm_client is None:  # wired while the servers start: the client's imports overlap
+            import_llm_client_ahead(self._config)
 
     def set_llm_client(self, client: LLMClient) -> None:
         self._llm_client = client
