@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ def import_llm_client_ahead(config: RLTrainConfig) -> threading.Thread | None:
     Called while the run waits for its inference servers to start, so the first rollout finds it
     imported; ``create_llm_client`` then waits on the module's import lock if it is not done. An
     import error is left for that foreground import to raise."""
-    if config["service"]["inference_service"]["backend"] == "fake":
+    if config["service"]["inference_service"]["backend"] == "fake" or CLIENT_MODULE in sys.modules:
         return None
 
     def import_client() -> None:
