@@ -169,10 +169,11 @@ print(CLIENT_MODULE in sys.modules, "openai" in sys.modules)
 
 @pytest.mark.parametrize(("backend", "imported"), [("local", "True True"), ("fake", "False False")])
 def test_the_llm_client_is_imported_ahead_on_a_thread_of_its_own(backend: str, imported: str) -> None:
-    """Wiring a rollout worker to a real backend's service starts the client's import (openai's
-    ~0.3 s) beside the servers' start-up; the fake backend never imports it."""
+    """What a rollout worker starts when it is wired to its service: for a real backend the
+    client's import (openai's ~0.3 s) on a thread beside the servers' start-up; for the fake
+    backend nothing (it never imports the client)."""
     proc = subprocess.run(
         [sys.executable, "-c", IMPORT_AHEAD, backend], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[-2] == imported
+    assert proc.stdout.strip().splitlines()[-1] == imported
