@@ -42,15 +42,10 @@ class Control(ABC):
 
     @abstractmethod
     def submit(
-        self,
-        client: TrainGroupClient,
-        op_id: str,
-        operation: str,
-        tensors: dict[str, Any],
-        timeout_s: float,
-        args: dict[str, Any] | None = None,
+        self, client: TrainGroupClient, data: dict[str, Any], tensors: dict[str, Any], timeout_s: float
     ) -> None:
-        """Hand the batch to rank 0 and start ``operation`` on it (the client waits for the result)."""
+        """Hand the batch to rank 0 and start its operation (the client waits for the result).
+        ``data``: the batch's header (kind "data", op_id, operation, args), made by the client."""
 
     @abstractmethod
     def call(
@@ -64,16 +59,9 @@ class Control(ABC):
 
 class DirectControl(Control):
     def submit(
-        self,
-        client: TrainGroupClient,
-        op_id: str,
-        operation: str,
-        tensors: dict[str, Any],
-        timeout_s: float,
-        args: dict[str, Any] | None = None,
+        self, client: TrainGroupClient, data: dict[str, Any], tensors: dict[str, Any], timeout_s: float
     ) -> None:
-        header = {"kind": "data", "op_id": op_id, "operation": operation, "execute": True, "args": args or {}}
-        client.send(header, tensors)
+        client.send({**data, "execute": True}, tensors)  # rank 0 starts on receipt: no ACK round trip
 
     def call(self, client: TrainGroupClient, operation: str, args: dict[str, Any], timeout_s: float) -> Any:
         op_id = client.new_op_id(operation)
@@ -199,7 +187,8 @@ class TrainGroupClient(TrainServiceClient):
             op_id = self.new_op_id(operation)
             self._in_flight.add(op_id)
             try:
-                self._control.submit(self, op_id, operation, tensors, self._total_timeout_s, args)
+                data = {"kind": "data", "op_id": op_id, "operation": operation, "args": args or {}}
+                self._control.submit(self, data, tensors, self._total_timeout_s)
             except BaseException:
                 self._in_flight.discard(op_id)
                 raise
@@ -346,18 +335,12 @@ class ApiServerControl(Control):
         )
 
     def submit(
-        self,
-        client: TrainGroupClient,
-        op_id: str,
-        operation: str,
-        tensors: dict[str, Any],
-        timeout_s: float,
-        args: dict[str, Any] | None = None,
+        self, client: TrainGroupClient, data: dict[str, Any], tensors: dict[str, Any], timeout_s: float
     ) -> None:
         start = time.monotonic()
-        client.send({"kind": "data", "op_id": op_id, "operation": operation, "args": args or {}}, tensors)
-        client.wait_result(op_id, operation, timeout_s, kind="ack")
-        self.execute(client, op_id, timeout_s - (time.monotonic() - start))
+        client.send(data, tensors)
+        client.wait_result(data["op_id"], data["operation"], timeout_s, kind="ack")
+        self.execute(client, data["op_id"], timeout_s - (time.monotonic() - start))
 
     def execute(self, client: TrainGroupClient, op_id: str, timeout_s: float) -> None:
         self._post("/execute", {"identifier": self.identifier, "op_id": op_id}, timeout_s)
