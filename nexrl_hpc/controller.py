@@ -169,7 +169,7 @@ class NexRLController:
             # kept now: when a server dies its rank may not answer any more
             self._health.server_descriptions[execute(service.get_module_name)] = execute(service.describe)
         execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
-        if self.resumed_from is not None:
+        if resume_state is not None:
             logger.info("resumed at step %d from %s", resume_step, self.resumed_from)
         settle_after_setup(cfg["runtime"])
 
