@@ -65,8 +65,8 @@ def make_pool() -> Any:
     cfg = default_config(["trajectory_pool.key_list=[]"])
 
     class NoSync:
-        def trajectory_pool_notify_batch_ready(self, tag: str) -> None:
-            return None
+        def on_batch_ready(self, tag: str) -> bool:
+            return False
 
     pool = TrajectoryPool(cfg)
     pool.set_module_references(None, NoSync())

@@ -54,9 +54,9 @@ if TYPE_CHECKING:
     from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
     from nexrl_hpc.rollout.base import BaseRolloutWorker
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
     from nexrl_hpc.trainer.worker import TrainWorker
     from nexrl_hpc.validate.validator import Validator
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
     _Stoppable = BaseRolloutWorker | BaseAlgorithmProcessor | TrainWorker | InferenceService
 
@@ -168,7 +168,7 @@ class NexRLController:
             execute(service.wait_ready)
             # kept now: when a server dies its rank may not answer any more
             self._health.server_descriptions[execute(service.get_module_name)] = execute(service.describe)
-        execute(self.weight_sync_controller.sync_weight_to_rollout_service, self._model_tag)
+        execute(self.scheduler.sync_weight_to_rollout_service, self._model_tag)
         if resume_state is not None:
             logger.info("resumed at step %d from %s", resume_step, self.resumed_from)
         settle_after_setup(cfg["runtime"])
@@ -180,19 +180,19 @@ class NexRLController:
             self.activity_tracker.register_module(
                 name, handle, is_rollout_worker=role == NexRLRole.ROLLOUT_WORKER
             )
-        wsc = self.weight_sync_controller
-        execute(wsc.set_module_references, self.dataloader, self.trajectory_pool)
-        execute(wsc.set_inference_services, self._inference_services)
-        execute(self.trajectory_pool.set_module_references, self.dataloader, wsc)
+        scheduler = self.scheduler
+        execute(scheduler.set_module_references, self.dataloader, self.trajectory_pool)
+        execute(scheduler.set_inference_services, self._inference_services)
+        execute(self.trajectory_pool.set_module_references, self.dataloader, scheduler)
         execute(self.algorithm_processor.set_module_references, self.trajectory_pool, self.train_batch_pool)
-        execute(self.train_worker.set_module_references, self.train_batch_pool, wsc, self.dataloader)
+        execute(self.train_worker.set_module_references, self.train_batch_pool, scheduler, self.dataloader)
         execute(self.validator.set_module_references, self.validate_dataloader)
         for i, worker in enumerate(self._rollout_workers):
             execute(
                 worker.set_module_references,
                 self.trajectory_pool,
                 self.dataloader,
-                wsc,
+                scheduler,
                 self.validate_dataloader,
                 self.validator,
             )
@@ -209,7 +209,7 @@ class NexRLController:
         execute(self.dataloader.load_state_dict, state["dataloader"])
         restore_rng_state(state["rng"])
         for tag, version in state["weight_version"].items():
-            execute(self.weight_sync_controller.set_versions, tag, int(version))
+            execute(self.scheduler.set_versions, tag, int(version))
         assert self.activity_tracker is not None
         self.activity_tracker.set_training_step(step)
         execute(self.train_worker.export_weights, step)
@@ -221,14 +221,14 @@ class NexRLController:
         step = execute(self.train_worker.get_train_step)
         if self._validation_needed_at_start(step):
             self._run_validate(self._model_tag)
-        execute(self.weight_sync_controller.start, self._model_tag)
+        execute(self.scheduler.start, self._model_tag)
         execute(self.algorithm_processor.run)
         execute(self.train_worker.run)
         seen = -1
         while True:  # wakes at once on a new version or validation request, else every poll interval
-            seen = execute(self.weight_sync_controller.wait_for_progress, seen, self._poll_s)
-            if execute(self.weight_sync_controller.is_waiting_for_validation):
-                tag = execute(self.weight_sync_controller.waiting_validation_model_tag)
+            seen = execute(self.scheduler.wait_for_progress, seen, self._poll_s)
+            if execute(self.scheduler.is_waiting_for_validation):
+                tag = execute(self.scheduler.waiting_validation_model_tag)
                 self._run_validate(tag or self._model_tag)
             self._check_run()
             self._check_preemption()
@@ -296,7 +296,7 @@ class NexRLController:
         for worker in self._rollout_workers:
             execute(worker.end_validate)
         execute(self.validate_dataloader.wake_waiters)
-        step = execute(self.weight_sync_controller.get_validation_version)  # the version measured
+        step = execute(self.scheduler.get_validation_version)  # the version measured
         self.last_validation = execute(self.validator.compute_and_log_metrics, step)
         logger.info(
             "validation at step %d: %s", step, {k: round(v, 4) for k, v in self.last_validation.items()}
@@ -304,10 +304,10 @@ class NexRLController:
         if self.experiment_logger is not None:
             self.experiment_logger.refresh_plots()
         execute(self.validator.clear)
-        execute(self.weight_sync_controller.end_validate, model_tag)
+        execute(self.scheduler.end_validate, model_tag)
 
     def _check_finish(self) -> bool:
-        if execute(self.weight_sync_controller.is_waiting_for_validation):
+        if execute(self.scheduler.is_waiting_for_validation):
             return False
         if execute(self.train_worker.is_done):
             return True
@@ -339,7 +339,7 @@ class NexRLController:
         ]
         if not self._rollout_workers or not self._inference_services:
             raise RunFailed(f"{reason}: no rollout worker or inference service is left")
-        execute(self.weight_sync_controller.set_inference_services, self._inference_services)
+        execute(self.scheduler.set_inference_services, self._inference_services)
         assert self._health is not None
         for name in gone:
             if self._health.module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
@@ -434,7 +434,8 @@ class NexRLController:
         return self._one(NexRLRole.TRAIN_WORKER)
 
     @property
-    def weight_sync_controller(self) -> WeightSyncController:
+    def scheduler(self) -> RolloutScheduler:
+        """The rollout scheduler (placement role ``weight_sync_controller``)."""
         return self._one(NexRLRole.WEIGHT_SYNC_CONTROLLER)
 
     @property

@@ -83,11 +83,19 @@ def test_hierarchical_store_releases_leaf_groups_and_prunes() -> None:
 
 
 class RecordingWSC:
+    """The rollout scheduler as the pool calls it: records batch-ready events, never closes the pool."""
+
     def __init__(self) -> None:
         self.ready: list[str] = []
+        self.loader: Any = None  # where a refill's dispatch budget goes (the scheduler writes the loader's)
 
-    def trajectory_pool_notify_batch_ready(self, model_tag: str) -> None:
+    def on_batch_ready(self, model_tag: str) -> bool:
         self.ready.append(model_tag)
+        return False
+
+    def replace_filtered_tasks(self, count: int) -> None:
+        if self.loader is not None:
+            self.loader.add_dispatch_budget(count)
 
 
 def make_pool(**overrides: Any) -> tuple[TrajectoryPool, RecordingWSC]:
@@ -108,12 +116,12 @@ def test_pool_return_codes_and_batch_release() -> None:
     assert pool.get_batch() is None and wsc.ready == []
     pool.put_trajectory(traj(3, "b"))
     assert wsc.ready == ["default"]  # batch_size (4 trajectories) reached
-    pool.notify_weight_sync_starting("default")
+    pool.refuse_trajectories("default")
     assert pool.put_trajectory(traj(4, "c")) == "re-rollout"
     batch = pool.get_batch()
     assert isinstance(batch, Batch) and len(batch) == 4
     assert batch.values["i"] == [0, 1, 2, 3] and batch.metadata["model_tag"] == "default"
-    pool.unlock_for_weight_sync("default")
+    pool.accept_trajectories("default")
     assert pool.put_trajectory(traj(4, "c")) == "success"
     assert not pool.is_empty()
 
@@ -252,6 +260,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills_until_the_cap()
            "algorithm.filter_groups.max_num_gen_batches": 3}
     )  # fmt: skip
     loader = RecordingLoader()
+    wsc.loader = loader
     pool.set_module_references(loader, wsc)  # type: ignore[arg-type]
     for i, (group, reward) in enumerate([("a", 1.0), ("a", 1.0), ("b", 0.0), ("b", 0.0)]):
         assert pool.put_trajectory(scored(i, group, reward)) == "success"

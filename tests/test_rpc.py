@@ -34,9 +34,9 @@ from nexrl_hpc.rpc.limits import MessageTooLarge
 from nexrl_hpc.rpc.preauth import FRAME_BYTES, cut_frames, join_frames, secure_client
 from nexrl_hpc.rpc.server import reply_batch, request_batch
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
+from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 from nexrl_hpc.types import Batch
 from nexrl_hpc.validate.validator import Validator
-from nexrl_hpc.weight_sync.controller import WeightSyncController
 from tests.conftest import wire_limits
 
 
@@ -202,7 +202,7 @@ def test_waiting_long_polls_never_hold_the_threads_other_calls_need(pair: Any) -
         (TrajectoryPool, "get_batch_any"),
         (TrainBatchPool, "get_batch"),
         (Validator, "wait_complete"),
-        (WeightSyncController, "wait_for_progress"),
+        (RolloutScheduler, "wait_for_progress"),
         (InferenceService, "wait_ready"),
     ],
 )

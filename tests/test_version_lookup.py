@@ -46,7 +46,7 @@ class LocalController:
 def test_requests_starting_together_share_one_version_lookup_and_the_loop_keeps_running() -> None:
     lookup = RolloutVersionLookup("default")
     remote = RemoteController(version=3, delay_s=0.2)
-    lookup.set_controller(remote)
+    lookup.set_scheduler(remote)
     ticks = 0
 
     async def ticker() -> None:
@@ -69,7 +69,7 @@ def test_requests_starting_together_share_one_version_lookup_and_the_loop_keeps_
 def test_a_lookup_after_the_answer_asks_again_and_a_local_controller_answers_inline() -> None:
     lookup = RolloutVersionLookup("default")
     remote = RemoteController(version=5, delay_s=0.01)
-    lookup.set_controller(remote)
+    lookup.set_scheduler(remote)
 
     async def two_rounds() -> tuple[int | None, int | None]:
         first = await lookup.read()
@@ -78,7 +78,7 @@ def test_a_lookup_after_the_answer_asks_again_and_a_local_controller_answers_inl
 
     assert asyncio.run(two_rounds()) == (5, 6) and remote.get_rollout_model_version.calls == 2
     local = LocalController()
-    lookup.set_controller(local)
+    lookup.set_scheduler(local)
     assert asyncio.run(lookup.read()) == 7 and local.calls == 1
     assert asyncio.run(RolloutVersionLookup("default").read()) is None  # no controller: no version
 

@@ -1,4 +1,4 @@
-"""Weight sync controller (sync mode state machine), activity tracker, error reporter, execute."""
+"""Rollout scheduler (sync mode state machine), activity tracker, error reporter, execute."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.errors import ErrorReporter, ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
-from nexrl_hpc.weight_sync.controller import WeightSyncController, sync_weight_dir
+from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 from nexrl_hpc.weight_sync.transport import WeightSyncError
 from tests.conftest import compose_config
 
@@ -45,10 +46,10 @@ class BudgetLoader:
 
 def make_wsc(
     tmp_path: Any, *overrides: str
-) -> tuple[WeightSyncController, RecordingService, BudgetLoader, TrajectoryPool]:
+) -> tuple[RolloutScheduler, RecordingService, BudgetLoader, TrajectoryPool]:
     cfg = compose_config([f"run_dir={tmp_path}", "data.batch_size=2", "data.rollout_repeat_n=2", *overrides])
     transport = RecordingService()
-    wsc = WeightSyncController(cfg)
+    wsc = RolloutScheduler(cfg)
     wsc.set_inference_services([transport])
     loader = BudgetLoader()
     pool = TrajectoryPool(cfg)

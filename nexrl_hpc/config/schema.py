@@ -209,7 +209,7 @@ class TrainWorkerConfig(TypedDict):
 
 class WeightConfig(TypedDict):
     type: Literal["default"]
-    sync_mode: Literal["sync", "fully-async", "batch-async"]  # see weight_sync/controller.py
+    sync_mode: Literal["sync", "fully-async", "batch-async"]  # see scheduler/rollout_scheduler.py
     staleness_threshold: Annotated[int, Ge(0)]
     stale_policy: Literal["drop", "keep"]
     sync_method: Literal["disk"]

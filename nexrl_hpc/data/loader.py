@@ -3,8 +3,8 @@
 Each dataset row becomes ``rollout_repeat_n`` consecutive tasks sharing a ``group_id`` (one GRPO
 group). Every task carries the row's stable ``uid``, its ``epoch`` and ``sample_index`` so a sample
 can be traced, deduplicated and re-issued across restarts. Returned tasks (``add_item_front``) are
-handed out again before fresh ones. A dispatch budget lets the weight sync controller cap how many
-fresh tasks go out per policy version (sync mode: exactly one training batch).
+handed out again before fresh ones. A dispatch budget, written by the rollout scheduler only
+(scheduler/), caps how many fresh tasks go out (sync mode: exactly one training batch per version).
 """
 
 from __future__ import annotations
@@ -56,9 +56,6 @@ class BaseDataLoader(NexRLModule):
 
     def reset(self) -> None:
         raise NotImplementedError
-
-    def add_item(self, item: dict[str, Any]) -> None:
-        self.add_item_back(item)
 
     def add_item_front(self, item: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -301,7 +298,7 @@ class DatasetLoader(BaseDataLoader):
             self._extra.append(item)
             self._lock.notify_all()
 
-    # --- dispatch budget (set by the weight sync controller) ------------------------------------
+    # --- dispatch budget (written by the rollout scheduler only) ---------------------------------
     def set_dispatch_budget(self, budget: int | None) -> None:
         """Allow ``budget`` more fresh tasks (None: unlimited). Returned tasks are never held back."""
         with self._lock:
@@ -313,10 +310,6 @@ class DatasetLoader(BaseDataLoader):
         with self._lock:
             self._budget = (self._budget or 0) + items
             self._lock.notify_all()
-
-    def get_dispatch_budget(self) -> int | None:
-        with self._lock:
-            return self._budget
 
     @quick
     def get_skipped_rows(self) -> int:

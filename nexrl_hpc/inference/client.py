@@ -26,7 +26,7 @@ from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsErr
 from nexrl_hpc.inference.version import RolloutVersionLookup
 
 if TYPE_CHECKING:
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 __all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
 
@@ -81,7 +81,7 @@ class LLMServiceClient:
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._coalesce_max_wait_s = config["coalesce_max_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
-        self._weight_sync_controller: WeightSyncController | None = None  # the module, or a handle to it
+        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(self._model_tag)
         self._client = openai.OpenAI(
             base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
@@ -89,9 +89,10 @@ class LLMServiceClient:
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
 
-    def set_weight_sync_controller(self, controller: WeightSyncController | None) -> None:
-        self._weight_sync_controller = controller
-        self._version_lookup.set_controller(controller)
+    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+        """The rollout scheduler: the version requests record, and whether a reload holds them."""
+        self._scheduler = scheduler
+        self._version_lookup.set_scheduler(scheduler)
 
     # --- blocking API ---------------------------------------------------------------------------
     def completion(self, prompt: str | list[int], **kwargs: Any) -> dict[str, Any]:
@@ -266,25 +267,25 @@ class LLMServiceClient:
                 await asyncio.sleep(self._retry_delay(exc, attempt))
                 attempt += 1
 
-    # --- weight sync coordination ---------------------------------------------------------------
+    # --- held while the weights reload (the scheduler says when) ---------------------------------
     def _rollout_version(self) -> int | None:
-        if self._weight_sync_controller is None:
+        if self._scheduler is None:
             return None
-        return execute(self._weight_sync_controller.get_rollout_model_version, self._model_tag)
+        return execute(self._scheduler.get_rollout_model_version, self._model_tag)
 
     def _sync_in_progress(self) -> bool:
-        if not self._freeze_for_weight_sync or self._weight_sync_controller is None:
+        if not self._freeze_for_weight_sync or self._scheduler is None:
             return False
-        return execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block"
+        return execute(self._scheduler.check_rollout_service_status, self._model_tag) == "block"
 
     def _wait_for_weight_sync(self) -> None:
         while self._sync_in_progress():
             time.sleep(self._config["weight_sync_poll_s"])
 
     async def _await_weight_sync(self) -> None:
-        if not self._freeze_for_weight_sync or self._weight_sync_controller is None:
+        if not self._freeze_for_weight_sync or self._scheduler is None:
             return
-        status = self._weight_sync_controller.check_rollout_service_status
+        status = self._scheduler.check_rollout_service_status
         while await aexecute(status, self._model_tag) == "block":
             await asyncio.sleep(self._config["weight_sync_poll_s"])
 

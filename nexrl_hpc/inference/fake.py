@@ -17,7 +17,7 @@ from nexrl_hpc.core.execute import execute
 from nexrl_hpc.inference.version import RolloutVersionLookup
 
 if TYPE_CHECKING:
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 
 class FakeLLMServiceClient:
@@ -32,22 +32,22 @@ class FakeLLMServiceClient:
         self._eos = tokenizer.eos_token_id
         self._rng = random.Random(seed)
         self._latency_s = latency_s
-        self._controller: WeightSyncController | None = None  # the module, or a handle to it
+        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(model_tag)
         self.in_flight = 0  # requests being answered now, the most at once, and the threads then
         self.peak_in_flight = 0
         self.threads_at_peak = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
-    def set_weight_sync_controller(self, controller: WeightSyncController | None) -> None:
-        self._controller = controller
-        self._version_lookup.set_controller(controller)
+    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+        self._scheduler = scheduler
+        self._version_lookup.set_scheduler(scheduler)
 
     def _version(self) -> int:
-        """The version the (imaginary) engine serves: the weight sync controller's rollout version."""
-        if self._controller is None:
+        """The version the (imaginary) engine serves: the rollout scheduler's rollout version."""
+        if self._scheduler is None:
             return 0
-        return int(execute(self._controller.get_rollout_model_version, self._model_tag))
+        return int(execute(self._scheduler.get_rollout_model_version, self._model_tag))
 
     def _answer(self, prompt: Any, kwargs: dict[str, Any], version: int) -> dict[str, Any]:
         text, token = self._choices[self._rng.randrange(len(self._choices))]

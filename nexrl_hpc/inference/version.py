@@ -1,7 +1,7 @@
 """The weight version a rollout request is sampled with, read without blocking the event loop.
 
-Hundreds of requests start in the same instant on a rollout rank; asking the weight sync
-controller (on rank 0 in mpi mode) once per request put hundreds of round trips in a row on the
+Hundreds of requests start in the same instant on a rollout rank; asking the rollout scheduler
+(on rank 0 in mpi mode) once per request put hundreds of round trips in a row on the
 loop. Requests that start while a lookup is in flight share its answer: the version a request
 records is then the one served when the lookup began, which is also what a request that started
 that moment would have seen.
@@ -15,27 +15,27 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.core.execute import execute_async
 
 if TYPE_CHECKING:
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 
 class RolloutVersionLookup:
-    """``await lookup.read()`` → the controller's rollout version for ``model_tag`` (None without one)."""
+    """``await lookup.read()`` → the scheduler's rollout version for ``model_tag`` (None without one)."""
 
     def __init__(self, model_tag: str):
         self._model_tag = model_tag
-        self._controller: WeightSyncController | None = None  # the module, or a handle to it
+        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
         self._in_flight: asyncio.Future | None = None
 
-    def set_controller(self, controller: WeightSyncController | None) -> None:
-        self._controller = controller
+    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+        self._scheduler = scheduler
 
     async def read(self) -> int | None:
-        if self._controller is None:
+        if self._scheduler is None:
             return None
         shared = self._in_flight
         if shared is None:
-            future = execute_async(self._controller.get_rollout_model_version, self._model_tag)
-            if future.done():  # a local controller answers at once: nothing to share
+            future = execute_async(self._scheduler.get_rollout_model_version, self._model_tag)
+            if future.done():  # a local scheduler answers at once: nothing to share
                 return int(future.result())
             shared = self._in_flight = asyncio.wrap_future(future)
             shared.add_done_callback(self._clear)

@@ -1,4 +1,9 @@
-"""TrajectoryPool: one TrajectoryPoolInstance per model tag, each with its own store and batch rule."""
+"""TrajectoryPool: one TrajectoryPoolInstance per model tag, each with its own store and batch rule.
+
+The pool stores and batches; admission is the rollout scheduler's (scheduler/): the pool tells it
+when a batch is complete (and, sync mode, refuses further trajectories until it reopens them) and
+asks it for fresh tasks in place of the groups dynamic sampling drops.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, T
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import JsonlDataLoader
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ BUILTIN_READY_RULES = ("batch_size", "loaded_batch_finished")
 
 
 class TrajectoryPoolInstance:
-    """Trajectories of one model; blocks additions while that model's weights are being synced."""
+    """Trajectories of one model; refuses additions from a complete batch until the scheduler reopens it."""
 
     def __init__(
         self,
@@ -61,11 +66,11 @@ class TrajectoryPoolInstance:
             None if rule in BUILTIN_READY_RULES else load_object(rule)
         )
         self._lock = threading.Lock()
-        self._sync_blocked = False
+        self._refusing = False  # sync mode: from "batch ready" until the scheduler's next release
         self._notified_ready = False
         # module references (the module itself in local mode, a handle with its methods elsewhere)
         self._dataloader: JsonlDataLoader | None = None
-        self._weight_sync_controller: WeightSyncController | None = None
+        self._scheduler: RolloutScheduler | None = None
         self._activity_tracker: ActivityTrackerProxy | None = None
         self._seen: dict[
             int, set[str]
@@ -75,16 +80,16 @@ class TrajectoryPoolInstance:
     def set_module_references(
         self,
         dataloader: JsonlDataLoader | None,
-        weight_sync_controller: WeightSyncController | None,
+        scheduler: RolloutScheduler | None,
         activity_tracker: ActivityTrackerProxy | None,
     ) -> None:
         self._dataloader = dataloader
-        self._weight_sync_controller = weight_sync_controller
+        self._scheduler = scheduler
         self._activity_tracker = activity_tracker
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
         with self._lock:
-            if self._sync_blocked:
+            if self._refusing:
                 return "re-rollout"
             key = self._sample_key(trajectory)
             if key is not None:
@@ -123,11 +128,12 @@ class TrajectoryPoolInstance:
 
     def _refill(self, keys: list[str]) -> None:
         """Filtered groups: their tasks are consumed (never handed out again, a resume included) and
-        as many fresh tasks go out in their place."""
+        the scheduler lets as many fresh tasks go out in their place."""
         if self._dataloader is None:
             return
         execute(self._dataloader.release_items, keys)
-        execute(self._dataloader.add_dispatch_budget, len(keys))
+        if self._scheduler is not None:
+            execute(self._scheduler.replace_filtered_tasks, len(keys))
 
     @staticmethod
     def _sample_key(trajectory: Trajectory) -> tuple[int, str] | None:
@@ -138,8 +144,8 @@ class TrajectoryPoolInstance:
     def _notify_ready(self) -> None:
         if self._on_ready is not None:
             self._on_ready()
-        if self._weight_sync_controller is not None:
-            execute(self._weight_sync_controller.trajectory_pool_notify_batch_ready, self.model_tag)
+        if self._scheduler is not None and execute(self._scheduler.on_batch_ready, self.model_tag):
+            self.refuse_trajectories()
 
     def is_batch_ready(self) -> bool:
         with self._lock:
@@ -191,13 +197,13 @@ class TrajectoryPoolInstance:
         with self._lock:
             return self._store.is_empty()
 
-    def notify_weight_sync_starting(self) -> None:
+    def refuse_trajectories(self) -> None:
         with self._lock:
-            self._sync_blocked = True
+            self._refusing = True
 
-    def unlock_for_weight_sync(self) -> None:
+    def accept_trajectories(self) -> None:
         with self._lock:
-            self._sync_blocked = False
+            self._refusing = False
 
 
 class TrajectoryPool(NexRLModule):
@@ -211,22 +217,22 @@ class TrajectoryPool(NexRLModule):
         self._lock = threading.Lock()
         self._arrivals = threading.Condition()
         self._dataloader: JsonlDataLoader | None = None
-        self._weight_sync_controller: WeightSyncController | None = None
+        self._scheduler: RolloutScheduler | None = None
 
     def set_module_references(
-        self, dataloader: JsonlDataLoader | None, weight_sync_controller: WeightSyncController | None
+        self, dataloader: JsonlDataLoader | None, scheduler: RolloutScheduler | None
     ) -> None:
         self._dataloader = dataloader
-        self._weight_sync_controller = weight_sync_controller
+        self._scheduler = scheduler
         with self._lock:
             for instance in self._instances.values():
-                instance.set_module_references(dataloader, weight_sync_controller, self._activity_tracker)
+                instance.set_module_references(dataloader, scheduler, self._activity_tracker)
 
     def set_activity_tracker(self, tracker: ActivityTrackerProxy) -> None:
         super().set_activity_tracker(tracker)
         with self._lock:
             for instance in self._instances.values():
-                instance.set_module_references(self._dataloader, self._weight_sync_controller, tracker)
+                instance.set_module_references(self._dataloader, self._scheduler, tracker)
 
     def _instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
         instance = self._instances.get(model_tag)
@@ -240,14 +246,13 @@ class TrajectoryPool(NexRLModule):
                         on_ready=self._wake_waiters,
                         filter_groups=self._filter_groups,
                     )
-                    instance.set_module_references(
-                        self._dataloader, self._weight_sync_controller, self._activity_tracker
-                    )
+                    instance.set_module_references(self._dataloader, self._scheduler, self._activity_tracker)
                     self._instances[model_tag] = instance
         return instance
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
-        """ "success" | "fail" (the store refused it) | "re-rollout" (weights of its model are syncing)."""
+        """ "success" | "fail" (the store refused it) | "re-rollout" (sync mode: its model's batch is
+        complete and the next one not released yet)."""
         return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
 
     def _wake_waiters(self) -> None:
@@ -289,11 +294,13 @@ class TrajectoryPool(NexRLModule):
         with self._lock:
             return list(self._instances)
 
-    def notify_weight_sync_starting(self, model_tag: ModelTag) -> None:
-        self._instance(model_tag).notify_weight_sync_starting()
+    def refuse_trajectories(self, model_tag: ModelTag) -> None:
+        """Answer "re-rollout" to every trajectory of ``model_tag`` until ``accept_trajectories``."""
+        self._instance(model_tag).refuse_trajectories()
 
-    def unlock_for_weight_sync(self, model_tag: ModelTag) -> None:
-        self._instance(model_tag).unlock_for_weight_sync()
+    def accept_trajectories(self, model_tag: ModelTag) -> None:
+        """Take trajectories of ``model_tag`` again (the scheduler released its next batch)."""
+        self._instance(model_tag).accept_trajectories()
 
 
 def _has_reward_spread(group: list[Trajectory]) -> bool:

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from nexrl_hpc.inference.factory import LLMClient
     from nexrl_hpc.inference.service import InferenceService
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
     from nexrl_hpc.validate.validator import Validator
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class BaseRolloutWorker(NexRLModule):
         self._is_running_validate = False
         self._trajectory_pool: TrajectoryPool | None = None
         self._dataloader: JsonlDataLoader | None = None
-        self._weight_sync_controller: WeightSyncController | None = None
+        self._scheduler: RolloutScheduler | None = None
         self._validate_dataloader: JsonlDataLoader | None = None
         self._validator: Validator | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
@@ -103,17 +103,17 @@ class BaseRolloutWorker(NexRLModule):
         self,
         trajectory_pool: TrajectoryPool,
         dataloader: JsonlDataLoader,
-        weight_sync_controller: WeightSyncController,
+        scheduler: RolloutScheduler,
         validate_dataloader: JsonlDataLoader,
         validator: Validator,
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
-        self._weight_sync_controller = weight_sync_controller
+        self._scheduler = scheduler
         self._validate_dataloader = validate_dataloader
         self._validator = validator
         if self._llm_client is not None:
-            self._llm_client.set_weight_sync_controller(weight_sync_controller)
+            self._llm_client.set_scheduler(scheduler)
 
     def set_inference_service(self, inference_service: InferenceService) -> None:
         """The engine this worker talks to (on its own rank: the endpoint and key stay local)."""
@@ -131,7 +131,7 @@ class BaseRolloutWorker(NexRLModule):
                 raise RuntimeError(f"{self._module_name}: set_inference_service must be called before run")
             base_url, api_key = execute(self._inference_service.get_endpoint)
             self._llm_client = create_llm_client(self._config, base_url, api_key)
-            self._llm_client.set_weight_sync_controller(self._weight_sync_controller)
+            self._llm_client.set_scheduler(self._scheduler)
         self._start_thread(lambda: asyncio.run(self._main()))
 
     def stop(self) -> None:
@@ -188,11 +188,11 @@ class BaseRolloutWorker(NexRLModule):
     def _request_tasks(self, max_items: int, wait_s: float) -> Future:
         """(tasks, is_validate) in a future; the loader long-polls up to ``wait_s``. A local loader
         answers inline and a remote one over the wire, so with ``wait_s=0`` the event loop does not
-        wait for the loader (only the weight-sync status check is a quick blocking call).
+        wait for the loader (only the scheduler's status check is a quick blocking call).
 
         While a validation runs its tasks come first and training tasks fill the rest: the
-        validation measures the weights the next training batch is rolled out with (the weight sync
-        controller releases that batch with the validation), so both share the engine's batches.
+        validation measures the weights the next training batch is rolled out with (the rollout
+        scheduler releases that batch with the validation), so both share the engine's batches.
         Only the training loader is long-polled then: the controller wakes it when a validation
         starts, and a validation task that comes back waits at most ``long_poll_s``."""
         if not self._is_running_validate:
@@ -206,8 +206,8 @@ class BaseRolloutWorker(NexRLModule):
         return _mapped(validation, lambda tasks: (tasks, True))
 
     def _request_training_tasks(self, max_items: int, wait_s: float) -> Future:
-        assert self._weight_sync_controller is not None and self._dataloader is not None
-        if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
+        assert self._scheduler is not None and self._dataloader is not None
+        if execute(self._scheduler.check_rollout_service_status, self._model_tag) == "block":
             time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
             done: Future = Future()
             done.set_result(([], False))
@@ -322,14 +322,9 @@ class BaseRolloutWorker(NexRLModule):
         generated = _GENERATED.get()
         trajectory["rollout_times"] = [_STARTED.get() or now, now if generated is None else generated, now]
 
-    def _put_trajectory(self, trajectory: Trajectory) -> str:
-        self._stamp(trajectory)
-        destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
-        assert destination is not None
-        return execute(destination.put_trajectory, trajectory)
-
     async def _aput_trajectory(self, trajectory: Trajectory) -> str:
-        """``_put_trajectory`` for async steps: trajectories finishing together go out in one call."""
+        """Put a finished trajectory into the pool (the validator while validating); trajectories
+        finishing together go out in one call."""
         self._stamp(trajectory)
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
         assert destination is not None
@@ -352,13 +347,6 @@ class BaseRolloutWorker(NexRLModule):
         else:
             loop = asyncio.get_running_loop()
             request.add_done_callback(lambda f: loop.call_soon_threadsafe(_resolve_puts, items, f))
-
-    def _get_rollout_task(self) -> dict[str, Any] | None:
-        tasks, _ = self._fetch_tasks(1)
-        if not tasks:
-            time.sleep(0.01)
-            return None
-        return tasks[0]
 
     def _put_rollout_task(self, task: dict[str, Any], is_validate: bool | None = None) -> bool:
         loader = (

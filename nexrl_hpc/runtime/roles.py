@@ -59,9 +59,9 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
 
         return TrainWorker
     if role == NexRLRole.WEIGHT_SYNC_CONTROLLER:
-        from nexrl_hpc.weight_sync.controller import WeightSyncController
+        from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
-        return WeightSyncController
+        return RolloutScheduler
     if role == NexRLRole.VALIDATOR:
         from nexrl_hpc.validate.validator import Validator
 

@@ -42,12 +42,12 @@ from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.trainer.service import TrainServiceClient, UpdateInFlight
 from nexrl_hpc.types import Batch
-from nexrl_hpc.weight_sync.controller import sync_weight_dir
+from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import JsonlDataLoader
     from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
-    from nexrl_hpc.weight_sync.controller import WeightSyncController
+    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,14 @@ class TrainWorker(NexRLModule):
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
-        self._weight_sync_controller: WeightSyncController | None = None
+        self._weight_sync_controller: RolloutScheduler | None = None
         self._dataloader: JsonlDataLoader | None = None
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
         self,
         train_batch_pool: TrainBatchPool,
-        weight_sync_controller: WeightSyncController,
+        weight_sync_controller: RolloutScheduler,
         dataloader: JsonlDataLoader | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool

@@ -1,17 +1,36 @@
-"""WeightSyncController: decides when rollouts may run and moves new weights to the inference service.
+"""RolloutScheduler: the one owner of admission — when rollouts may start, and when they are held.
 
-Rollouts are paced by the data loader's dispatch budget, one training batch of fresh tasks at a
-time; every trajectory records the weight version that produced it.
+It is the only writer of the data loader's dispatch budget (how many fresh tasks may go out) and
+the only place that answers "may a rollout run now" (``check_rollout_service_status``, asked by
+the rollout workers before they fetch and by the LLM clients before they send). It paces the run
+by ``weight.sync_mode``, gates validation, wakes the controller, and calls the weight publisher
+(weight_sync/publisher.py: a data mover) when the trainer announces a version. The placement
+role that builds it keeps its name, ``weight_sync_controller``.
+
+The run's loops (each its own thread or process; "scheduler" is this module):
+
+| loop | consumes | produces | waits for | unblocked by |
+| --- | --- | --- | --- | --- |
+| rollout workers | tasks from the data loader (fresh ones while the dispatch budget lasts, returned ones always) | trajectories into the trajectory pool; "re-rollout" answers put the task back | a task (the loader's long poll); "continue" from the scheduler | the scheduler opening budget (start, a new version, a dropped batch, a filtered group's refill); a task coming back; the end of a reload |
+| trajectory pool | trajectories | ready batches for the algorithm processor; "batch ready" to the scheduler | — (it answers puts) | sync mode: refuses trajectories from "batch ready" until the scheduler's next release |
+| algorithm processor + train batch pool | ready batches | train batches (advantages, ...) | a ready batch (the pool's long poll); room in the train batch pool | the trajectory pool, the train worker taking a batch |
+| train worker | train batches | a weight version exported; its announcement (``train_worker_notify_weight_update``); a dropped batch (``trainer_dropped_batch``) | a train batch (long poll); sync mode: its announcement returning | the algorithm processor; the scheduler finishing the publication |
+| weight publication (the scheduler, on the announcing thread) | an exported version | every engine serving it (the publisher); ``rollout_version`` bumped; the next batch(es) released | a pending validation to end | the controller's ``end_validate`` |
+| validation (the controller) | validation tasks (the validation loader) | ``val/`` metrics of the version it measures | a due validation (``wait_for_progress``), the validator's completion | the scheduler (a new version that is due), the rollout workers |
+
+Pacing: every trajectory records the weight version that produced it; fresh tasks go out one
+training batch (``trajectory_pool.batch_size`` tasks) at a time.
 
 - ``sync`` (the default): one batch per policy version. When the batch is complete the pool sends
   stragglers back ("re-rollout"), the trainer updates and exports, the inference service reloads
-  (``publish``; clients hold new requests meanwhile), the version is bumped and the next batch
-  is released — beside a due validation, which measures the same version on the same engines.
-- ``fully-async``: the controller holds no request for a reload (the local engine swaps weights
-  between two forward batches; vLLM pauses itself briefly) and batches are handed out ahead of the trainer: batch b goes out once the trainer
-  holds version b - 1 - staleness_threshold. Generation overlaps training; the pool is the
-  back-pressure. The trainer does not wait for a publication either: it trains the next
-  step while its announcement runs (TrainWorker).
+  (``sync_weight_to_rollout_service``; clients hold new requests meanwhile), the version is bumped
+  and the next batch is released — beside a due validation, which measures the same version on the
+  same engines.
+- ``fully-async``: no request is held for a reload (the local engine swaps weights between two
+  forward batches; vLLM pauses itself briefly) and batches are handed out ahead of the trainer:
+  batch b goes out once the trainer holds version b - 1 - staleness_threshold. Generation overlaps
+  training; the pool is the back-pressure. The trainer does not wait for a publication either: it
+  trains the next step while its announcement runs (TrainWorker).
 - ``batch-async``: as fully-async, counted from the version the engines *serve*: a rollout waits
   while train_version + 1 - rollout_version > staleness_threshold and resumes when the sync lands.
 
@@ -22,46 +41,34 @@ over the bound, see TrainWorker.
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Literal
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
+from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
-from nexrl_hpc.weight_sync.transport import WeightSyncError
+from nexrl_hpc.weight_sync.publisher import WeightPublisher
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import JsonlDataLoader
     from nexrl_hpc.inference.service import InferenceService
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
-logger = logging.getLogger(__name__)
 
-
-def sync_weight_dir(base: str, version: int) -> str:
-    """Where version ``version`` of the weights is exported for the inference service."""
-    return os.path.join(base, f"version_{version}")
-
-
-class WeightSyncController(NexRLModule):
+class RolloutScheduler(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         weight = config["weight"]
         self._mode = weight["sync_mode"]
         self._threshold = weight["staleness_threshold"]
-        self._sync_path = weight["sync_weight_path"]
         self._validate_freq = weight["validate_freq"]
-        self._keep_versions = weight["keep_versions"]
         self._validate_at_end = config["validate"]["validate_at_end"]
         self._total_steps = config["train_worker"]["total_train_steps"]
         self._batch_items = config["trajectory_pool"]["batch_size"]
-        self._inference_services: list[InferenceService] = []
+        self._publisher = WeightPublisher(weight)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._events = 0  # bumped on every new version and validation request (see wait_for_progress)
@@ -80,11 +87,20 @@ class WeightSyncController(NexRLModule):
     def set_module_references(self, dataloader: JsonlDataLoader, trajectory_pool: TrajectoryPool) -> None:
         self._dataloader = dataloader
         self._trajectory_pool = trajectory_pool
-        execute(self._dataloader.set_dispatch_budget, 0)  # nothing goes out before start()
+        self._set_budget(0)  # nothing goes out before start()
 
     def set_inference_services(self, services: list[InferenceService]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
-        self._inference_services = list(services)
+        self._publisher.set_inference_services(services)
+
+    # --- the dispatch budget: written here only ---------------------------------------------------
+    def _set_budget(self, items: int) -> None:
+        assert self._dataloader is not None
+        execute(self._dataloader.set_dispatch_budget, items)
+
+    def _add_budget(self, items: int) -> None:
+        assert self._dataloader is not None
+        execute(self._dataloader.add_dispatch_budget, items)
 
     # --- versions -------------------------------------------------------------------------------
     def set_versions(self, model_tag: ModelTag, version: int) -> None:
@@ -104,7 +120,7 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             return self._train_version.get(model_tag, 0)
 
-    # --- coordination ---------------------------------------------------------------------------
+    # --- admission ------------------------------------------------------------------------------
     def start(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
         """Release the first batch of rollouts (after the initial sync / pre-training validation)."""
         self._release_rollouts(model_tag)
@@ -113,16 +129,61 @@ class WeightSyncController(NexRLModule):
     def check_rollout_service_status(
         self, model_tag: ModelTag = DEFAULT_MODEL_TAG
     ) -> Literal["continue", "block"]:
+        """ "block" while the engines reload in sync mode (workers fetch nothing, clients hold requests)."""
         with self._lock:
             return "block" if self._mode == "sync" and model_tag in self._syncing else "continue"
 
-    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag) -> None:
-        """Sync mode: the batch is complete; stragglers are sent back ("re-rollout") until the new weights serve."""
-        if self._mode != "sync":
-            return
-        assert self._trajectory_pool is not None
-        execute(self._trajectory_pool.notify_weight_sync_starting, model_tag)
+    @quick
+    def on_batch_ready(self, model_tag: ModelTag) -> bool:
+        """The pool holds a complete batch of ``model_tag``: whether it refuses further trajectories
+        of it (sync mode: stragglers go back as "re-rollout") until the next release."""
+        return self._mode == "sync"
 
+    def replace_filtered_tasks(self, count: int) -> None:
+        """The pool dropped groups that teach nothing (dynamic sampling): as many fresh tasks go out."""
+        self._add_budget(count)
+
+    def trainer_dropped_batch(self, model_tag: ModelTag) -> None:
+        """Async modes: a whole batch was over the staleness bound; hand out one batch more in its
+        place (otherwise the last steps of the run would wait for data that never comes)."""
+        if self._mode != "sync":
+            self._add_budget(self._batch_items)
+
+    def _release_rollouts(self, model_tag: ModelTag) -> None:
+        """Open the pool and hand out the training batch(es) the mode allows now."""
+        if self._mode != "sync":
+            self._release_async(model_tag)
+            return
+        with self._lock:
+            version = self._train_version.get(model_tag, 0)
+            if self._released_for.get(model_tag) == version:
+                return
+            self._released_for[model_tag] = version
+            done = version >= self._total_steps
+        assert self._trajectory_pool is not None
+        execute(self._trajectory_pool.accept_trajectories, model_tag)
+        self._set_budget(0 if done else self._batch_items)
+
+    def _release_async(self, model_tag: ModelTag) -> None:
+        """Hand out every batch b with b - 1 - threshold <= the version the mode counts from."""
+        with self._lock:
+            if self._mode == "batch-async":
+                basis = self._rollout_version.get(model_tag, 0)
+            else:
+                basis = self._train_version.get(model_tag, 0)
+            first = model_tag not in self._batches_out
+            out = self._batches_out.setdefault(model_tag, self._train_version.get(model_tag, 0))
+            allowed = min(self._total_steps, basis + 1 + self._threshold)
+            new = max(0, allowed - out)
+            self._batches_out[model_tag] = out + new
+        items = new * self._batch_items
+        assert self._dataloader is not None
+        if first:  # a resume hands out again the tasks that were untrained at the checkpoint: they count
+            items = max(0, items - execute(self._dataloader.num_untrained))
+        if items:
+            self._add_budget(items)
+
+    # --- new versions ---------------------------------------------------------------------------
     def train_worker_notify_weight_update(
         self, worker_name: str, model_tag: ModelTag, version: int | None = None
     ) -> None:
@@ -144,6 +205,22 @@ class WeightSyncController(NexRLModule):
         with self._lock:
             self._bump()
 
+    def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
+        """Publish the trainer's current version; clients hold new requests while the reload runs.
+        A failed reload raises ``WeightSyncError``: the served version stays where it was."""
+        version = self.get_train_model_version(model_tag)
+        with self._lock:
+            self._syncing.add(model_tag)
+        try:
+            self._publisher.publish(version)
+        finally:
+            with self._lock:
+                self._syncing.discard(model_tag)
+        with self._lock:
+            self._rollout_version[model_tag] = version
+        self._publisher.prune(version)
+
+    # --- the controller's loop: progress and validation -----------------------------------------
     def _bump(self) -> None:
         self._events += 1
         self._progress.notify_all()
@@ -155,37 +232,6 @@ class WeightSyncController(NexRLModule):
         with self._progress:
             self._progress.wait_for(lambda: self._events != seen, timeout)
             return self._events
-
-    def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
-        """Publish the trainer's current version; clients hold new requests while the reload runs."""
-        version = self.get_train_model_version(model_tag)
-        path = sync_weight_dir(self._sync_path, version)
-        with self._lock:
-            self._syncing.add(model_tag)
-        try:
-            self._publish(path, version)  # raises WeightSyncError: the version stays where it was
-        finally:
-            with self._lock:
-                self._syncing.discard(model_tag)
-        with self._lock:
-            self._rollout_version[model_tag] = version
-        self._prune(version)
-
-    def _publish(self, path: str, version: int) -> None:
-        """Every inference service reloads ``path`` (in parallel); any failure fails the sync."""
-        futures = [(s, execute_async(s.reload_weights, path, version)) for s in self._inference_services]
-        failures = []
-        for service, future in futures:
-            try:
-                future.result()
-            except Exception as exc:
-                name = execute(service.get_module_name)
-                if name not in {execute(s.get_module_name) for s in self._inference_services}:
-                    logger.warning("%s was removed while reloading version %d: %s", name, version, exc)
-                    continue  # lost meanwhile (policy continue): the others serve the version
-                failures.append(f"{name}: {exc}")
-        if failures:
-            raise WeightSyncError(f"weight version {version} not served: " + "; ".join(failures))
 
     def _validation_due(self, version: int) -> bool:
         if self._validate_freq > 0 and version % self._validate_freq == 0:
@@ -223,59 +269,6 @@ class WeightSyncController(NexRLModule):
                 self._validations[-1][1] = time.time()
             self._bump()
         self._release_rollouts(model_tag)
-
-    def _release_rollouts(self, model_tag: ModelTag) -> None:
-        """Open the pool and hand out the training batch(es) the mode allows now."""
-        if self._mode != "sync":
-            self._release_async(model_tag)
-            return
-        with self._lock:
-            version = self._train_version.get(model_tag, 0)
-            if self._released_for.get(model_tag) == version:
-                return
-            self._released_for[model_tag] = version
-            done = version >= self._total_steps
-        assert self._trajectory_pool is not None and self._dataloader is not None
-        execute(self._trajectory_pool.unlock_for_weight_sync, model_tag)
-        if self._mode == "sync":
-            execute(self._dataloader.set_dispatch_budget, 0 if done else self._batch_items)
-
-    def trainer_dropped_batch(self, model_tag: ModelTag) -> None:
-        """Async modes: a whole batch was over the staleness bound; hand out one batch more in its
-        place (otherwise the last steps of the run would wait for data that never comes)."""
-        if self._mode != "sync":
-            assert self._dataloader is not None
-            execute(self._dataloader.add_dispatch_budget, self._batch_items)
-
-    def _release_async(self, model_tag: ModelTag) -> None:
-        """Hand out every batch b with b - 1 - threshold <= the version the mode counts from."""
-        with self._lock:
-            if self._mode == "batch-async":
-                basis = self._rollout_version.get(model_tag, 0)
-            else:
-                basis = self._train_version.get(model_tag, 0)
-            first = model_tag not in self._batches_out
-            out = self._batches_out.setdefault(model_tag, self._train_version.get(model_tag, 0))
-            allowed = min(self._total_steps, basis + 1 + self._threshold)
-            new = max(0, allowed - out)
-            self._batches_out[model_tag] = out + new
-        items = new * self._batch_items
-        assert self._dataloader is not None
-        if first:  # a resume hands out again the tasks that were untrained at the checkpoint: they count
-            items = max(0, items - execute(self._dataloader.num_untrained))
-        if items:
-            execute(self._dataloader.add_dispatch_budget, items)
-
-    def _prune(self, current: int) -> None:
-        if not os.path.isdir(self._sync_path):
-            return
-        versions = []
-        for name in os.listdir(self._sync_path):
-            if name.startswith("version_") and name[8:].isdigit():
-                versions.append(int(name[8:]))
-        for v in sorted(versions)[: -self._keep_versions]:
-            if v != current:
-                shutil.rmtree(sync_weight_dir(self._sync_path, v), ignore_errors=True)
 
     # --- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
