@@ -68,7 +68,6 @@ class BatchMetadata(TypedDict, total=False):
 
     batch_size: int  # rows in every entry of ``values``
     model_tag: ModelTag
-    update_fn: str  # the train service method the batch is for (set by the TrainBatchPool)
     metrics: dict[str, float]  # the algorithm's metrics of this batch (train/...)
     global_token_num: int  # attention-mask tokens of the whole batch
     # per row, for tracing and exactly-once bookkeeping (train batches)

@@ -356,7 +356,7 @@ def test_a_stale_drop_takes_the_whole_group_so_group_advantages_still_sum_to_zer
 
 
 class SlowAnnouncements:
-    """The weight sync controller's announcement side: each takes ``seconds``; ``fail_at`` raises."""
+    """The rollout scheduler's announcement side: each takes ``seconds``; ``fail_at`` raises."""
 
     def __init__(self, seconds: float, fail_at: int | None = None) -> None:
         self.seconds = seconds

@@ -172,7 +172,7 @@ def test_a_long_poll_on_a_finished_pass_waits_until_woken_or_a_task_comes_back(t
 
 
 class _OpenWeights:
-    """The weight sync controller as a rollout worker asks it: never reloading."""
+    """The rollout scheduler as a rollout worker asks it: never reloading."""
 
     def check_rollout_service_status(self, model_tag: str) -> str:
         return "continue"

@@ -186,14 +186,14 @@ def test_train_batch_pool_per_model_queues_and_back_pressure() -> None:
     pool = TrainBatchPool(cfg)
     b = lambda tag, v: Batch(values={"x": [v]}, metadata={"model_tag": tag})  # noqa: E731
     assert pool.is_empty()
-    assert pool.put_batch(b("default", 1), "update_actor")
-    assert pool.put_batch(b("default", 2), "update_actor")
-    assert not pool.put_batch(b("default", 3), "update_actor")  # full
-    assert pool.put_batch(b("teacher", 9), "update_actor")
+    assert pool.put_batch(b("default", 1))
+    assert pool.put_batch(b("default", 2))
+    assert not pool.put_batch(b("default", 3))  # full
+    assert pool.put_batch(b("teacher", 9))
     assert pool.get_batch("teacher").values["x"] == [9]
     assert pool.get_batch("teacher") is None
     first = pool.get_batch()
-    assert first.values["x"] == [1] and first.metadata["update_fn"] == "update_actor"
+    assert first.values["x"] == [1]
     assert pool.get_batch().values["x"] == [2]
     assert pool.is_empty()
 

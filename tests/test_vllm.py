@@ -280,7 +280,7 @@ def _failed_reloads(
     assert httpx.get(f"{server.base_url}/is_paused", headers=_auth(server)).json()[
         "is_paused"
     ]  # no sample from a mixed state
-    # the InferenceService module (what the weight sync controller calls) raises the same way
+    # the InferenceService module (what the weight publisher calls) raises the same way
     svc = InferenceService(dict(cfg, service=dict(cfg["service"], inference_service=dict(
         cfg["service"]["inference_service"], base_url=server.base_url, api_key=server.api_key))),
         model_dir, str(tmp_path))  # fmt: skip

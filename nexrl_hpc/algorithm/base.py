@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 
 class BaseAlgorithmProcessor(NexRLModule):
-    UPDATE_FN = "update_actor"
-
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         self._config = config
@@ -50,20 +48,20 @@ class BaseAlgorithmProcessor(NexRLModule):
                 continue
             assert self._activity_tracker is not None
             with self._activity_tracker.track(self._module_name, "fit"):
-                self._fit(batch, self.UPDATE_FN)
+                self._fit(batch)
 
-    def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
+    def _fit(self, batch: Batch[list[Any]]) -> None:
         raise NotImplementedError
 
     def _get_batch(self, batch_size: int | None = None, wait_s: float = 0.0) -> Batch[list[Any]] | None:
         assert self._trajectory_pool is not None
         return execute(self._trajectory_pool.get_batch_any, batch_size, wait_s)
 
-    def _put_batch(self, batch: Batch[torch.Tensor], update_fn: str) -> bool:
+    def _put_batch(self, batch: Batch[torch.Tensor]) -> bool:
         """Queue for training; waits (without busy spinning) while the train batch queue is full."""
         assert self._train_batch_pool is not None
         while not self.stopped:
-            if execute(self._train_batch_pool.put_batch, batch, update_fn):
+            if execute(self._train_batch_pool.put_batch, batch):
                 return True
             time.sleep(
                 self._config["algorithm"]["full_queue_poll_s"]

@@ -105,8 +105,8 @@ class GRPOProcessor(BaseAlgorithmProcessor):
         metadata["rollout_intervals"] = rollout_intervals(batch.values.get("rollout_times") or [])
         return Batch(values=tensors, metadata=metadata)
 
-    def _fit(self, batch: Batch[list[Any]], update_fn: str) -> None:
-        self._put_batch(self.compute(batch), update_fn)
+    def _fit(self, batch: Batch[list[Any]]) -> None:
+        self._put_batch(self.compute(batch))
 
 
 def overlong_penalty(

@@ -2,8 +2,8 @@
 
 It starts nexrl_hpc's local server or a vLLM server in vLLM's own venv (``backend=local|vllm``
 without ``base_url``) or stands for a given server (``base_url``; the only way for ``sglang``), hands the endpoint to colocated rollout workers (the per-run API key never
-leaves the rank), and reloads weights through the transport its backend needs — so the weight sync
-controller publishes the same way whatever the engine and wherever it runs.
+leaves the rank), and reloads weights through the transport its backend needs — so the weight
+publisher publishes the same way whatever the engine and wherever it runs.
 """
 
 from __future__ import annotations

@@ -16,18 +16,17 @@ class TrainBatchPool(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         self._max_queue_size = config["train_batch_pool"]["max_queue_size"]
-        self._queues: dict[ModelTag, deque[tuple[Batch, str]]] = {}
+        self._queues: dict[ModelTag, deque[Batch]] = {}
         self._lock = threading.Condition()
 
-    def put_batch(self, batch: Batch, update_fn: str) -> bool:
+    def put_batch(self, batch: Batch) -> bool:
         """Queue ``batch`` for its model (metadata ``model_tag``); False when that queue is full."""
         tag = batch.metadata.get("model_tag") or DEFAULT_MODEL_TAG
         with self._lock:
             queue = self._queues.setdefault(tag, deque())
             if len(queue) >= self._max_queue_size:
                 return False
-            batch.metadata["update_fn"] = update_fn
-            queue.append((batch, update_fn))
+            queue.append(batch)
             self._lock.notify_all()
             return True
 
@@ -41,7 +40,7 @@ class TrainBatchPool(NexRLModule):
                 for tag in tags:
                     queue = self._queues.get(tag)
                     if queue:
-                        return queue.popleft()[0]
+                        return queue.popleft()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None

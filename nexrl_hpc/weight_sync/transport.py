@@ -1,9 +1,9 @@
 """How new weights reach the inference service: an interface and transports picked by a factory.
 
-The algorithm never branches on the engine: the weight sync controller calls ``publish`` with an
-HF-layout directory and a version. ``DiskReloadTransport`` speaks SGLang's
-``/update_weights_from_disk`` (which nexrl_hpc's local server implements too; ``SGLangDiskTransport``
-is the same class). ``VLLMReloadTransport`` drives vLLM's dev-mode endpoints: pause, reload the
+The algorithm never branches on the engine: each inference service calls its transport's
+``publish`` with an HF-layout directory and a version when the publisher (publisher.py) asks it to
+reload. ``DiskReloadTransport`` speaks SGLang's ``/update_weights_from_disk`` (which nexrl_hpc's
+local server implements too; ``SGLangDiskTransport`` is the same class). ``VLLMReloadTransport`` drives vLLM's dev-mode endpoints: pause, reload the
 weights from the directory, drop the prefix cache (its KV was computed with the old weights),
 resume. vLLM has no weight version: the transport records which version it made the server serve.
 Any failure raises ``WeightSyncError`` naming the server, so the caller does not bump the version.
