@@ -198,12 +198,3 @@ class Batch(Generic[V]):
         for name in fields:
             values[name] = values[name][:, strip:] if left else values[name][:, : width - strip]
         return Batch(values=values, metadata=data.metadata.copy())
-
-    def to_nextrainer_batch(self) -> dict[str, Any]:
-        """The training service's batch shape: tensors under ``batch``, the rest under
-        ``non_tensor_batch`` / ``meta_info``."""
-        import torch
-
-        tensors = {k: v for k, v in self.values.items() if isinstance(v, torch.Tensor)}
-        others = {k: v for k, v in self.values.items() if not isinstance(v, torch.Tensor)}
-        return {"batch": tensors, "non_tensor_batch": others, "meta_info": dict(self.metadata)}

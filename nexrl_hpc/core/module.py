@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from nexrl_hpc.core.activity import ActivityTrackerProxy
 from nexrl_hpc.core.execute import quick
@@ -44,15 +42,6 @@ class NexRLModule:
         if self._thread is None or self._stop_event.is_set():
             return True
         return self._thread.is_alive() or not self._loop_crashed
-
-    def easy_dump(
-        self, value: Any, keys: list[str] | None = None, value_formatter: Callable[[Any], str] | None = None
-    ) -> None:
-        """Log a value tagged with this module's name (debugging aid)."""
-        if keys is not None and isinstance(value, dict):
-            value = {k: value.get(k) for k in keys}
-        text = value_formatter(value) if value_formatter else json.dumps(value, default=str)[:2000]
-        logger.info("[%s] %s", self._module_name, text)
 
     # --- loop thread helpers for modules that run continuously ---------------------------------
     def _start_thread(self, target: Callable[[], None]) -> None:

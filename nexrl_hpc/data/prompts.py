@@ -14,10 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class NoChatTemplateError(ValueError):
-    """Prompts need a chat template the tokenizer does not have; names the config key."""
-
-
 def is_messages(prompt: Any) -> bool:
     """A non-empty list of chat messages, each with a string ``role`` and string ``content``."""
     return (

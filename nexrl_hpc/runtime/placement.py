@@ -75,9 +75,6 @@ class Placement:
                 out[name] = (spec.rank, role, spec.instance)
         return out
 
-    def ranks_of_group(self, group: str) -> list[int]:
-        return [r.rank for r in self.ranks if r.group == group]
-
     def describe(self) -> str:
         return "; ".join(
             f"rank {r.rank} [{r.group}#{r.instance}]: {', '.join(r.module_names)}" for r in self.ranks
