@@ -39,6 +39,14 @@ def test_unknown_key_names_closest_valid_key() -> None:
     }
 
 
+def test_removed_duplicate_key_points_to_the_key_that_names_the_same_path() -> None:
+    for override in ("train_worker.sync_weight_path=/x", "+train_worker.sync_weight_path=/x"):
+        probs = problems_of([override])
+        assert probs == {
+            "train_worker.sync_weight_path": "unknown key (did you mean 'weight.sync_weight_path'?)"
+        }
+
+
 def test_unknown_key_added_with_plus_is_caught_by_schema() -> None:
     probs = problems_of(["+algorithm.kl_coef=0.1"])
     assert probs["algorithm.kl_coef"].startswith("unknown key (did you mean 'algorithm.kl_loss_coef'")

@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nexrl_hpc.config import register_resolvers, validate_config
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, moved_key_hint
 
 HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 
@@ -51,6 +51,8 @@ def _compose(config_dir: str, config_name: str, overrides: list[str], with_hydra
 
 
 def _suggest(base: DictConfig, key: str) -> str:
+    if moved_key_hint(key):
+        return moved_key_hint(key)
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(base, parent) if parent else base
     if isinstance(node, DictConfig):

@@ -197,7 +197,6 @@ class TrainWorkerConfig(TypedDict):
     num_workers: Annotated[int, Ge(1), Le(1)]
     save_freq: Annotated[int, Ge(0)]
     checkpoint_path: str
-    sync_weight_path: str
     remove_previous_ckpt: bool
     max_ckpt_to_keep: Annotated[int, Ge(1)] | None
     long_poll_s: Annotated[

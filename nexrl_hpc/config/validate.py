@@ -20,6 +20,14 @@ from nexrl_hpc.core.imports import load_object
 
 CONFIG_ERROR_EXIT_CODE = 2
 
+# keys that were removed because another key names the same thing: old path -> the key to use
+MOVED_KEYS = {"train_worker.sync_weight_path": "weight.sync_weight_path"}
+
+
+def moved_key_hint(path: str) -> str:
+    """`` (did you mean 'new.key'?)`` for a key that moved, else ''."""
+    return f" (did you mean {MOVED_KEYS[path]!r}?)" if path in MOVED_KEYS else ""
+
 
 @dataclass(frozen=True)
 class ConfigProblem:
@@ -121,34 +129,11 @@ def _check(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> boo
     if tp is Any:
         return True
     if origin is typing.Annotated:
-        base, *marks = typing.get_args(tp)
-        if not _check(value, base, path, problems):
-            return False
-        for mark in marks:
-            if isinstance(mark, (Ge, Gt, Le)) and value is not None:
-                msg = mark.check(value)
-                if msg:
-                    problems.append(ConfigProblem(path, msg))
-                    return False
-        return True
+        return _check_annotated(value, tp, path, problems)
     if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        for option in options:
-            trial: list[ConfigProblem] = []
-            if _matches_type(value, option):
-                _check(value, option, path, trial)
-                problems.extend(trial)
-                return not trial
-        problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
-        return False
+        return _check_union(value, tp, path, problems)
     if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value in allowed and type(value) in {type(a) for a in allowed}:
-            return True
-        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.append(ConfigProblem(path, f"{value!r} is not one of {list(allowed)}{hint}"))
-        return False
+        return _check_literal(value, tp, path, problems)
     if is_typeddict(tp):
         if not isinstance(value, Mapping):
             problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
@@ -156,31 +141,73 @@ def _check(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> boo
         _check_typeddict(value, tp, path, problems)
         return True
     if origin is list:
-        if not isinstance(value, list):
-            problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
-            return False
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        ok = True
-        for i, item in enumerate(value):
-            ok = _check(item, item_tp, f"{path}[{i}]", problems) and ok
-        return ok
+        return _check_list(value, tp, path, problems)
     if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
-            return False
-        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
-        ok = True
-        for key, item in value.items():
-            if not _matches_type(key, key_tp):
-                problems.append(ConfigProblem(f"{path}.{key}", f"key: expected {_type_name(key_tp)}"))
-                ok = False
-            elif value_tp is not Any:
-                ok = _check(item, value_tp, f"{path}.{key}", problems) and ok
-        return ok
+        return _check_dict(value, tp, path, problems)
     if not _matches_type(value, tp):
         problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
         return False
     return True
+
+
+def _check_annotated(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    base, *marks = typing.get_args(tp)
+    if not _check(value, base, path, problems):
+        return False
+    for mark in marks:
+        if isinstance(mark, (Ge, Gt, Le)) and value is not None:
+            msg = mark.check(value)
+            if msg:
+                problems.append(ConfigProblem(path, msg))
+                return False
+    return True
+
+
+def _check_union(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    for option in typing.get_args(tp):
+        trial: list[ConfigProblem] = []
+        if _matches_type(value, option):
+            _check(value, option, path, trial)
+            problems.extend(trial)
+            return not trial
+    problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+    return False
+
+
+def _check_literal(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    allowed = typing.get_args(tp)
+    if value in allowed and type(value) in {type(a) for a in allowed}:
+        return True
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    problems.append(ConfigProblem(path, f"{value!r} is not one of {list(allowed)}{hint}"))
+    return False
+
+
+def _check_list(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    if not isinstance(value, list):
+        problems.append(ConfigProblem(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+        return False
+    (item_tp,) = typing.get_args(tp) or (Any,)
+    ok = True
+    for i, item in enumerate(value):
+        ok = _check(item, item_tp, f"{path}[{i}]", problems) and ok
+    return ok
+
+
+def _check_dict(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> bool:
+    if not isinstance(value, Mapping):
+        problems.append(ConfigProblem(path, f"expected a mapping, got {_describe(value)}"))
+        return False
+    key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+    ok = True
+    for key, item in value.items():
+        if not _matches_type(key, key_tp):
+            problems.append(ConfigProblem(f"{path}.{key}", f"key: expected {_type_name(key_tp)}"))
+            ok = False
+        elif value_tp is not Any:
+            ok = _check(item, value_tp, f"{path}.{key}", problems) and ok
+    return ok
 
 
 def _matches_type(value: Any, tp: Any) -> bool:
@@ -221,7 +248,7 @@ def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigP
     for key in value:
         if key not in hints:
             close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
-            hint = (
+            hint = moved_key_hint(f"{prefix}{key}") or (
                 f" (did you mean {prefix + close[0]!r}?)"
                 if close
                 else f" (valid keys: {', '.join(sorted(hints))})"

@@ -67,7 +67,7 @@ class TrainWorker(NexRLModule):
         self._save_freq = tw["save_freq"]
         self._long_poll_s = tw["long_poll_s"]
         self._ahead_poll_s = tw["send_ahead_poll_s"]
-        self._sync_path = tw["sync_weight_path"]
+        self._sync_path = config["weight"]["sync_weight_path"]
         self._model_tag = config["service"]["train_service"]["model_tag"]
         algo = config["algorithm"]
         self._recompute = algo["recompute_old_log_prob"]
