@@ -1,5 +1,5 @@
-"""A hostile neighbour against the standalone train service (issue 21): messages captured before a
-worker group's restart do not replay after it (row 8), and its HTTP port keeps the
+"""A hostile neighbour against the standalone train service: messages captured before a
+worker group's restart do not replay after it, and its HTTP port keeps the
 pre-authentication limits (the token before the body, bounded bodies, idle connections closed).
 
 Real processes: ``python -m launch.train_service`` and ``torchrun -m launch.train_worker``.

@@ -1,4 +1,5 @@
-"""A hostile neighbour on a shared node against the run's RPC ports (issue 21, rows 1, 2, 3, 7, 12).
+"""A hostile neighbour on a shared node against the run's RPC ports: replayed, oversized and flooding
+messages, and connections that never authenticate.
 
 Each test reproduces a finding against the real code: a real ``RpcEndpoint`` in a process of its
 own (so that its memory and descriptors can be measured), attacked from this process over

@@ -69,7 +69,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     """mpirun -n 4 learns the default task like local mode; every rank's port survives attacks
-    (hostile input, and issue 21's pre-authentication floods and idle connections)."""
+    (hostile input, and the pre-authentication floods and idle connections)."""
     run_dir = tmp_path / "mpi"
     proc = subprocess.Popen(
         mpirun(4, [f"run_dir={run_dir}", "seed=5"]),
@@ -90,7 +90,7 @@ def test_mpi_run_learns_and_shrugs_off_hostile_input(tmp_path: Path) -> None:
     lanes = [r["lane_address"] for r in ranks]  # every rank's direct lane (blocking @quick calls)
     for address in lanes:
         attack_lane(address, secrets.token_bytes(32), marker)
-    # the pre-authentication attacks (issue 21): 150 MiB of MORE frames and a 150 MiB handshake
+    # the pre-authentication attacks: 150 MiB of MORE frames and a 150 MiB handshake
     # frame on every ZMQ port, 150 MiB announced on every lane, 200 idle connections on every port
     for address in ports:
         assert all(n < 32 << 20 for n in flood_zmq(address).values()), address
