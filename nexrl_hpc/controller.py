@@ -377,8 +377,8 @@ class NexRLController:
 
     def _leave_for_resume(self) -> None:
         """Preempted, checkpoint complete: no orderly stop. Slurm starts the requeued job only once
-        every process of this one is gone (an orderly stop took 1-2 s: loops finishing their long
-        polls, endpoints closing), and nothing still running holds what the resume needs: tasks in
+        every process of this one is gone (an orderly stop waits for loops to finish their long
+        polls and endpoints to close), and nothing still running holds what the resume needs: tasks in
         flight are in the checkpoint's state.h5. Every module aborts (server processes killed),
         metrics are flushed, and every rank leaves."""
         self._quietly(lambda: self.runtime.abort("preempted: checkpoint saved", PREEMPTED_EXIT))

@@ -23,7 +23,7 @@ CLIENT_MODULE = "nexrl_hpc.inference.client"
 
 
 def import_llm_client_ahead(config: RLTrainConfig) -> threading.Thread | None:
-    """Import the real client's module (with ``openai``: ~0.3 s) on a thread of its own.
+    """Import the real client's module (with ``openai``: a noticeable import) on a thread of its own.
 
     Called while the run waits for its inference servers to start, so the first rollout finds it
     imported; ``create_llm_client`` then waits on the module's import lock if it is not done. An

@@ -1,6 +1,6 @@
 """A local inference server process started with the run, before there is a model to serve.
 
-The server's start-up is mostly imports (torch, transformers, the HTTP stack: ~7 s on 2 cores),
+The server's start-up is mostly imports (torch, transformers, the HTTP stack),
 and the run's process imports the same things before it builds the model the server loads. Started
 as soon as the config is valid, the server process does its imports beside the run's and then
 waits on its stdin for what to serve; ``LocalInferenceServer.launch`` hands it the command line,

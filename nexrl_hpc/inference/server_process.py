@@ -4,7 +4,7 @@
 
 Why a step before the server module: its imports (torch, transformers, the HTTP stack) leave ~480k
 objects for the garbage collector, and at Python's default thresholds its full passes over them
-took ~0.9 s of the server's start-up here — which the run waits for. The thresholds
+take a good part of the server's start-up — which the run waits for. The thresholds
 (``runtime.gc_thresholds``) must be set before those imports, so before the module is loaded.
 Only the standard library here.
 """

@@ -133,7 +133,7 @@ class VLLMServer:
         return self.wait_ready()
 
     def launch(self) -> None:
-        """Start the process without waiting (its 30-60 s start-up overlaps with the trainer's)."""
+        """Start the process without waiting (its long start-up overlaps with the trainer's)."""
         python = self.config["python"]
         if not os.access(python, os.X_OK):
             raise InferenceServerStartError(

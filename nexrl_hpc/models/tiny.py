@@ -88,7 +88,7 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
 def save_model_dir(model: PreTrainedModel, out_dir: str) -> None:
     """config.json, generation_config.json and one model.safetensors: what ``save_pretrained``
     writes, without its detour through accelerate's ``unwrap_model``, which imports DeepSpeed
-    (~0.5 s of every run's start-up) whenever it is installed."""
+    (a part of every run's start-up) whenever it is installed."""
     os.makedirs(out_dir, exist_ok=True)
     model.config.architectures = [type(model).__name__]  # what vLLM picks the model class by
     model.config.save_pretrained(out_dir)

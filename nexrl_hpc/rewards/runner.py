@@ -13,7 +13,7 @@ Many responses that finish together (a coalesced completion request returns a wh
 submitted together (``submit_many``): cut into one chunk per pool thread, each chunk one hand-off to
 a thread that scores its items in turn, each item with its own deadline; when an item times out
 the rest of its chunk goes back to the queue for the other threads. One hand-off per item cost
-40-110 µs each on 2 cores, twenty times the default task's reward itself.
+many times the default task's reward itself.
 
 Every failure is a score of 0 with a count: ``reward/errors`` (raised, or returned no reward) and
 ``reward/timeouts``, both present in every score dict so per-step sums are counts. A warning names

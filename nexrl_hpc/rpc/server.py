@@ -104,8 +104,8 @@ class IoServer:
         self._held_replies: dict[int, HeldReplies] = {}  # small quick replies per caller rank
         self._pool = ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix=f"rpc{rank}")
         # long polls wait on threads of their own: with them in the pool above, 16 waiting fetches
-        # held every thread and the puts that would end their wait queued behind them (a 0.4 s stall
-        # per step at 32 rollout ranks, until the polls timed out)
+        # held every thread and the puts that would end their wait queued behind them (a stall per
+        # step at 32 rollout ranks, until the polls timed out)
         self._long_poll_pool = ThreadPoolExecutor(
             max_workers=long_poll_threads, thread_name_prefix=f"rpc{rank}-poll"
         )

@@ -1,12 +1,12 @@
 """Python's cyclic garbage collector around a process's start-up (``runtime.gc_*``).
 
 Why: once torch, transformers and the HTTP stack are imported a process tracks ~480k container
-objects, and a full (generation 2) collection walks every one of them: 250-670 ms here. At Python's
+objects, and a full (generation 2) collection walks every one of them (bench/README.md). At Python's
 default thresholds such passes run every second or two while a process imports and builds its
 modules, and later whenever its heap has grown by a quarter — on a rollout rank, whose trajectories
-come and go, that was a 260-290 ms stall every ~15 steps, in the middle of the trainer's weight
-sync. The thresholds make collections rarer; freezing moves the start-up objects, which live as
-long as the process, out of every later pass.
+come and go, that was a stall every few steps, in the middle of the trainer's weight sync. The
+thresholds make collections rarer; freezing moves the start-up objects, which live as long as the
+process, out of every later pass.
 
 Nothing heavy here: ``launch.train`` calls ``hold_collections`` before its heavy imports.
 """
@@ -33,7 +33,7 @@ def hold_collections(runtime: GcSettings) -> None:
 def freeze_imports(runtime: GcSettings) -> None:
     """After the heavy imports: what they created stays for the process's life, so no later pass
     need walk it (without a collection first: the few hundred objects the imports left as garbage
-    are kept; a full collection to find them would cost ~0.25 s)."""
+    are kept; a full collection to find them would walk every start-up object)."""
     if runtime["gc_freeze_after_setup"]:
         gc.freeze()
 

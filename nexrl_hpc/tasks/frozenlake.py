@@ -368,7 +368,7 @@ def format_warmup(
         return ids, letter_at, eos_at
 
     # a tiny model trains as fast on one thread, and one thread does not stall when the machine's
-    # cores are shared (two threads took 12x longer under load, measured)
+    # cores are shared (two threads stall each other under load)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -140,7 +140,7 @@ class ExperimentLogger:
 
         The jsonl line is written before this returns (a checkpoint saved next keeps it); the other
         backends get the row from a thread of their own, in order: TensorBoard's per-scalar events
-        cost ~4 ms a step, which the trainer's step would otherwise wait for."""
+        cost time every step, which the trainer's step would otherwise wait for."""
         if not data:
             return
         step = int(step or 0)

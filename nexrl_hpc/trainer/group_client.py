@@ -4,7 +4,7 @@ Batches go to trainer rank 0 only, over one signed ZMQ connection; the control p
 a batch is started (``Control.submit``), then the client waits for the result:
 
 - ``DirectControl`` (embedded: trainer ranks inside the MPI job): the execute signal travels with
-  the batch (rank 0 runs it on receipt: no ACK round trip, ~1.2 ms a step under load) and the
+  the batch (rank 0 runs it on receipt: no ACK round trip) and the
   batch-less calls go to rank 0 over the same connection.
 - ``ApiServerControl`` (standalone): the client waits for rank 0's ACK of the batch, then the
   execute signal and the batch-less calls go to the API server over HTTP with the bearer token,

@@ -80,8 +80,8 @@ class BufferPool:
     """Reuses the receive buffers of large messages once every tensor viewing them is gone.
 
     A trainer gets a batch of about the same size every step; writing it into memory it already
-    touched avoids the page faults of fresh memory (here 4 KiB faults cost ~0.4 s per 256 MB, and
-    huge pages a compaction stall now and then), the largest cost of receiving. A buffer goes back
+    touched avoids the page faults of fresh memory (4 KiB faults, and huge pages a compaction stall
+    now and then), the largest cost of receiving. A buffer goes back
     to the pool when the numpy view the tensors share is freed (``weakref.finalize``, from whatever
     thread drops the last tensor), and is reused for a message of 1/2 to 1 times its size; at
     most ``max_bytes`` are kept.
