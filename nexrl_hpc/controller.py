@@ -236,8 +236,11 @@ class NexRLController:
                 break
         step = self._last_step = execute(self.train_worker.get_train_step)
         if self.preempted:
-            logger.warning("stopped at step %d (%s): checkpoint saved, the run resumes from it", step,
-                           self._preemption.reason)  # fmt: skip
+            logger.warning(
+                "stopped at step %d (%s): checkpoint saved, the run resumes from it",
+                step,
+                self._preemption.reason,
+            )
             self._saved_for_resume = True
             reason = f"{self._preemption.reason}: checkpoint saved at step {step}"
             self._quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))  # before the requeue ends us

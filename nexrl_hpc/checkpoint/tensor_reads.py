@@ -24,10 +24,17 @@ import torch
 PAGE = 4096
 CHUNK = 16 << 20  # pread size: large sequential I/O, the fastest in bench/README.md's reads
 DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
-}  # fmt: skip
+}
 BY_NAME = {v: k for k, v in DTYPES.items()}
 
 

@@ -91,19 +91,28 @@ class VLLMServer:
         """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
         cfg = self.config
         cmd = [
-            cfg["python"], "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir,
-            "--served-model-name", self.served_model_name,
-            "--host", host or cfg["host"],
-            "--port", str(port),
-            "--dtype", cfg["dtype"],
+            cfg["python"],
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            host or cfg["host"],
+            "--port",
+            str(port),
+            "--dtype",
+            cfg["dtype"],
             # vLLM's neutral sampling defaults, not the model's generation_config.json (an instruct
             # model's top_k, repetition_penalty, ...): samples come from the policy the trainer
             # scores, with only the run's own sampling settings; its EOS tokens still stop a response
-            "--generation-config", "vllm",
+            "--generation-config",
+            "vllm",
             # every path but /health needs the key (vLLM's own covers /v1 only): see vllm_guard
-            "--middleware", f"{GUARD_MODULE}.RequireKey",
-        ]  # fmt: skip
+            "--middleware",
+            f"{GUARD_MODULE}.RequireKey",
+        ]
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]
         if cfg["tensor_parallel_size"] != 1:

@@ -115,8 +115,12 @@ def find_partition(
         default = [p for p in partitions.values() if p.default]
         if default:
             return default[0], []
-        return None, [ConfigProblem(key, "the cluster has no default partition: set one "
-                                         f"(available: {', '.join(sorted(partitions))})")]  # fmt: skip
+        return None, [
+            ConfigProblem(
+                key,
+                f"the cluster has no default partition: set one (available: {', '.join(sorted(partitions))})",
+            )
+        ]
     if name not in partitions:
         return None, [
             ConfigProblem(key, f"unknown partition {name!r} (available: {', '.join(sorted(partitions))})")
@@ -141,8 +145,15 @@ def check_job_in_partition(
         return [ConfigProblem(partition_key, str(exc))]
     if partition is None:
         return problems
-    return check_job(partition, partition_key, demands, separate_nodes=separate_nodes, time_min=time_min,
-                     time_key=time_key, shrink_hint=shrink_hint)  # fmt: skip
+    return check_job(
+        partition,
+        partition_key,
+        demands,
+        separate_nodes=separate_nodes,
+        time_min=time_min,
+        time_key=time_key,
+        shrink_hint=shrink_hint,
+    )
 
 
 def check_job(
@@ -161,9 +172,14 @@ def check_job(
     problems: list[ConfigProblem] = []
     where = f"partition {partition.name!r} ({_describe_nodes(partition.nodes)})"
     if time_min is not None and partition.max_time_min is not None and time_min > partition.max_time_min:
-        problems.append(ConfigProblem(time_key, f"{time_min:g} min is above the time limit of partition "
-                                                f"{partition.name!r} ({partition.max_time_min:g} min): lower it "
-                                                "(the run saves and requeues itself before the limit)"))  # fmt: skip
+        problems.append(
+            ConfigProblem(
+                time_key,
+                f"{time_min:g} min is above the time limit of partition "
+                f"{partition.name!r} ({partition.max_time_min:g} min): lower it "
+                "(the run saves and requeues itself before the limit)",
+            )
+        )
     most_cpus = max((n.cpus for n in partition.nodes), default=0)
     most_gpus = max((n.gpus for n in partition.nodes), default=0)
     nodes_needed: list[int] = []
@@ -171,27 +187,47 @@ def check_job(
         per_node = d.tasks_per_node or 1
         cpus, gpus = per_node * d.cpus_per_task, max(d.gpus_per_node, per_node * d.gpus_per_task)
         if cpus > most_cpus:
-            problems.append(ConfigProblem(d.cpus_key, f"{d.label} asks for {cpus} CPU(s) on one node; no node of "
-                                                      f"{where} has more than {most_cpus}"))  # fmt: skip
+            problems.append(
+                ConfigProblem(
+                    d.cpus_key,
+                    f"{d.label} asks for {cpus} CPU(s) on one node; no node of "
+                    f"{where} has more than {most_cpus}",
+                )
+            )
             continue
         if gpus > most_gpus:
-            problems.append(ConfigProblem(d.gpus_key, f"{d.label} asks for {gpus} GPU(s) on one node; no node of "
-                                                      f"{where} has more than {most_gpus}"))  # fmt: skip
+            problems.append(
+                ConfigProblem(
+                    d.gpus_key,
+                    f"{d.label} asks for {gpus} GPU(s) on one node; no node of "
+                    f"{where} has more than {most_gpus}",
+                )
+            )
             continue
         needed = _nodes_needed(d, partition.nodes)
         if needed is None:
-            problems.append(ConfigProblem(partition_key, f"{d.label} needs {_describe_demand(d)}, more than "
-                                                         f"{where} holds: {shrink_hint}, or use a larger partition"))  # fmt: skip
+            problems.append(
+                ConfigProblem(
+                    partition_key,
+                    f"{d.label} needs {_describe_demand(d)}, more than "
+                    f"{where} holds: {shrink_hint}, or use a larger partition",
+                )
+            )
             continue
         nodes_needed.append(needed)
     if separate_nodes and not problems and sum(nodes_needed) > len(partition.nodes):
         asked = "; ".join(
             f"{d.label}: {_describe_demand(d)} -> {k} node(s)" for d, k in zip(demands, nodes_needed)
         )
-        problems.append(ConfigProblem(partition_key, f"a heterogeneous job gives each component nodes of its own: "
-                                                     f"{asked}; {sum(nodes_needed)} nodes in all, but {where} has "
-                                                     f"{len(partition.nodes)}: {shrink_hint}, or use a larger "
-                                                     "partition"))  # fmt: skip
+        problems.append(
+            ConfigProblem(
+                partition_key,
+                f"a heterogeneous job gives each component nodes of its own: "
+                f"{asked}; {sum(nodes_needed)} nodes in all, but {where} has "
+                f"{len(partition.nodes)}: {shrink_hint}, or use a larger "
+                "partition",
+            )
+        )
     return problems
 
 

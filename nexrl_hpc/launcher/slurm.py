@@ -4,10 +4,8 @@ The placement decides the ranks; its colocation groups become Slurm components. 
 with the same per-rank resources share a component; one component is a plain job, several are a
 heterogeneous job (``#SBATCH hetjob``) whose tasks form one MPI_COMM_WORLD through
 ``srun --mpi=pmi2 --het-group=0-N`` (ranks in component order: rank 0 is the driver). submitit
-has no hetjob support; ``HetSlurmExecutor`` adds it (a subclass, two pitfalls handled: srun expands
-``%j`` per component, so its log paths use ``${SLURM_JOB_ID}``; sacct names components ``N+0``,
-``N+1``). Every rank runs ``SlurmRun``, which runs the mpi mode and, on preemption, leaves the
-requeue to rank 0 (see ``runtime.preemption``).
+has no hetjob support; ``launcher.hetjob.HetSlurmExecutor`` adds it. Every rank runs ``SlurmRun``,
+which runs the mpi mode and, on preemption, leaves the requeue to rank 0 (see ``runtime.preemption``).
 
 Hydra's own submitit launcher (``-m hydra/launcher=submitit_slurm``) submits one plain job per sweep
 point instead; its tasks call ``launch.train``'s task function, which runs them as ``SlurmRun``
@@ -23,32 +21,28 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
-
-import submitit
-from submitit.slurm import slurm as submitit_slurm
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
+from nexrl_hpc.launcher.hetjob import Component, HetSlurmExecutor, job_sizing
 from nexrl_hpc.runtime.network import is_loopback_spec
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, service_rank_count
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                "DEADLINE"}  # fmt: skip
-
-
-@dataclass
-class Component:
-    """One Slurm (het)job component: ``ntasks`` ranks with the same resources."""
-
-    groups: list[str]
-    ntasks: int
-    cpus_per_task: int
-    gpus_per_task: int
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def plan_components(config: RLTrainConfig) -> tuple[int, list[Component]]:
@@ -88,89 +82,6 @@ def _groups_in_rank_order(placement: Any) -> list[str]:
         if spec.group not in seen:
             seen.append(spec.group)
     return seen
-
-
-class HetSlurmInfoWatcher(submitit_slurm.SlurmInfoWatcher):
-    """sacct shows a heterogeneous job as ``N+0``, ``N+1``...: component 0 is the job."""
-
-    def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
-        text = string.decode() if isinstance(string, bytes) else string
-        lines = [ln for ln in text.splitlines() if not re.match(r"^\d+\+[1-9]\d*\|", ln)]
-        return super().read_info("\n".join(re.sub(r"^(\d+)\+0\|", r"\1|", ln) for ln in lines))
-
-
-class HetSlurmJob(submitit_slurm.SlurmJob):
-    watcher = HetSlurmInfoWatcher(delay_s=60)
-
-
-class HetSlurmExecutor(submitit.SlurmExecutor):
-    """A SlurmExecutor whose job may have several components (one MPI world over all of them)."""
-
-    job_class = HetSlurmJob
-    _SIZING = ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --cpus-per-task=",
-               "#SBATCH --gpus-per-task=", "#SBATCH --gpus-per-node=")  # fmt: skip
-
-    def __init__(
-        self,
-        folder: str | Path,
-        components: list[Component],
-        job_sizing: dict[str, int] | None = None,
-        **parameters: Any,
-    ):
-        super().__init__(folder=folder, max_num_timeout=1000)
-        self._components = components
-        self._job_sizing = job_sizing or {}  # one-component jobs: nodes, gpus_per_node, cpus_per_gpu
-        self.update_parameters(**parameters)
-
-    def _num_tasks(self) -> int:
-        return sum(c.ntasks for c in self._components)
-
-    def _make_submission_file_text(self, command: str, uid: str) -> str:
-        lines = [
-            ln
-            for ln in super()._make_submission_file_text(command, uid).splitlines()
-            if not ln.startswith(self._SIZING)
-        ]
-        # each component sizes itself; everything before the first "hetjob" line is component 0
-        repeated = [ln for ln in lines if ln.startswith(("#SBATCH --partition=", "#SBATCH --account=",
-                                                         "#SBATCH --qos=", "#SBATCH --time="))]  # fmt: skip
-        sizing: list[str] = []
-        for k, comp in enumerate(self._components):
-            if k:
-                sizing += ["#SBATCH hetjob", *repeated]
-            sizing += _component_sizing(comp, self._job_sizing if len(self._components) == 1 else {})
-        last_flag = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
-        lines[last_flag + 1 : last_flag + 1] = sizing
-        # srun would expand %j per component (component k's log path would not exist): use the job id
-        srun = next(i for i, ln in enumerate(lines) if ln.startswith("srun "))
-        line = lines[srun].replace("%j", "${SLURM_JOB_ID}").replace("'", '"')
-        if len(self._components) > 1:
-            line = line.replace("srun ", f"srun --het-group=0-{len(self._components) - 1} ", 1)
-        lines[srun] = line
-        return "\n".join(lines) + "\n"
-
-
-def _component_sizing(comp: Component, job: dict[str, int]) -> list[str]:
-    """The #SBATCH lines sizing one component; ``job`` (launcher.nodes / gpus_per_node /
-    cpus_per_gpu) only for a job of one component. --cpus-per-gpu replaces --cpus-per-task
-    (Slurm refuses both)."""
-    lines = [f"#SBATCH --ntasks={comp.ntasks}"]
-    if job.get("nodes"):
-        lines.append(f"#SBATCH --nodes={job['nodes']}")
-    if job.get("cpus_per_gpu"):
-        lines.append(f"#SBATCH --cpus-per-gpu={job['cpus_per_gpu']}")
-    else:
-        lines.append(f"#SBATCH --cpus-per-task={comp.cpus_per_task}")
-    if comp.gpus_per_task:
-        lines.append(f"#SBATCH --gpus-per-task={comp.gpus_per_task}")
-    if job.get("gpus_per_node"):
-        lines.append(f"#SBATCH --gpus-per-node={job['gpus_per_node']}")
-    return lines
-
-
-def job_sizing(launcher: dict[str, Any]) -> dict[str, int]:
-    """The set ones of launcher.nodes, gpus_per_node, cpus_per_gpu."""
-    return {k: int(launcher[k]) for k in ("nodes", "gpus_per_node", "cpus_per_gpu") if launcher.get(k)}
 
 
 class SlurmRun:
@@ -247,10 +158,16 @@ def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
         job_level = [k for k in ("nodes", "gres", "gpus_per_node", "cpus_per_gpu") if lc.get(k)]
         if job_level:
             groups = "; ".join(f"component {k}: {', '.join(c.groups)}" for k, c in enumerate(components))
-            return spread + [ConfigProblem(f"launcher.{key}", f"applies to a job of one component, but the placement "
-                                  f"makes a heterogeneous job ({groups}): size it per group with "
-                                  "placement.resources.<group>.{cpus_per_rank,gpus_per_rank}, or give every "
-                                  "group the same resources") for key in job_level]  # fmt: skip
+            return spread + [
+                ConfigProblem(
+                    f"launcher.{key}",
+                    f"applies to a job of one component, but the placement "
+                    f"makes a heterogeneous job ({groups}): size it per group with "
+                    "placement.resources.<group>.{cpus_per_rank,gpus_per_rank}, or give every "
+                    "group the same resources",
+                )
+                for key in job_level
+            ]
     demands = [
         Demand(
             label=f"component {k} ({', '.join(c.groups)})" if het else f"the job ({', '.join(c.groups)})",
@@ -265,12 +182,21 @@ def check_slurm_job(config: RLTrainConfig) -> list[ConfigProblem]:
         )
         for k, c in enumerate(components)
     ]
-    ranks = ("launcher.rollout_ranks, service.train_service.world_size" if config["placement"]["mode"] == "auto"
-             else "placement.roles.<role>.count, service.train_service.world_size")  # fmt: skip
+    ranks = (
+        "launcher.rollout_ranks, service.train_service.world_size"
+        if config["placement"]["mode"] == "auto"
+        else "placement.roles.<role>.count, service.train_service.world_size"
+    )
     hint = f"use fewer ranks ({ranks}) or fewer CPUs/GPUs per rank (placement.resources.<group>)"
-    return spread + check_job_in_partition(lc["partition"], "launcher.partition", demands, separate_nodes=het,
-                                           time_min=lc["time_min"], time_key="launcher.time_min",
-                                           shrink_hint=hint)  # fmt: skip
+    return spread + check_job_in_partition(
+        lc["partition"],
+        "launcher.partition",
+        demands,
+        separate_nodes=het,
+        time_min=lc["time_min"],
+        time_key="launcher.time_min",
+        shrink_hint=hint,
+    )
 
 
 def loopback_across_hosts(config: RLTrainConfig, why: str) -> list[ConfigProblem]:
@@ -280,9 +206,14 @@ def loopback_across_hosts(config: RLTrainConfig, why: str) -> list[ConfigProblem
     spec = config["runtime"]["rpc"]["interface"]
     if not is_loopback_spec(spec):
         return []
-    return [ConfigProblem("runtime.rpc.interface", f"{spec!r} is loopback, but the job's ranks will be on more "
-                          f"than one node ({why}) and no other node can reach a loopback address: set it to "
-                          "the cluster network, an interface (eth0, ib0) or a CIDR network (10.0.0.0/8)")]  # fmt: skip
+    return [
+        ConfigProblem(
+            "runtime.rpc.interface",
+            f"{spec!r} is loopback, but the job's ranks will be on more "
+            f"than one node ({why}) and no other node can reach a loopback address: set it to "
+            "the cluster network, an interface (eth0, ib0) or a CIDR network (10.0.0.0/8)",
+        )
+    ]
 
 
 def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) -> list[ConfigProblem]:
@@ -294,16 +225,26 @@ def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) ->
     and srun starting them with pmi2."""
     problems = _check_hydra_submitit_partition(launcher)
     if config["launcher"]["name"] != "local":
-        problems.append(ConfigProblem("launcher", "launcher=slurm submits a job of its own; with "
-                                      "hydra/launcher=submitit_slurm each point is a job already: leave launcher=local"))  # fmt: skip
+        problems.append(
+            ConfigProblem(
+                "launcher",
+                "launcher=slurm submits a job of its own; with "
+                "hydra/launcher=submitit_slurm each point is a job already: leave launcher=local",
+            )
+        )
     tasks = int(launcher["nodes"]) * int(launcher["tasks_per_node"])
     where = f"hydra.launcher.nodes x tasks_per_node = {tasks} tasks"
     if int(launcher["nodes"]) > 1 and config["launch_mode"] == "mpi":
         problems += loopback_across_hosts(config, f"hydra.launcher.nodes={launcher['nodes']}")
     if config["launch_mode"] == "local":
         if tasks != 1:
-            problems.append(ConfigProblem("hydra.launcher.tasks_per_node", f"{where}, but launch_mode=local "
-                                          "is one process: set launch_mode=mpi to make them ranks, or 1 task"))  # fmt: skip
+            problems.append(
+                ConfigProblem(
+                    "hydra.launcher.tasks_per_node",
+                    f"{where}, but launch_mode=local "
+                    "is one process: set launch_mode=mpi to make them ranks, or 1 task",
+                )
+            )
         return problems
     try:
         placement = plan_placement(config, tasks)
@@ -312,14 +253,24 @@ def check_hydra_submitit_job(config: RLTrainConfig, launcher: dict[str, Any]) ->
     resources = {g.name: (g.cpus_per_rank, g.gpus_per_rank) for g in placement.groups}
     if len(set(resources.values())) > 1:
         asked = ", ".join(f"{name} {c} CPU/{g} GPU" for name, (c, g) in resources.items())
-        problems.append(ConfigProblem("placement.resources", f"groups ask for different resources per rank "
-                                      f"({asked}); a Hydra submitit job gives every task the same: use "
-                                      "launcher=slurm (a heterogeneous job)"))  # fmt: skip
+        problems.append(
+            ConfigProblem(
+                "placement.resources",
+                f"groups ask for different resources per rank "
+                f"({asked}); a Hydra submitit job gives every task the same: use "
+                "launcher=slurm (a heterogeneous job)",
+            )
+        )
     mpi_type, source = srun_mpi_type(list(launcher.get("setup") or []))
     if mpi_type != "pmi2":
-        problems.append(ConfigProblem("hydra.launcher.setup", f"srun would start the ranks with MPI type "
-                                      f"{mpi_type!r} ({source}); launch_mode=mpi needs pmi2: "
-                                      "add \"export SLURM_MPI_TYPE=pmi2\" to hydra.launcher.setup"))  # fmt: skip
+        problems.append(
+            ConfigProblem(
+                "hydra.launcher.setup",
+                f"srun would start the ranks with MPI type "
+                f"{mpi_type!r} ({source}); launch_mode=mpi needs pmi2: "
+                'add "export SLURM_MPI_TYPE=pmi2" to hydra.launcher.setup',
+            )
+        )
     return problems
 
 
@@ -337,9 +288,15 @@ def _check_hydra_submitit_partition(launcher: dict[str, Any]) -> list[ConfigProb
         gpus_key="hydra.launcher.gpus_per_node, hydra.launcher.gpus_per_task",
     )
     hint = "use fewer nodes or tasks (hydra.launcher.nodes, hydra.launcher.tasks_per_node)"
-    return check_job_in_partition(launcher.get("partition"), "hydra.launcher.partition", [demand],
-                                  separate_nodes=False, time_min=launcher.get("timeout_min"),
-                                  time_key="hydra.launcher.timeout_min", shrink_hint=hint)  # fmt: skip
+    return check_job_in_partition(
+        launcher.get("partition"),
+        "hydra.launcher.partition",
+        [demand],
+        separate_nodes=False,
+        time_min=launcher.get("timeout_min"),
+        time_key="hydra.launcher.timeout_min",
+        shrink_hint=hint,
+    )
 
 
 def srun_mpi_type(setup: list[str]) -> tuple[str, str]:
@@ -434,8 +391,10 @@ def follow(job: Any, info: dict[str, Any], poll_s: float) -> int:
             break
         time.sleep(poll_s)
     if state != "COMPLETED":
-        print(f"error: job {info['job_id']} ended {state}; logs: {info['stderr'][0]}, {info['train_log']}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: job {info['job_id']} ended {state}; logs: {info['stderr'][0]}, {info['train_log']}",
+            file=sys.stderr,
+        )
         return 1
     try:
         results = job.results()

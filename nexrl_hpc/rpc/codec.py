@@ -21,10 +21,21 @@ from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.types import Batch, NexRLRole
 
 _ENUMS: dict[str, type[enum.Enum]] = {"ErrorSeverity": ErrorSeverity, "NexRLRole": NexRLRole}
-_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}  # fmt: skip
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 TENSOR, NDARRAY, TUPLE, SET, BATCH, EXC, ENUM, HANDLE = range(1, 9)
 
 

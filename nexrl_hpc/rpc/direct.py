@@ -171,9 +171,15 @@ class DirectPool:
             parts = lane_parts(seal_message(self._key, msgpack.packb(hello), b"", []))
         direct.seq += 1
         envelope = {
-            "t": "req", "id": call_id, "src": self.rank, "to": rank, "m": module, "f": method,
-            "s": direct.sender, "q": direct.seq,
-        }  # fmt: skip
+            "t": "req",
+            "id": call_id,
+            "src": self.rank,
+            "to": rank,
+            "m": module,
+            "f": method,
+            "s": direct.sender,
+            "q": direct.seq,
+        }
         frames = seal_message(self._key, msgpack.packb(envelope), payload, buffers)
         size = message_size(frames)
         if size > self._max_bytes:

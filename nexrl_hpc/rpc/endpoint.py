@@ -68,15 +68,34 @@ class RpcEndpoint:
         call_ids = new_call_ids()
         self._calls = Calls(rank, key, max_message_bytes, call_timeout_s, limits, call_ids, resolve_handle)
         self._direct = DirectPool(
-            rank, key, max_message_bytes, call_timeout_s, direct_sockets_per_peer, guard, reject,
-            self._calls.dead, call_ids, resolve_handle,
-        )  # fmt: skip
+            rank,
+            key,
+            max_message_bytes,
+            call_timeout_s,
+            direct_sockets_per_peer,
+            guard,
+            reject,
+            self._calls.dead,
+            call_ids,
+            resolve_handle,
+        )
         invoker = Invoker(rank, lookup, resolve_handle)
         self._lanes = LaneServer(rank, host, key, max_message_bytes, guard, invoker, reject, limits)
         self._server = IoServer(
-            rank, self._ctx, host, key, max_message_bytes, server_threads, long_poll_threads,
-            self._calls, self._lanes, invoker, guard, reject, limits,
-        )  # fmt: skip
+            rank,
+            self._ctx,
+            host,
+            key,
+            max_message_bytes,
+            server_threads,
+            long_poll_threads,
+            self._calls,
+            self._lanes,
+            invoker,
+            guard,
+            reject,
+            limits,
+        )
         self.address = self._server.address
         self.lane_address = self._lanes.address
         self._calls.io_thread = self._server.thread

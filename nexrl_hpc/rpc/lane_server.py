@@ -233,9 +233,14 @@ class LaneServer:
         ok, body, out_buffers = self._invoker.run(fn, rest[0], rest[1:])
         client.seq += 1
         reply = {
-            "t": "rep", "id": envelope["id"], "ok": ok, "src": self.rank, "to": envelope["src"],
-            "s": client.sender, "q": client.seq,
-        }  # fmt: skip
+            "t": "rep",
+            "id": envelope["id"],
+            "ok": ok,
+            "src": self.rank,
+            "to": envelope["src"],
+            "s": client.sender,
+            "q": client.seq,
+        }
         frames_out = seal_message(self._key, msgpack.packb(reply), body, out_buffers)
         size = message_size(frames_out)
         if size > self._max_bytes:

@@ -183,9 +183,13 @@ class ZapHandler:
         )
         if not ok:
             logger.warning(
-                "%s: refused a ZMQ connection from %s: %s", self._owner, address.decode(errors="replace"),
-                "wrong credentials" if mechanism == b"PLAIN" else f"mechanism {mechanism.decode(errors='replace')}",
-            )  # fmt: skip
+                "%s: refused a ZMQ connection from %s: %s",
+                self._owner,
+                address.decode(errors="replace"),
+                "wrong credentials"
+                if mechanism == b"PLAIN"
+                else f"mechanism {mechanism.decode(errors='replace')}",
+            )
         return [version, request_id, b"200" if ok else b"400", b"OK" if ok else b"refused", b"", b""]
 
     def close(self) -> None:

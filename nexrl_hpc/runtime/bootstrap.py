@@ -188,8 +188,15 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, bind: BindAddres
     store = None
     if grank == 0:
         listener = socket.create_server((host, 0), backlog=max(128, 2 * size))
-        store = dist.TCPStore(host, listener.getsockname()[1], size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
     master = group_comm.bcast((host, store.port) if store is not None else None, root=0)
     # every rank has the address before rank 0 leaves MPI for the store: MPICH moves a message to
     # another node only while its sender is inside MPI (no progress thread), and rank 0 next

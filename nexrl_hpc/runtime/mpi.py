@@ -83,10 +83,12 @@ def run_mpi(
     step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if comm.Get_size() == 1 and step_tasks > 1:  # every task would run the whole job into one run dir
         _cancel_bootstrap_watchdogs(watchdog)
-        print(f"error: task {os.environ.get('SLURM_PROCID', '?')} of {step_tasks}: srun started "
-              f"{step_tasks} tasks but MPI sees a world of 1: srun must start them with --mpi=pmi2 "
-              f"(or SLURM_MPI_TYPE=pmi2; this step's type: {os.environ.get('SLURM_MPI_TYPE', 'the cluster default')})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: task {os.environ.get('SLURM_PROCID', '?')} of {step_tasks}: srun started "
+            f"{step_tasks} tasks but MPI sees a world of 1: srun must start them with --mpi=pmi2 "
+            f"(or SLURM_MPI_TYPE=pmi2; this step's type: {os.environ.get('SLURM_MPI_TYPE', 'the cluster default')})",
+            file=sys.stderr,
+        )
         return 2
     config = comm.bcast(config if rank == 0 else None, root=0)
     run_dir = os.path.abspath(config["run_dir"])

@@ -54,8 +54,12 @@ class PreemptionWatch:
             end = slurm_job_end_time(self.job_id)
             if end is not None:
                 self._deadline = end - margin
-                logger.info("job %s ends at %s: saving and requeueing %ds before", self.job_id,
-                            datetime.fromtimestamp(end).isoformat(timespec="seconds"), margin)  # fmt: skip
+                logger.info(
+                    "job %s ends at %s: saving and requeueing %ds before",
+                    self.job_id,
+                    datetime.fromtimestamp(end).isoformat(timespec="seconds"),
+                    margin,
+                )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.request(f"signal {signal.Signals(signum).name}")

@@ -52,6 +52,7 @@ def _word(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6)))
 
 
+# a table, one family per row: formatted one argument a line it would take three times the lines
 FAMILIES: dict[str, Family] = {
     "add": Family("Read an integer n. Print n+{k}.", "print(int(input())+{k})",
                   lambda s, k: str(int(s) + k), _integer, True),

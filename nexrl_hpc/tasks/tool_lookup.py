@@ -102,8 +102,16 @@ def format_warmup(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # (text, how the model's next-token prediction of each of its tokens is trained)
-    template = [("P", None), (f"<{TOOL}>", "token"), ("Q", "key"), (f"</{TOOL}>", "token"), (None, "token"),
-                ("=V", None), ("A", "value"), (None, "token")]  # fmt: skip
+    template = [
+        ("P", None),
+        (f"<{TOOL}>", "token"),
+        ("Q", "key"),
+        (f"</{TOOL}>", "token"),
+        (None, "token"),
+        ("=V", None),
+        ("A", "value"),
+        (None, "token"),
+    ]
 
     def episode() -> tuple[list[int], list[str | None]]:
         fill = {

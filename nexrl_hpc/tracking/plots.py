@@ -132,8 +132,12 @@ def write_plots(run_dir: str) -> list[str]:
         std = dict(zip(*_series(train, "train/reward_std"))) if name == "reward" else {}
         if std:
             xs, ys = series[0][1], series[0][2]
-            ax.fill_between(xs, [y - std.get(x, 0.0) for x, y in zip(xs, ys)],
-                            [y + std.get(x, 0.0) for x, y in zip(xs, ys)], alpha=0.2)  # fmt: skip
+            ax.fill_between(
+                xs,
+                [y - std.get(x, 0.0) for x, y in zip(xs, ys)],
+                [y + std.get(x, 0.0) for x, y in zip(xs, ys)],
+                alpha=0.2,
+            )
         if name == "logprob_mismatch" and all(y > 0 for _, _, ys in series for y in ys):
             ax.set_yscale("log")
         _finish(ax, title, legend=len(keys) > 1)
@@ -144,8 +148,14 @@ def write_plots(run_dir: str) -> list[str]:
         cols = min(3, len(val_keys))
         nrows = math.ceil(len(val_keys) / cols)
         fig = Figure(figsize=(3.6 * cols, 2.6 * nrows), dpi=100)
-        fig.subplots_adjust(left=0.08 * 3 / cols, right=0.98, top=1 - 0.1 / nrows, bottom=0.14 / nrows,
-                            wspace=0.35, hspace=0.6)  # fmt: skip
+        fig.subplots_adjust(
+            left=0.08 * 3 / cols,
+            right=0.98,
+            top=1 - 0.1 / nrows,
+            bottom=0.14 / nrows,
+            wspace=0.35,
+            hspace=0.6,
+        )
         for i, key in enumerate(val_keys):
             ax = fig.add_subplot(nrows, cols, i + 1)
             xs, ys = _series(rows, key)
@@ -161,8 +171,11 @@ def write_plots(run_dir: str) -> list[str]:
         fig = Figure(figsize=(7.6, 3.8), dpi=100)
         fig.subplots_adjust(left=0.09, right=0.78, top=0.9, bottom=0.13)  # the legend on the right
         ax = fig.add_subplot()
-        ax.stackplot(steps, *[[max(y, 0.0) for y in ys] for _, ys in parts],
-                     labels=[k.removeprefix("timing/").removesuffix("_s") for k, _ in parts])  # fmt: skip
+        ax.stackplot(
+            steps,
+            *[[max(y, 0.0) for y in ys] for _, ys in parts],
+            labels=[k.removeprefix("timing/").removesuffix("_s") for k, _ in parts],
+        )
         ax.set_ylabel("seconds")
         _finish(ax, "step time: where each step's seconds went (sums to timing/step_s)", legend=False)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))

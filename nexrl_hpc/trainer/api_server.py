@@ -161,8 +161,13 @@ def create_app(
                     raise HTTPException(status_code=500, detail=reply["error"])
                 return reply.get("value")
 
-    ops = {"initialize": "initialize_worker", "init_model": "init_model", "save_checkpoint": "save_checkpoint",
-           "load_checkpoint": "load_checkpoint", "export_weights": "export_weights"}  # fmt: skip
+    ops = {
+        "initialize": "initialize_worker",
+        "init_model": "init_model",
+        "save_checkpoint": "save_checkpoint",
+        "load_checkpoint": "load_checkpoint",
+        "export_weights": "export_weights",
+    }
 
     @app.get("/openapi.json", include_in_schema=False)
     def openapi(_: None = Depends(authorize)) -> dict[str, Any]:

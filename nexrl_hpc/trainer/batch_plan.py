@@ -53,9 +53,12 @@ def plan_batch(
         """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
         if shared:
             return plan_shared_prompt_micro_batches(
-                keys[a:b], prompt_lengths[a:b], lengths[a:b],
-                actor["ppo_micro_batch_size"], actor["ppo_max_token_len_per_gpu"],
-            )  # fmt: skip
+                keys[a:b],
+                prompt_lengths[a:b],
+                lengths[a:b],
+                actor["ppo_micro_batch_size"],
+                actor["ppo_max_token_len_per_gpu"],
+            )
         return plan_micro_batches(
             lengths[a:b],
             actor["ppo_micro_batch_size"],

@@ -283,8 +283,13 @@ class _GroupUpdate(UpdateInFlight):
 class ApiServerControl(Control):
     """Standalone: execute signals and batch-less operations through the API server (HTTP + token)."""
 
-    _PATHS = {"initialize_worker": "initialize", "init_model": "init_model", "save_checkpoint": "save_checkpoint",
-              "load_checkpoint": "load_checkpoint", "export_weights": "export_weights"}  # fmt: skip
+    _PATHS = {
+        "initialize_worker": "initialize",
+        "init_model": "init_model",
+        "save_checkpoint": "save_checkpoint",
+        "load_checkpoint": "load_checkpoint",
+        "export_weights": "export_weights",
+    }
 
     def __init__(self, url: str, token: str, identifier: str, heartbeat_timeout_s: float):
         import httpx

@@ -235,9 +235,13 @@ class FSDP2(ParallelStrategy):
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local_shape:
                     entry[key] = DTensor.from_local(
-                        value.to(param.device), param.device_mesh, param.placements,
-                        run_check=False, shape=param.shape, stride=param.stride(),
-                    )  # fmt: skip
+                        value.to(param.device),
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
         set_optimizer_state_dict(model, optimizer, state)
 
 

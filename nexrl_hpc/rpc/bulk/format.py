@@ -56,10 +56,23 @@ _KDF_INPUT = struct.Struct(">c16sQI")
 _LEN = struct.Struct(">Q")
 _KDF_CONTEXT = b"nexrl-bulk-v1/poly1305-keys"
 
-DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)}  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def bulk_key(job_key: bytes) -> bytes:

@@ -282,9 +282,17 @@ class BulkReceiver:
             _copy_into(dest, 0, data)
             return BulkMessage(routing_id, header, tensors, sender, seq)
         self._partials[(routing_id, sender)] = _Partial(
-            routing_id, sender, nonce, seq, header, tensors, dest, chunk_bytes, n_chunks,
+            routing_id,
+            sender,
+            nonce,
+            seq,
+            header,
+            tensors,
+            dest,
+            chunk_bytes,
+            n_chunks,
             last_progress=time.monotonic(),
-        )  # fmt: skip
+        )
         return None
 
     def _chunk(self, routing_id: bytes | None, views: list[memoryview]) -> BulkMessage | None:
