@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -54,6 +55,31 @@ class GenerationOutput:
 
 class EngineError(RuntimeError):
     pass
+
+
+@dataclass
+class _Rows:
+    """One engine batch as rows: every sample of every prompt of every request, with its sampling settings."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    max_new: list[int] = field(default_factory=list)
+    stops: list[tuple[int, ...]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch: list[GenerationRequest], default_stop_ids: tuple[int, ...]) -> _Rows:
+        rows = cls()
+        for req in batch:
+            p = req.params
+            for ids in req.prompts:
+                for _ in range(p.n):
+                    rows.prompts.append(ids)
+                    rows.temperatures.append(p.temperature)
+                    rows.top_ps.append(p.top_p)
+                    rows.max_new.append(p.max_tokens)
+                    rows.stops.append(p.stop_token_ids or default_stop_ids)
+        return rows
 
 
 class HFEngine:
@@ -206,22 +232,17 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate(self, batch: list[GenerationRequest]) -> list[list[GenerationOutput]]:
-        prompts: list[list[int]] = []
-        temps: list[float] = []
-        top_ps: list[float] = []
-        max_new: list[int] = []
-        stops: list[tuple[int, ...]] = []
-        for req in batch:
-            p = req.params
-            for ids in req.prompts:
-                for _ in range(p.n):
-                    prompts.append(ids)
-                    temps.append(p.temperature)
-                    top_ps.append(p.top_p)
-                    max_new.append(p.max_tokens)
-                    stops.append(p.stop_token_ids or self.default_stop_ids)
-        rows = len(prompts)
-        # prefix sharing: each distinct prompt is prefilled once, its KV cache is then copied to its rows
+        rows = _Rows.of(batch, self.default_stop_ids)
+        logits, cache, attention, next_pos, padded = self._prefill(rows.prompts)
+        decoded = self._decode(rows, logits, cache, attention, next_pos, padded)
+        return self._outputs(batch, *decoded)
+
+    def _prefill(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, bool]:
+        """Every row's prompt through the model: (last logits, KV cache, attention mask, next
+        positions, whether prompts are padded). Prefix sharing: each distinct prompt is prefilled
+        once, its KV cache is then copied to its rows."""
         unique: dict[tuple[int, ...], int] = {}
         row_to_unique = torch.tensor(
             [unique.setdefault(tuple(ids), len(unique)) for ids in prompts], device=self.device
@@ -246,25 +267,37 @@ class HFEngine:
             logits_to_keep=1,
         )
         cache = out.past_key_values
-        if len(unique_prompts) != rows:
+        if len(unique_prompts) != len(prompts):
             cache.batch_select_indices(row_to_unique)
         logits = out.logits[:, -1, :].float()[row_to_unique]
         attention = attention_u[row_to_unique]
         next_pos = positions_u[row_to_unique][:, -1:] + 1
+        return logits, cache, attention, next_pos, padded
 
-        temperature = torch.tensor(temps, dtype=torch.float32, device=self.device)
-        top_p = torch.tensor(top_ps, dtype=torch.float32, device=self.device)
-        limit = torch.tensor(max_new, device=self.device)
-        stop_sets = [set(s) for s in stops]
+    def _decode(
+        self,
+        rows: _Rows,
+        logits: torch.Tensor,
+        cache: Any,
+        attention: torch.Tensor,
+        next_pos: torch.Tensor,
+        padded: bool,
+    ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
+        """Token by token until every row stopped: (tokens, logprobs, lengths, stopped by a stop token)."""
+        n_rows = len(rows.prompts)
+        temperature = torch.tensor(rows.temperatures, dtype=torch.float32, device=self.device)
+        top_p = torch.tensor(rows.top_ps, dtype=torch.float32, device=self.device)
+        limit = torch.tensor(rows.max_new, device=self.device)
+        stop_sets = [set(s) for s in rows.stops]
         default_stops = set(self.default_stop_ids)
         uniform_stop = all(s == default_stops for s in stop_sets)
         default_stop_tensor = torch.tensor(self.default_stop_ids, device=self.device)
 
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
-        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        finished_by_stop = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        done = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
+        finished_by_stop = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         max_steps = int(limit.max())
         for step in range(max_steps):
             logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -286,7 +319,7 @@ class HFEngine:
                 break
             if padded:
                 attention = torch.cat(
-                    [attention, torch.ones((rows, 1), dtype=attention.dtype, device=self.device)], dim=1
+                    [attention, torch.ones((n_rows, 1), dtype=attention.dtype, device=self.device)], dim=1
                 )
             out = self.model(
                 input_ids=chosen[:, None],
@@ -298,11 +331,22 @@ class HFEngine:
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+        return (
+            torch.stack(tokens, dim=1).tolist(),
+            torch.stack(logps, dim=1).tolist(),
+            lengths.tolist(),
+            finished_by_stop.tolist(),
+        )
 
-        token_mat = torch.stack(tokens, dim=1).tolist()
-        logp_mat = torch.stack(logps, dim=1).tolist()
-        lengths_list = lengths.tolist()
-        stop_list = finished_by_stop.tolist()
+    def _outputs(
+        self,
+        batch: list[GenerationRequest],
+        token_mat: list[list[int]],
+        logp_mat: list[list[float]],
+        lengths_list: list[int],
+        stop_list: list[bool],
+    ) -> list[list[GenerationOutput]]:
+        """The decoded rows back as each request's outputs (rows in request, prompt, sample order)."""
         results: list[list[GenerationOutput]] = []
         row = 0
         for req in batch:

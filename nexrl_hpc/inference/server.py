@@ -26,33 +26,28 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nexrl_hpc.inference.engine import GenerationOutput, HFEngine, SamplingParams
+from nexrl_hpc.inference.engine import HFEngine
+from nexrl_hpc.inference.openai_api import (
+    CONFIG_KEY,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIApi,
+    RequestLimits,
+    UpdateWeightsRequest,
+)
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, SPEC_FROM_STDIN, read_spec
 from nexrl_hpc.runtime.gc_tuning import GcSettings, freeze_imports, settle_after_setup
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
-CONFIG_KEY = "service.inference_service.local"
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for (``service.inference_service.local.max_*``)."""
-
-    max_n: int
-    max_prompts: int
-    max_body_bytes: int
 
 
 class _Gate:
@@ -112,51 +107,6 @@ async def _send_error(send: Send, status: int, message: str, err_type: str = "Ba
     await send({"type": "http.response.body", "body": payload})
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    logprobs: int | None = None
-    stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
-    stream: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    logprobs: bool = False
-    stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
-    stream: bool = False
-
-
-class UpdateWeightsRequest(BaseModel):
-    model_path: str
-    load_format: str | None = None
-    weight_version: int | str | None = None
-
-
-def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": err_type, "code": status}}
-    )
-
-
-def _json(payload: dict[str, Any]) -> Response:
-    return Response(content=json.dumps(payload, separators=(",", ":")), media_type="application/json")
-
-
 def create_app(
     engine: HFEngine, served_model_name: str, api_key: str | None, limits: RequestLimits
 ) -> FastAPI:
@@ -168,46 +118,8 @@ def create_app(
         engine.stop()
 
     app = FastAPI(title="nexrl_hpc local inference", lifespan=lifespan)
-    tokenizer = engine.tokenizer
-    id_to_token = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-
+    api = OpenAIApi(engine, served_model_name, limits)
     app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_body_bytes)
-
-    def over_limits(n: int, num_prompts: int) -> str | None:
-        """Why a request asks for too much (a 400), or None."""
-        if n > limits.max_n:
-            return f"n={n} is over this server's limit of {limits.max_n} ({CONFIG_KEY}.max_n)"
-        if num_prompts > limits.max_prompts:
-            return (
-                f"{num_prompts} prompts in one request, over this server's limit of {limits.max_prompts} "
-                f"({CONFIG_KEY}.max_prompts_per_request)"
-            )
-        return None
-
-    def envelope(
-        prefix: str, kind: str, choices: list[dict[str, Any]], n_prompt: int, outputs: list[GenerationOutput]
-    ) -> dict[str, Any]:
-        """The response around the choices: id, usage, and the weight version that produced them."""
-        n_completion = sum(len(o.token_ids) for o in outputs)
-        return {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": served_model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_completion,
-                "total_tokens": n_prompt + n_completion,
-            },
-            "weight_version": outputs[0].weight_version if outputs else engine.weight_version,
-        }
-
-    async def run(prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """Checked whole first (ValueError: a 400, nothing queued), then cut into engine batches."""
-        engine.validate(prompts, params)
-        futures = [asyncio.wrap_future(engine.submit(part)) for part in engine.split(prompts, params)]
-        return [out for part in await asyncio.gather(*futures) for out in part]
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -215,146 +127,19 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "owned_by": "nexrl_hpc",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+        return api.models()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Response:
-        if req.stream:
-            return _error(400, "stream=true is not supported by this server")
-        prompt = req.prompt
-        many = bool(prompt) and not isinstance(prompt, str) and not isinstance(prompt[0], int)
-        if problem := over_limits(req.n, len(prompt) if many else 1):
-            return _error(400, problem)
-        if isinstance(prompt, str):
-            prompt_ids = [tokenizer(prompt).input_ids]
-        elif prompt and isinstance(prompt[0], int):
-            prompt_ids = [list(prompt)]
-        elif prompt and isinstance(prompt[0], str):
-            prompt_ids = tokenizer(list(prompt)).input_ids
-        else:
-            prompt_ids = [list(p) for p in cast("list[list[int]]", prompt)]
-        if not prompt_ids:
-            return _error(400, "prompt is empty")
-        params = SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            n=req.n,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-        )
-        try:
-            outputs = await run(prompt_ids, params)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        choices = []
-        texts = tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=True)
-        for index, (out, text) in enumerate(zip(outputs, texts)):
-            choice: dict[str, Any] = {
-                "index": index,
-                "text": text,
-                "finish_reason": out.finish_reason,
-                "stop_reason": None,
-            }
-            if req.logprobs is not None:
-                toks = [id_to_token[t] for t in out.token_ids]
-                choice["logprobs"] = {
-                    "tokens": toks,
-                    "token_logprobs": out.logprobs,
-                    "top_logprobs": None,
-                    "text_offset": None,
-                }
-            else:
-                choice["logprobs"] = None
-            if req.return_token_ids:
-                choice["prompt_token_ids"] = out.prompt_token_ids
-                choice["token_ids"] = out.token_ids
-            choices.append(choice)
-        return _json(
-            envelope("cmpl", "text_completion", choices, sum(len(p) for p in prompt_ids) * req.n, outputs)
-        )
+        return await api.completions(req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
-        if req.stream:
-            return _error(400, "stream=true is not supported by this server")
-        if not tokenizer.chat_template:
-            return _error(400, "the model's tokenizer has no chat template; use /v1/completions")
-        if problem := over_limits(req.n, 1):
-            return _error(400, problem)
-        try:
-            # token ids, or a BatchEncoding holding them (the return type varies across transformers versions)
-            prompt: Any = tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True
-            )
-        except Exception as exc:
-            return _error(400, f"could not apply the chat template: {exc}")
-        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
-            prompt = prompt["input_ids"]
-        max_tokens = req.max_completion_tokens or req.max_tokens or (engine.max_model_len - len(prompt))
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            n=req.n,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-        )
-        try:
-            outputs = await run([list(prompt)], params)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        choices = []
-        for index, out in enumerate(outputs):
-            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            choice: dict[str, Any] = {
-                "index": index,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "finish_reason": out.finish_reason,
-                "stop_reason": None,
-            }
-            if req.logprobs:
-                toks = tokenizer.convert_ids_to_tokens(out.token_ids)
-                choice["logprobs"] = {
-                    "content": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(toks, out.logprobs)
-                    ]
-                }
-            else:
-                choice["logprobs"] = None
-            if req.return_token_ids:
-                choice["token_ids"] = out.token_ids
-            choices.append(choice)
-        payload = envelope("chatcmpl", "chat.completion", choices, len(prompt), outputs)
-        if req.return_token_ids:
-            payload["prompt_token_ids"] = list(prompt)
-        return _json(payload)
+        return await api.chat_completions(req)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsRequest) -> Response:
-        version = int(req.weight_version) if req.weight_version is not None else None
-        try:
-            message = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
-        except Exception as exc:
-            logger.error("weight reload from %s failed: %s", req.model_path, exc)
-            return JSONResponse(status_code=400, content={"success": False, "message": str(exc)})
-        return _json(
-            {
-                "success": True,
-                "message": message,
-                "weight_version": engine.weight_version,
-                "num_paused_requests": 0,
-            }
-        )
+        return await api.update_weights_from_disk(req)
 
     return app
 
@@ -384,7 +169,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="nexrl_hpc local OpenAI-compatible inference server")
     parser.add_argument("--model", required=True, help="HF-layout model directory")
     parser.add_argument("--served-model-name", default="policy")
@@ -423,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="runtime.gc_freeze_after_setup, once the model is loaded",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     # the thresholds were set before the imports (nexrl_hpc.inference.server_process)
     gc_settings = GcSettings(gc_thresholds=[], gc_freeze_after_setup=args.gc_freeze_after_setup)
     freeze_imports(gc_settings)  # the module's imports are done (also in a prewarmed process)
@@ -453,14 +242,18 @@ def main(argv: list[str] | None = None) -> None:
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_mb << 20)
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None, limits)
     sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
     settle_after_setup(gc_settings)
     logger.info(
         "garbage collector: thresholds %s, %d start-up objects frozen",
         gc.get_threshold(),
         gc.get_freeze_count(),
     )
+    _serve(app, sock, args)
 
+
+def _serve(app: FastAPI, sock: socket.socket, args: argparse.Namespace) -> None:
+    """Serve on ``sock`` until stopped; the ready file (host, port, pid) is written once serving."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60)
     server = uvicorn.Server(config)
 

@@ -29,70 +29,24 @@ from nexrl_hpc.trainer.packing import (
 )
 from nexrl_hpc.trainer.parallel import dp_slices
 
+Layout = list[list[list[list[list[int]]]]]  # per mini-batch, per rank: its micro-batches (bins of rows)
+
 
 def plan_batch(
     operation: str, tensors: dict[str, Any], actor: ActorConfig, world: int, model: Any
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(plan, one shard per rank) of a whole batch for ``operation`` on ``world`` ranks."""
-    if operation == "compute_log_prob":
-        n = check_training_batch(tensors, REQUIRED_KEYS)
-        bounds = [(0, n)]
-    elif operation == "update_actor":
-        n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
-        mini = min(actor["ppo_mini_batch_size"], n)
-        bounds = [(m, min(m + mini, n)) for m in range(0, n, mini)]
-    else:
-        raise ValueError(f"no batch plan for operation {operation!r}")
-    agg = actor["loss_agg_mode"]
-    lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
-    setting = actor["share_prompt"]
-    keys, prompt_lengths = prompt_keys_and_lengths(tensors) if setting else ([], [])
+    n, bounds = _mini_batches(operation, tensors, actor)
     parts = [(m_start, m_end, dp_slices(m_end - m_start, world)) for m_start, m_end in bounds]
-
-    def plan_slice(a: int, b: int, shared: bool) -> list[list[list[int]]]:
-        """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
-        if shared:
-            return plan_shared_prompt_micro_batches(
-                keys[a:b],
-                prompt_lengths[a:b],
-                lengths[a:b],
-                actor["ppo_micro_batch_size"],
-                actor["ppo_max_token_len_per_gpu"],
-            )
-        return plan_micro_batches(
-            lengths[a:b],
-            actor["ppo_micro_batch_size"],
-            actor["ppo_max_token_len_per_gpu"],
-            actor["packing"],
-        )
-
-    def plan_all(shared: bool) -> list[list[list[list[list[int]]]]]:
-        """Per mini-batch, per rank: its micro-batches."""
-        return [[plan_slice(m + lo, m + hi, shared) for lo, hi in slices] for m, _, slices in parts]
-
-    def cost(shared: bool, planned: list[list[list[list[list[int]]]]]) -> float:
-        width = int(tensors["input_ids"].shape[1])  # a padded row is as wide as the batch
-
-        def bin_width(rows: list[int]) -> int:
-            if shared:
-                return shared_prompt_width(rows, keys, prompt_lengths, lengths)
-            return sum(lengths[i] for i in rows) if actor["packing"] else width
-
-        widths = [
-            [bin_width([m + lo + i for i in b]) for b in batch]
-            for (m, _, slices), per_rank in zip(parts, planned)
-            for (lo, _), batches in zip(slices, per_rank)
-            for batch in batches
-        ]
-        return plan_cost(widths, *forward_costs(hf_config(model)))
-
+    planner = _MicroBatchPlanner(tensors, actor, parts)
+    setting = actor["share_prompt"]
     if setting == "auto" and attention_kind(model) != "flash_attention_2":
-        options = {shared: plan_all(shared) for shared in (True, False)}
-        shared_prompts = cost(True, options[True]) < cost(False, options[False])
+        options = {shared: planner.plan_all(shared) for shared in (True, False)}
+        shared_prompts = planner.cost(True, options[True], model) < planner.cost(False, options[False], model)
         planned = options[shared_prompts]
     else:
         shared_prompts = setting is True
-        planned = plan_all(shared_prompts)
+        planned = planner.plan_all(shared_prompts)
 
     counts, normalizers, passes, micro = [], [], [], []
     rows: list[list[tuple[int, int]]] = [[] for _ in range(world)]
@@ -100,23 +54,9 @@ def plan_batch(
         counts.append([hi - lo for lo, hi in slices])
         micro.append(per_rank)  # each rank's micro-batches (bins of rows of its slice)
         passes.append(max(1, max(len(batches) for batches in per_rank)))  # every rank runs as many
-        mask = tensors["response_mask"][m_start:m_end]
-        if agg == "token-mean":
-            normalizers.append(float(mask.sum().clamp(min=1.0)))
-        elif agg == "seq-mean-token-sum-norm":
-            normalizers.append(float(m_end - m_start) * actor["loss_norm_tokens"])
-        else:
-            normalizers.append(float(m_end - m_start))
+        normalizers.append(_normalizer(tensors["response_mask"][m_start:m_end], m_end - m_start, actor))
         for r, (lo, hi) in enumerate(slices):
             rows[r].append((m_start + lo, m_start + hi))
-    shards = []
-    for r in range(world):
-        index = torch.cat([torch.arange(lo, hi) for lo, hi in rows[r]])
-        if index.numel() == 0:  # no real rows: one stand-in row for the zero-weighted passes
-            index = torch.zeros(1, dtype=torch.long)
-        shards.append(
-            {k: v.index_select(0, index) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-        )
     plan = {
         "operation": operation,
         "rows": n,
@@ -126,4 +66,96 @@ def plan_batch(
         "micro": micro,
         "shared_prompts": shared_prompts,
     }
-    return plan, shards
+    return plan, _shards(tensors, rows)
+
+
+def _mini_batches(
+    operation: str, tensors: dict[str, Any], actor: ActorConfig
+) -> tuple[int, list[tuple[int, int]]]:
+    """(rows of the checked batch, each mini-batch's [start, end)); ``compute_log_prob``: one."""
+    if operation == "compute_log_prob":
+        n = check_training_batch(tensors, REQUIRED_KEYS)
+        return n, [(0, n)]
+    if operation == "update_actor":
+        n = check_training_batch(tensors, REQUIRED_KEYS + ("old_log_probs", "advantages"))
+        mini = min(actor["ppo_mini_batch_size"], n)
+        return n, [(m, min(m + mini, n)) for m in range(0, n, mini)]
+    raise ValueError(f"no batch plan for operation {operation!r}")
+
+
+def _normalizer(mask: torch.Tensor, rows: int, actor: ActorConfig) -> float:
+    """A mini-batch's global loss normaliser (``actor.loss_agg_mode``)."""
+    agg = actor["loss_agg_mode"]
+    if agg == "token-mean":
+        return float(mask.sum().clamp(min=1.0))
+    if agg == "seq-mean-token-sum-norm":
+        return float(rows) * actor["loss_norm_tokens"]
+    return float(rows)
+
+
+def _shards(tensors: dict[str, Any], rows: list[list[tuple[int, int]]]) -> list[dict[str, Any]]:
+    """Each rank's tensors: its slices' rows, one after another."""
+    shards = []
+    for rank_rows in rows:
+        index = torch.cat([torch.arange(lo, hi) for lo, hi in rank_rows])
+        if index.numel() == 0:  # no real rows: one stand-in row for the zero-weighted passes
+            index = torch.zeros(1, dtype=torch.long)
+        shards.append(
+            {k: v.index_select(0, index) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+        )
+    return shards
+
+
+class _MicroBatchPlanner:
+    """Each rank's micro-batches of each mini-batch, with shared prompts or without, and their cost."""
+
+    def __init__(
+        self, tensors: dict[str, Any], actor: ActorConfig, parts: list[tuple[int, int, list[tuple[int, int]]]]
+    ) -> None:
+        self.tensors = tensors
+        self.actor = actor
+        self.parts = parts
+        self.lengths = tensors["attention_mask"].sum(-1).tolist()  # real tokens per row
+        self.keys, self.prompt_lengths = (
+            prompt_keys_and_lengths(tensors) if actor["share_prompt"] else ([], [])
+        )
+
+    def plan_slice(self, a: int, b: int, shared: bool) -> list[list[list[int]]]:
+        """The micro-batches (bins of rows) of the rows [a, b) of one rank's slice."""
+        actor = self.actor
+        if shared:
+            return plan_shared_prompt_micro_batches(
+                self.keys[a:b],
+                self.prompt_lengths[a:b],
+                self.lengths[a:b],
+                actor["ppo_micro_batch_size"],
+                actor["ppo_max_token_len_per_gpu"],
+            )
+        return plan_micro_batches(
+            self.lengths[a:b],
+            actor["ppo_micro_batch_size"],
+            actor["ppo_max_token_len_per_gpu"],
+            actor["packing"],
+        )
+
+    def plan_all(self, shared: bool) -> Layout:
+        """Per mini-batch, per rank: its micro-batches."""
+        return [[self.plan_slice(m + lo, m + hi, shared) for lo, hi in slices] for m, _, slices in self.parts]
+
+    def cost(self, shared: bool, planned: Layout, model: Any) -> float:
+        """The estimated forward cost of a layout (``trainer.packing.plan_cost``)."""
+        width = int(self.tensors["input_ids"].shape[1])  # a padded row is as wide as the batch
+        lengths = self.lengths
+
+        def bin_width(rows: list[int]) -> int:
+            if shared:
+                return shared_prompt_width(rows, self.keys, self.prompt_lengths, lengths)
+            return sum(lengths[i] for i in rows) if self.actor["packing"] else width
+
+        widths = [
+            [bin_width([m + lo + i for i in b]) for b in batch]
+            for (m, _, slices), per_rank in zip(self.parts, planned)
+            for (lo, _), batches in zip(slices, per_rank)
+            for batch in batches
+        ]
+        return plan_cost(widths, *forward_costs(hf_config(model)))

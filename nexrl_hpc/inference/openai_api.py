@@ -1,0 +1,288 @@
+"""The OpenAI-compatible API of the local inference server: request models, and what each route
+does around the shared ``HFEngine`` (limits checked, requests cut into engine batches, responses in
+vLLM's shape: ``return_token_ids`` adds ``prompt_token_ids``/``token_ids`` per choice, ``logprobs``
+gives ``token_logprobs``). ``inference.server`` puts it behind its gate and serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, cast
+
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from nexrl_hpc.inference.engine import GenerationOutput, HFEngine, SamplingParams
+
+logger = logging.getLogger("nexrl_hpc.inference.server")
+CONFIG_KEY = "service.inference_service.local"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (``service.inference_service.local.max_*``)."""
+
+    max_n: int
+    max_prompts: int
+    max_body_bytes: int
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    logprobs: int | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    stream: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    logprobs: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    stream: bool = False
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_path: str
+    load_format: str | None = None
+    weight_version: int | str | None = None
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": err_type, "code": status}}
+    )
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return Response(content=json.dumps(payload, separators=(",", ":")), media_type="application/json")
+
+
+class OpenAIApi:
+    """What the routes do, around the shared engine: requests checked against the limits, cut into
+    engine batches, answered in vLLM's response shape."""
+
+    def __init__(self, engine: HFEngine, served_model_name: str, limits: RequestLimits) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.limits = limits
+        self.tokenizer = engine.tokenizer
+        self.id_to_token = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+
+    def over_limits(self, n: int, num_prompts: int) -> str | None:
+        """Why a request asks for too much (a 400), or None."""
+        limits = self.limits
+        if n > limits.max_n:
+            return f"n={n} is over this server's limit of {limits.max_n} ({CONFIG_KEY}.max_n)"
+        if num_prompts > limits.max_prompts:
+            return (
+                f"{num_prompts} prompts in one request, over this server's limit of {limits.max_prompts} "
+                f"({CONFIG_KEY}.max_prompts_per_request)"
+            )
+        return None
+
+    def envelope(
+        self,
+        prefix: str,
+        kind: str,
+        choices: list[dict[str, Any]],
+        n_prompt: int,
+        outputs: list[GenerationOutput],
+    ) -> dict[str, Any]:
+        """The response around the choices: id, usage, and the weight version that produced them."""
+        n_completion = sum(len(o.token_ids) for o in outputs)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.served_model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_completion,
+                "total_tokens": n_prompt + n_completion,
+            },
+            "weight_version": outputs[0].weight_version if outputs else self.engine.weight_version,
+        }
+
+    async def run(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Checked whole first (ValueError: a 400, nothing queued), then cut into engine batches."""
+        engine = self.engine
+        engine.validate(prompts, params)
+        futures = [asyncio.wrap_future(engine.submit(part)) for part in engine.split(prompts, params)]
+        return [out for part in await asyncio.gather(*futures) for out in part]
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model_name,
+                    "object": "model",
+                    "owned_by": "nexrl_hpc",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
+
+    def _completion_prompt_ids(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        """A text, a list of texts, one prompt's token ids or a list of them: token ids per prompt."""
+        if isinstance(prompt, str):
+            return [self.tokenizer(prompt).input_ids]
+        if prompt and isinstance(prompt[0], int):
+            return [list(cast("list[int]", prompt))]
+        if prompt and isinstance(prompt[0], str):
+            return cast("list[list[int]]", self.tokenizer(list(prompt)).input_ids)
+        return [list(p) for p in cast("list[list[int]]", prompt)]
+
+    def _completion_choice(
+        self, req: CompletionRequest, index: int, out: GenerationOutput, text: str
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "finish_reason": out.finish_reason,
+            "stop_reason": None,
+        }
+        if req.logprobs is not None:
+            toks = [self.id_to_token[t] for t in out.token_ids]
+            choice["logprobs"] = {
+                "tokens": toks,
+                "token_logprobs": out.logprobs,
+                "top_logprobs": None,
+                "text_offset": None,
+            }
+        else:
+            choice["logprobs"] = None
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = out.token_ids
+        return choice
+
+    async def completions(self, req: CompletionRequest) -> Response:
+        if req.stream:
+            return _error(400, "stream=true is not supported by this server")
+        prompt = req.prompt
+        many = bool(prompt) and not isinstance(prompt, str) and not isinstance(prompt[0], int)
+        if problem := self.over_limits(req.n, len(prompt) if many else 1):
+            return _error(400, problem)
+        prompt_ids = self._completion_prompt_ids(prompt)
+        if not prompt_ids:
+            return _error(400, "prompt is empty")
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            n=req.n,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
+        try:
+            outputs = await self.run(prompt_ids, params)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        texts = self.tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=True)
+        choices = [
+            self._completion_choice(req, index, out, text)
+            for index, (out, text) in enumerate(zip(outputs, texts))
+        ]
+        n_prompt = sum(len(p) for p in prompt_ids) * req.n
+        return _json(self.envelope("cmpl", "text_completion", choices, n_prompt, outputs))
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template (token ids); raises what the template raises."""
+        # token ids, or a BatchEncoding holding them (the return type varies across transformers versions)
+        prompt: Any = self.tokenizer.apply_chat_template(
+            req.messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+            prompt = prompt["input_ids"]
+        return cast("list[int]", prompt)
+
+    def _chat_choice(self, req: ChatCompletionRequest, index: int, out: GenerationOutput) -> dict[str, Any]:
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "finish_reason": out.finish_reason,
+            "stop_reason": None,
+        }
+        if req.logprobs:
+            toks = self.tokenizer.convert_ids_to_tokens(out.token_ids)
+            choice["logprobs"] = {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(toks, out.logprobs)
+                ]
+            }
+        else:
+            choice["logprobs"] = None
+        if req.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        return choice
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> Response:
+        if req.stream:
+            return _error(400, "stream=true is not supported by this server")
+        if not self.tokenizer.chat_template:
+            return _error(400, "the model's tokenizer has no chat template; use /v1/completions")
+        if problem := self.over_limits(req.n, 1):
+            return _error(400, problem)
+        try:
+            prompt = self._chat_prompt(req)
+        except Exception as exc:
+            return _error(400, f"could not apply the chat template: {exc}")
+        max_tokens = req.max_completion_tokens or req.max_tokens or (self.engine.max_model_len - len(prompt))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            n=req.n,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
+        try:
+            outputs = await self.run([list(prompt)], params)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        choices = [self._chat_choice(req, index, out) for index, out in enumerate(outputs)]
+        payload = self.envelope("chatcmpl", "chat.completion", choices, len(prompt), outputs)
+        if req.return_token_ids:
+            payload["prompt_token_ids"] = list(prompt)
+        return _json(payload)
+
+    async def update_weights_from_disk(self, req: UpdateWeightsRequest) -> Response:
+        engine = self.engine
+        version = int(req.weight_version) if req.weight_version is not None else None
+        try:
+            message = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
+        except Exception as exc:
+            logger.error("weight reload from %s failed: %s", req.model_path, exc)
+            return JSONResponse(status_code=400, content={"success": False, "message": str(exc)})
+        return _json(
+            {
+                "success": True,
+                "message": message,
+                "weight_version": engine.weight_version,
+                "num_paused_requests": 0,
+            }
+        )
