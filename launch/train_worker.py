@@ -28,16 +28,19 @@ def _post(http: Any, path: str, body: dict[str, Any]) -> None:
         raise RuntimeError(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun ... -m launch.train_worker", description=__doc__.splitlines()[0]
     )
     p.add_argument("--api-server-url", required=True)
     p.add_argument("--identifier", required=True, help="worker group name (e.g. student, teacher)")
     p.add_argument("--backend", choices=["single", "fsdp", "deepspeed"], default="fsdp", help="train engine")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="what rank 0 binds for clients, resolved on its host: an IP, an interface (eth0, ib0), "
-                   "a CIDR network or 'hostname'")  # fmt: skip
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="what rank 0 binds for clients, resolved on its host: an IP, an interface (eth0, ib0), "
+        "a CIDR network or 'hostname'",
+    )
     p.add_argument("--port", type=int, default=0, help="rank 0's port (0: any free port)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN")
@@ -45,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collective-timeout-s", type=float, default=1800.0)
     p.add_argument("--idle-tick-s", type=float, default=1.0)
     p.add_argument("--max-message-mb", type=int, default=4096)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     token = os.environ.get(args.token_env, "")
     if not token:
         print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"[%(asctime)s][{args.identifier} rank {rank}][%(levelname)s] %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per heartbeat otherwise
+    return _serve(args, token, host, rank, world_size)
+
+
+def _serve(args: argparse.Namespace, token: str, host: str, rank: int, world_size: int) -> int:
+    """Join the group (process group, registration, endpoint report), serve until stopped; the exit code."""
     log = logging.getLogger("launch.train_worker")
     import httpx
     import torch
@@ -127,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
 
     beating = threading.Thread(target=heartbeat, daemon=True, name="heartbeat")
     beating.start()
+    code = _run_rank(trainer, rank, stop, log)
+    stop.set()
+    beating.join(args.heartbeat_s + 1.0)  # no heartbeat thread writing while the interpreter exits
+    if trainer.broken is not None:
+        log.error("rank %d: %s", rank, trainer.broken)
+    elif code == 0:
+        dist.destroy_process_group()  # every rank stopped together: a clean gloo/NCCL teardown
+    return code
+
+
+def _run_rank(trainer: Any, rank: int, stop: threading.Event, log: logging.Logger) -> int:
+    """Serve until ``stop`` (rank 0 on a thread, the main thread kept free for signals): 0, or 1 broken."""
     code = 0
     try:
         if rank == 0:
@@ -143,12 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         log.error("rank %d: trainer group broke: %s", rank, exc)
         code = 1
-    stop.set()
-    beating.join(args.heartbeat_s + 1.0)  # no heartbeat thread writing while the interpreter exits
-    if trainer.broken is not None:
-        log.error("rank %d: %s", rank, trainer.broken)
-    elif code == 0:
-        dist.destroy_process_group()  # every rank stopped together: a clean gloo/NCCL teardown
     return code
 
 

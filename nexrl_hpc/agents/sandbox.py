@@ -229,17 +229,6 @@ def run_python(
 def _run(
     plan: LaunchPlan, code: str, stdin: str, files: dict[str, str], limits: SandboxLimits, python: str
 ) -> SandboxResult:
-    memory = int(limits.memory_mb) << 20
-    fsize = int(limits.max_output_bytes) + 1024
-    # CPU: SIGXCPU at the soft limit (reported as cpu_limit), SIGKILL one second later
-    rlimits = {
-        "RLIMIT_CPU": (int(limits.cpu_time_s), int(limits.cpu_time_s) + 1),
-        "RLIMIT_AS": (memory, memory),
-        "RLIMIT_FSIZE": (fsize, fsize),
-        "RLIMIT_NOFILE": (int(limits.max_open_files), int(limits.max_open_files)),
-        "RLIMIT_CORE": (0, 0),
-        "RLIMIT_NPROC": (int(limits.max_processes), int(limits.max_processes)),
-    }
     notes = list(plan.notes)
     with (
         tempfile.TemporaryDirectory(prefix="nexrl_sandbox_") as tmp,
@@ -248,37 +237,7 @@ def _run(
         tempfile.TemporaryFile() as ferr,
     ):
         work = Path(tmp)
-        inputs = work / "in"
-        inputs.mkdir()
-        for name, text in {**files, "main.py": code}.items():
-            if "/" in name or name.startswith("."):
-                raise ValueError(f"sandbox file name {name!r}: a plain file name is needed")
-            (inputs / name).write_text(text)
-        (work / "root").mkdir()
-        cfg = {
-            "isolate": plan.isolated,
-            "root": str(work / "root"),
-            "binds": list(plan.binds),
-            "links": list(plan.links),
-            "devices": list(DEVICES),
-            "tmp_bytes": int(limits.tmp_mb) << 20,
-            "tmp_inodes": 4096,
-            "inputs": str(inputs),
-            "uid": plan.run_as_uid,
-            "drop": plan.isolated or plan.run_as_uid is not None,
-            "pivot_root": plan.pivot_root,
-            "rlimits": rlimits,
-            "python": os.path.abspath(python),
-            "main": "main.py",
-        }
-        (work / "launcher.py").write_text(LAUNCHER.format(cfg=cfg, tag=SETUP_TAG, setup_exit=SETUP_EXIT))
-        cwd = str(work)
-        if not plan.isolated and plan.run_as_uid is not None:  # the code runs in the host's dir: let it in
-            for path in (work, inputs, *inputs.iterdir()):
-                os.chown(path, plan.run_as_uid, plan.run_as_uid)
-            cwd = str(inputs)
-        elif not plan.isolated:
-            cwd = str(inputs)
+        cwd = _prepare_work_dir(work, plan, code, files, limits, python)
         fin.write(stdin.encode())
         fin.seek(0)
         start = time.monotonic()
@@ -307,6 +266,59 @@ def _run(
         )
     status = _classify(proc.returncode, timed_out, stderr, out_cut or err_cut)
     return SandboxResult(status, stdout, stderr, proc.returncode, elapsed, plan.isolated, notes)
+
+
+def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
+    """The resource limits the launcher sets on the program (soft, hard)."""
+    memory = int(limits.memory_mb) << 20
+    fsize = int(limits.max_output_bytes) + 1024
+    # CPU: SIGXCPU at the soft limit (reported as cpu_limit), SIGKILL one second later
+    return {
+        "RLIMIT_CPU": (int(limits.cpu_time_s), int(limits.cpu_time_s) + 1),
+        "RLIMIT_AS": (memory, memory),
+        "RLIMIT_FSIZE": (fsize, fsize),
+        "RLIMIT_NOFILE": (int(limits.max_open_files), int(limits.max_open_files)),
+        "RLIMIT_CORE": (0, 0),
+        "RLIMIT_NPROC": (int(limits.max_processes), int(limits.max_processes)),
+    }
+
+
+def _prepare_work_dir(
+    work: Path, plan: LaunchPlan, code: str, files: dict[str, str], limits: SandboxLimits, python: str
+) -> str:
+    """The program and its files under ``work/in``, the private root, the launcher script; returns
+    the directory the launcher starts in."""
+    inputs = work / "in"
+    inputs.mkdir()
+    for name, text in {**files, "main.py": code}.items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"sandbox file name {name!r}: a plain file name is needed")
+        (inputs / name).write_text(text)
+    (work / "root").mkdir()
+    cfg = {
+        "isolate": plan.isolated,
+        "root": str(work / "root"),
+        "binds": list(plan.binds),
+        "links": list(plan.links),
+        "devices": list(DEVICES),
+        "tmp_bytes": int(limits.tmp_mb) << 20,
+        "tmp_inodes": 4096,
+        "inputs": str(inputs),
+        "uid": plan.run_as_uid,
+        "drop": plan.isolated or plan.run_as_uid is not None,
+        "pivot_root": plan.pivot_root,
+        "rlimits": _rlimits(limits),
+        "python": os.path.abspath(python),
+        "main": "main.py",
+    }
+    (work / "launcher.py").write_text(LAUNCHER.format(cfg=cfg, tag=SETUP_TAG, setup_exit=SETUP_EXIT))
+    if not plan.isolated and plan.run_as_uid is not None:  # the code runs in the host's dir: let it in
+        for path in (work, inputs, *inputs.iterdir()):
+            os.chown(path, plan.run_as_uid, plan.run_as_uid)
+        return str(inputs)
+    if not plan.isolated:
+        return str(inputs)
+    return str(work)
 
 
 def _children(pid: int) -> list[int]:

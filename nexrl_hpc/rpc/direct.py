@@ -192,6 +192,13 @@ class DirectPool:
                 f"rank {rank}: direct lane failed ({exc}); {module}.{method} not sent"
             ) from exc
         deadline = time.monotonic() + (timeout if timeout is not None else self._call_timeout)
+        return self._await_reply(direct, rank, module, method, call_id, deadline)
+
+    def _await_reply(
+        self, direct: DirectConnection, rank: int, module: str, method: str, call_id: int, deadline: float
+    ) -> tuple[Any, bool]:
+        """Read ``direct`` until the reply to ``call_id`` is whole: (value or remote exception, ok)."""
+        sock = direct.socket
         while True:
             if rank in self._dead:
                 raise PeerDeadError(f"rank {rank} is dead ({self._dead[rank]}); {module}.{method} failed")

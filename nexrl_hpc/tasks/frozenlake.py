@@ -349,24 +349,6 @@ def format_warmup(
     rng = random.Random(seed)
     torch.manual_seed(seed)
 
-    def episode() -> tuple[list[int], list[int], list[int]]:
-        """(ids, positions predicting a letter, positions predicting EOS)."""
-        env = FrozenLakeEnv(max_steps)
-        observation, _ = env.reset({"seed": rng.randrange(2**31), "size": size, "p": p})
-        ids: list[int] = []
-        letter_at: list[int] = []
-        eos_at: list[int] = []
-        done = False
-        while not done:
-            ids += [vocab[c] for c in observation]
-            action = rng.randrange(1, 5)
-            letter_at.append(len(ids) - 1)
-            ids.append(vocab[LETTERS[action - 1]])
-            eos_at.append(len(ids) - 1)
-            ids.append(eos)
-            observation, _, done, _ = env.step(action)
-        return ids, letter_at, eos_at
-
     # a tiny model trains as fast on one thread, and one thread does not stall when the machine's
     # cores are shared (two threads stall each other under load)
     threads = torch.get_num_threads()
@@ -375,27 +357,65 @@ def format_warmup(
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         model.train()
         for _ in range(steps):
-            batch = [episode() for _ in range(batch_size)]
-            width = max(len(row[0]) for row in batch)
-            ids = torch.full((batch_size, width), int(tokenizer.pad_token_id))
-            mask = torch.zeros((batch_size, width), dtype=torch.long)
-            for b, (row, *_) in enumerate(batch):  # right-padded: positions start at 0
-                ids[b, : len(row)] = torch.tensor(row)
-                mask[b, : len(row)] = 1
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)
-            # (sequence, position) of every letter / EOS prediction
-            rows_l = torch.tensor([b for b, (_, at, _) in enumerate(batch) for _ in at])
-            pos_l = torch.tensor([t for _, at, _ in batch for t in at])
-            rows_e = torch.tensor([b for b, (_, _, at) in enumerate(batch) for _ in at])
-            pos_e = torch.tensor([t for _, _, at in batch for t in at])
-            member = logp[rows_l, pos_l][:, letters]  # (letter positions, 4)
-            in_set = torch.logsumexp(member, dim=-1)
-            letter_terms = in_set + spread * (member - in_set[:, None]).mean(dim=-1)
-            eos_terms = logp[rows_e, pos_e, eos]
-            loss = -torch.cat([letter_terms, eos_terms]).mean()
+            batch = [_warmup_episode(rng, vocab, eos, size, p, max_steps) for _ in range(batch_size)]
+            loss = _warmup_loss(model, batch, int(tokenizer.pad_token_id), letters, eos, spread)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     finally:
         torch.set_num_threads(threads)
     model.eval()
+
+
+def _warmup_episode(
+    rng: random.Random, vocab: dict[str, int], eos: int, size: int, p: float, max_steps: int
+) -> tuple[list[int], list[int], list[int]]:
+    """A random walk on a random map as token ids: (ids, positions predicting a letter, positions
+    predicting EOS)."""
+    env = FrozenLakeEnv(max_steps)
+    observation, _ = env.reset({"seed": rng.randrange(2**31), "size": size, "p": p})
+    ids: list[int] = []
+    letter_at: list[int] = []
+    eos_at: list[int] = []
+    done = False
+    while not done:
+        ids += [vocab[c] for c in observation]
+        action = rng.randrange(1, 5)
+        letter_at.append(len(ids) - 1)
+        ids.append(vocab[LETTERS[action - 1]])
+        eos_at.append(len(ids) - 1)
+        ids.append(eos)
+        observation, _, done, _ = env.step(action)
+    return ids, letter_at, eos_at
+
+
+def _warmup_loss(
+    model: Any,
+    batch: list[tuple[list[int], list[int], list[int]]],
+    pad_token_id: int,
+    letters: Any,
+    eos: int,
+    spread: float,
+) -> Any:
+    """``format_warmup``'s loss on a batch of episodes: some move letter at letter positions (plus
+    ``spread`` times the letters' mean log-probability relative to the set), EOS after it."""
+    import torch
+
+    batch_size = len(batch)
+    width = max(len(row[0]) for row in batch)
+    ids = torch.full((batch_size, width), pad_token_id)
+    mask = torch.zeros((batch_size, width), dtype=torch.long)
+    for b, (row, *_) in enumerate(batch):  # right-padded: positions start at 0
+        ids[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row)] = 1
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)
+    # (sequence, position) of every letter / EOS prediction
+    rows_l = torch.tensor([b for b, (_, at, _) in enumerate(batch) for _ in at])
+    pos_l = torch.tensor([t for _, at, _ in batch for t in at])
+    rows_e = torch.tensor([b for b, (_, _, at) in enumerate(batch) for _ in at])
+    pos_e = torch.tensor([t for _, _, at in batch for t in at])
+    member = logp[rows_l, pos_l][:, letters]  # (letter positions, 4)
+    in_set = torch.logsumexp(member, dim=-1)
+    letter_terms = in_set + spread * (member - in_set[:, None]).mean(dim=-1)
+    eos_terms = logp[rows_e, pos_e, eos]
+    return -torch.cat([letter_terms, eos_terms]).mean()

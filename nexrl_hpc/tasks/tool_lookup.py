@@ -101,54 +101,68 @@ def format_warmup(
     }
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    # (text, how the model's next-token prediction of each of its tokens is trained)
-    template = [
-        ("P", None),
-        (f"<{TOOL}>", "token"),
-        ("Q", "key"),
-        (f"</{TOOL}>", "token"),
-        (None, "token"),
-        ("=V", None),
-        ("A", "value"),
-        (None, "token"),
-    ]
-
-    def episode() -> tuple[list[int], list[str | None]]:
-        fill = {
-            "P": rng.choice(keys),
-            "Q": rng.choice(keys),
-            "V": rng.choice(values),
-            "A": rng.choice(values),
-        }
-        ids: list[int] = []
-        how: list[str | None] = []
-        for text, kind in template:
-            chars = [eos] if text is None else [vocab[fill.get(c, c)] for c in text]
-            ids += chars
-            how += [kind] * len(chars)
-        return ids, how
-
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        rows = [episode() for _ in range(batch_size)]
-        ids = torch.tensor([r[0] for r in rows])  # every episode has the same length
-        how = [r[1][1:] for r in rows]  # what predicts token t sits at position t - 1
-        logp = torch.log_softmax(model(ids).logits[:, :-1], dim=-1)
-        terms = []
-        for b, kinds in enumerate(how):
-            for t, kind in enumerate(kinds):
-                if kind == "token":
-                    terms.append(logp[b, t, ids[b, t + 1]])
-                elif kind is not None:  # any member of the set: log of their summed probability
-                    member = logp[b, t, sets[kind]]
-                    in_set = torch.logsumexp(member, dim=0)
-                    terms.append(in_set + spread * (member - in_set).mean())
-        loss = -torch.stack(terms).mean()
+        rows = [_warmup_episode(rng, keys, values, vocab, eos) for _ in range(batch_size)]
+        loss = _warmup_loss(model, rows, sets, spread)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     model.eval()
+
+
+# (text, how the model's next-token prediction of each of its tokens is trained); None: EOS
+_WARMUP_TEMPLATE = [
+    ("P", None),
+    (f"<{TOOL}>", "token"),
+    ("Q", "key"),
+    (f"</{TOOL}>", "token"),
+    (None, "token"),
+    ("=V", None),
+    ("A", "value"),
+    (None, "token"),
+]
+
+
+def _warmup_episode(
+    rng: random.Random, keys: str, values: str, vocab: dict[str, int], eos: int
+) -> tuple[list[int], list[str | None]]:
+    """One episode of random contents: (token ids, how each token's prediction is trained)."""
+    fill = {
+        "P": rng.choice(keys),
+        "Q": rng.choice(keys),
+        "V": rng.choice(values),
+        "A": rng.choice(values),
+    }
+    ids: list[int] = []
+    how: list[str | None] = []
+    for text, kind in _WARMUP_TEMPLATE:
+        chars = [eos] if text is None else [vocab[fill.get(c, c)] for c in text]
+        ids += chars
+        how += [kind] * len(chars)
+    return ids, how
+
+
+def _warmup_loss(
+    model: Any, rows: list[tuple[list[int], list[str | None]]], sets: dict[str, Any], spread: float
+) -> Any:
+    """``format_warmup``'s loss on a batch of episodes (see there)."""
+    import torch
+
+    ids = torch.tensor([r[0] for r in rows])  # every episode has the same length
+    how = [r[1][1:] for r in rows]  # what predicts token t sits at position t - 1
+    logp = torch.log_softmax(model(ids).logits[:, :-1], dim=-1)
+    terms = []
+    for b, kinds in enumerate(how):
+        for t, kind in enumerate(kinds):
+            if kind == "token":
+                terms.append(logp[b, t, ids[b, t + 1]])
+            elif kind is not None:  # any member of the set: log of their summed probability
+                member = logp[b, t, sets[kind]]
+                in_set = torch.logsumexp(member, dim=0)
+                terms.append(in_set + spread * (member - in_set).mean())
+    return -torch.stack(terms).mean()
 
 
 class LookupTool(Tool):

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.tracking.timing import TIMING_PARTS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     from nexrl_hpc.config.schema import PlotsConfig
 
@@ -98,7 +99,6 @@ def validation_keys(rows: list[dict[str, Any]]) -> list[str]:
 def write_plots(run_dir: str) -> list[str]:
     """Draw every curve the run's metrics allow; the PNGs written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     train = [r for r in rows if "train/reward_mean" in r]
@@ -108,7 +108,7 @@ def write_plots(run_dir: str) -> list[str]:
         path = os.path.join(out_dir, name)
         if ".tmp-" in name and time.time() - os.path.getmtime(path) > 600:
             os.remove(path)
-    written = []
+    written: list[str] = []
 
     def save(fig: Figure, name: str) -> None:
         path = os.path.join(out_dir, f"{name}.png")
@@ -117,14 +117,23 @@ def write_plots(run_dir: str) -> list[str]:
         os.replace(tmp, path)
         written.append(path)
 
+    _line_plots(train, save)
+    _validation_plot(rows, save)
+    _step_time_plot(train, save)
+    return written
+
+
+def _line_plots(train: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+    """One PNG per entry of ``LINE_PLOTS`` that has data (the reward with its spread)."""
+    from matplotlib.figure import Figure
+
     for name, (title, keys) in LINE_PLOTS.items():
         series = [(k, *_series(train, k)) for k in keys]
         if not any(xs for _, xs, _ in series):
             continue
         fig = Figure(figsize=(6.4, 3.6), dpi=100)
-        fig.subplots_adjust(
-            left=0.11, right=0.97, top=0.9, bottom=0.14
-        )  # fixed: tight_layout doubles the cost
+        # fixed: tight_layout doubles the cost
+        fig.subplots_adjust(left=0.11, right=0.97, top=0.9, bottom=0.14)
         ax = fig.add_subplot()
         for i, (key, xs, ys) in enumerate(series):
             if xs:
@@ -143,44 +152,55 @@ def write_plots(run_dir: str) -> list[str]:
         _finish(ax, title, legend=len(keys) > 1)
         save(fig, name)
 
+
+def _validation_plot(rows: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+    """One panel per validation metric (at most ``MAX_VAL_PANELS``), in one PNG."""
+    from matplotlib.figure import Figure
+
     val_keys = validation_keys(rows)[:MAX_VAL_PANELS]
-    if val_keys:
-        cols = min(3, len(val_keys))
-        nrows = math.ceil(len(val_keys) / cols)
-        fig = Figure(figsize=(3.6 * cols, 2.6 * nrows), dpi=100)
-        fig.subplots_adjust(
-            left=0.08 * 3 / cols,
-            right=0.98,
-            top=1 - 0.1 / nrows,
-            bottom=0.14 / nrows,
-            wspace=0.35,
-            hspace=0.6,
-        )
-        for i, key in enumerate(val_keys):
-            ax = fig.add_subplot(nrows, cols, i + 1)
-            xs, ys = _series(rows, key)
-            ax.plot(xs, ys, marker="o", markersize=3)
-            _finish(ax, key, legend=False)
-        save(fig, "validation")
+    if not val_keys:
+        return
+    cols = min(3, len(val_keys))
+    nrows = math.ceil(len(val_keys) / cols)
+    fig = Figure(figsize=(3.6 * cols, 2.6 * nrows), dpi=100)
+    fig.subplots_adjust(
+        left=0.08 * 3 / cols,
+        right=0.98,
+        top=1 - 0.1 / nrows,
+        bottom=0.14 / nrows,
+        wspace=0.35,
+        hspace=0.6,
+    )
+    for i, key in enumerate(val_keys):
+        ax = fig.add_subplot(nrows, cols, i + 1)
+        xs, ys = _series(rows, key)
+        ax.plot(xs, ys, marker="o", markersize=3)
+        _finish(ax, key, legend=False)
+    save(fig, "validation")
+
+
+def _step_time_plot(train: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+    """Where each step's seconds went, stacked (parts too thin to see left out)."""
+    from matplotlib.figure import Figure
 
     steps = _series(train, "timing/step_s")[0]
     parts = [(k, ys) for k in TIMING_PARTS for xs, ys in [_series(train, k)] if xs == steps]
     total = sum(sum(ys) for _, ys in parts)
     parts = [(k, ys) for k, ys in parts if sum(ys) > 1e-3 * total]  # parts too thin to see: not in the legend
-    if steps and parts:
-        fig = Figure(figsize=(7.6, 3.8), dpi=100)
-        fig.subplots_adjust(left=0.09, right=0.78, top=0.9, bottom=0.13)  # the legend on the right
-        ax = fig.add_subplot()
-        ax.stackplot(
-            steps,
-            *[[max(y, 0.0) for y in ys] for _, ys in parts],
-            labels=[k.removeprefix("timing/").removesuffix("_s") for k, _ in parts],
-        )
-        ax.set_ylabel("seconds")
-        _finish(ax, "step time: where each step's seconds went (sums to timing/step_s)", legend=False)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        save(fig, "step_time")
-    return written
+    if not (steps and parts):
+        return
+    fig = Figure(figsize=(7.6, 3.8), dpi=100)
+    fig.subplots_adjust(left=0.09, right=0.78, top=0.9, bottom=0.13)  # the legend on the right
+    ax = fig.add_subplot()
+    ax.stackplot(
+        steps,
+        *[[max(y, 0.0) for y in ys] for _, ys in parts],
+        labels=[k.removeprefix("timing/").removesuffix("_s") for k, _ in parts],
+    )
+    ax.set_ylabel("seconds")
+    _finish(ax, "step time: where each step's seconds went (sums to timing/step_s)", legend=False)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    save(fig, "step_time")
 
 
 def _finish(ax: Axes, title: str, legend: bool) -> None:

@@ -80,62 +80,66 @@ async def _answer(send: Any, status: int, detail: str) -> None:
 
 def guarded_protocol(limits: WireLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the request-head deadline and the cap of ``limits``."""
+    return type("GuardedH11Protocol", (_GuardedH11Protocol,), {"wire_limits": limits})
 
-    class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._waiting_since = time.monotonic()
-            self._waiting_after: Any = None  # the request cycle before the awaited head
-            self._head_deadline: Any = self.loop.call_later(limits.preauth_timeout_s, self._head_late)
-            self._cap()
-            self.loop.call_later(CAP_GRACE_S, self._cap)  # once the new one had its grace
 
-        def _cap(self) -> None:
-            """Close the oldest connections waiting for a request head while over the cap."""
-            now = time.monotonic()
-            waiting: list[Any] = sorted(
-                (c for c in self.connections if getattr(c, "_head_deadline", None) is not None),
-                key=lambda c: c._waiting_since,
+class _GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head deadline and a cap on connections waiting for one."""
+
+    wire_limits: WireLimits  # set on the subclass ``guarded_protocol`` makes
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._waiting_since = time.monotonic()
+        self._waiting_after: Any = None  # the request cycle before the awaited head
+        self._head_deadline: Any = self.loop.call_later(self.wire_limits.preauth_timeout_s, self._head_late)
+        self._cap()
+        self.loop.call_later(CAP_GRACE_S, self._cap)  # once the new one had its grace
+
+    def _cap(self) -> None:
+        """Close the oldest connections waiting for a request head while over the cap."""
+        now = time.monotonic()
+        waiting: list[Any] = sorted(
+            (c for c in self.connections if getattr(c, "_head_deadline", None) is not None),
+            key=lambda c: c._waiting_since,
+        )
+        cap = self.wire_limits.preauth_max_connections
+        count = len(waiting)
+        for conn in waiting:  # oldest first
+            if not over_cap(count, now - conn._waiting_since, cap):
+                return
+            sock = conn.transport.get_extra_info("socket")
+            if sock is not None and has_unread_bytes(sock):  # its request is here: served first
+                continue
+            logger.warning(
+                "train service: over %d connections waiting for a request "
+                "(runtime.rpc.preauth_max_connections): closed the oldest",
+                cap,
             )
-            cap = limits.preauth_max_connections
-            count = len(waiting)
-            for conn in waiting:  # oldest first
-                if not over_cap(count, now - conn._waiting_since, cap):
-                    return
-                sock = conn.transport.get_extra_info("socket")
-                if sock is not None and has_unread_bytes(sock):  # its request is here: served first
-                    continue
-                logger.warning(
-                    "train service: over %d connections waiting for a request "
-                    "(runtime.rpc.preauth_max_connections): closed the oldest",
-                    cap,
-                )
-                conn._head_late()
-                count -= 1
+            conn._head_late()
+            count -= 1
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self._head_deadline is not None and self.cycle is not self._waiting_after:  # a head came
-                self._head_deadline.cancel()
-                self._head_deadline = None
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head_deadline is not None and self.cycle is not self._waiting_after:  # a head came
+            self._head_deadline.cancel()
+            self._head_deadline = None
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._head_deadline is None and not self.transport.is_closing():  # the next request's head
-                self._waiting_since, self._waiting_after = time.monotonic(), self.cycle
-                self._head_deadline = self.loop.call_later(limits.preauth_timeout_s, self._head_late)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._head_deadline is None and not self.transport.is_closing():  # the next request's head
+            self._waiting_since, self._waiting_after = time.monotonic(), self.cycle
+            self._head_deadline = self.loop.call_later(self.wire_limits.preauth_timeout_s, self._head_late)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+        super().connection_lost(exc)
 
-        def _head_late(self) -> None:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedH11Protocol
+    def _head_late(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()

@@ -247,55 +247,15 @@ def pack_shared_prompts(
     prompt_width = input_ids.shape[1] - micro["responses"].shape[1]
     keys, prompt_lengths = prompt_keys_and_lengths(micro)
     response_lengths = attention[:, prompt_width:].sum(-1).tolist()
-    layout: list[tuple[list[int], list[int], list[int]]] = []  # per bin: source row, source column, segment
-    bin_row: list[int] = []
-    bin_col: list[int] = []
-    seq: list[int] = []
-    pos: list[int] = []
-    segment = 0  # numbers every family's prompt and every response apart, across the micro-batch
-    family_of: list[int] = []  # segment -> the segment of its family's prompt
+    lay = _SharedPromptLayout(keys, prompt_lengths, response_lengths, prompt_width)
     for k, members in enumerate(bins):
-        families: dict[bytes, list[int]] = {}
-        for b in members:
-            families.setdefault(keys[b], []).append(b)
-        rows: list[int] = []
-        cols: list[int] = []
-        segs: list[int] = []
-        for family_rows in families.values():
-            first = family_rows[0]
-            p = prompt_lengths[first]
-            prompt_segment = segment
-            family_of.append(prompt_segment)
-            segment += 1
-            last_prompt_column = len(rows) + p - 1
-            rows += [first] * p
-            cols += range(prompt_width - p, prompt_width)
-            segs += [prompt_segment] * p
-            for b in family_rows:
-                r = response_lengths[b]
-                if r and not p:
-                    raise ValueError(
-                        f"row {b} of the micro-batch has a response but no prompt token to predict it from"
-                    )
-                start = len(rows)
-                rows += [b] * r
-                cols += range(prompt_width, prompt_width + r)
-                segs += [segment] * r
-                family_of.append(prompt_segment)
-                segment += 1
-                # response token 0 is predicted by the prompt's last token, token j by response token j - 1
-                if r:
-                    bin_row += [k] * r
-                    bin_col += [last_prompt_column, *range(start, start + r - 1)]
-                    seq += [b] * r
-                    pos += range(r)
-        layout.append((rows, cols, segs))
-    width = max(max((len(rows) for rows, _, _ in layout), default=1), 1)
+        lay.add_bin(k, members)
+    width = max(max((len(rows) for rows, _, _ in lay.bins), default=1), 1)
     n = len(bins)
     src_row = torch.zeros((n, width), dtype=torch.long)
     src_col = torch.zeros((n, width), dtype=torch.long)
     seg = torch.full((n, width), -1, dtype=torch.long)  # -1: padding
-    for k, (rows, cols, segs) in enumerate(layout):
+    for k, (rows, cols, segs) in enumerate(lay.bins):
         src_row[k, : len(rows)] = torch.tensor(rows, dtype=torch.long)
         src_col[k, : len(cols)] = torch.tensor(cols, dtype=torch.long)
         seg[k, : len(segs)] = torch.tensor(segs, dtype=torch.long)
@@ -303,6 +263,93 @@ def pack_shared_prompts(
     packed_ids = torch.where(real, input_ids[src_row, src_col], torch.full_like(src_row, pad_token_id))
     tail = torch.arange(width).expand(n, width) - real.sum(-1, keepdim=True)  # padding: positions restart
     packed_pos = torch.where(real, positions[src_row, src_col], tail.clamp(min=0).to(positions.dtype))
+    return PackedSequences(
+        packed_ids,
+        packed_pos,
+        torch.tensor(lay.bin_row, dtype=torch.long),
+        torch.tensor(lay.bin_col, dtype=torch.long),
+        torch.tensor(lay.seq, dtype=torch.long),
+        torch.tensor(lay.pos, dtype=torch.long),
+        _shared_prompt_mask(seg, real, lay.family_of),
+    )
+
+
+class _SharedPromptLayout:
+    """Where every token of a shared-prompt packing comes from, built bin by bin: per bin its
+    source rows, source columns and segments; per response token its place in the packed logits
+    (``bin_row``, ``bin_col``) and in the response (``seq``, ``pos``)."""
+
+    def __init__(
+        self, keys: list[bytes], prompt_lengths: list[int], response_lengths: list[int], prompt_width: int
+    ) -> None:
+        self.keys = keys
+        self.prompt_lengths = prompt_lengths
+        self.response_lengths = response_lengths
+        self.prompt_width = prompt_width
+        self.bins: list[tuple[list[int], list[int], list[int]]] = []  # per bin: source row, column, segment
+        self.bin_row: list[int] = []
+        self.bin_col: list[int] = []
+        self.seq: list[int] = []
+        self.pos: list[int] = []
+        self.segment = 0  # numbers every family's prompt and every response apart, across the micro-batch
+        self.family_of: list[int] = []  # segment -> the segment of its family's prompt
+
+    def add_bin(self, k: int, members: list[int]) -> None:
+        families: dict[bytes, list[int]] = {}
+        for b in members:
+            families.setdefault(self.keys[b], []).append(b)
+        rows: list[int] = []
+        cols: list[int] = []
+        segs: list[int] = []
+        for family_rows in families.values():
+            first = family_rows[0]
+            p = self.prompt_lengths[first]
+            prompt_segment = self.segment
+            self.family_of.append(prompt_segment)
+            self.segment += 1
+            last_prompt_column = len(rows) + p - 1
+            rows += [first] * p
+            cols += range(self.prompt_width - p, self.prompt_width)
+            segs += [prompt_segment] * p
+            for b in family_rows:
+                self._add_response(k, b, p, prompt_segment, last_prompt_column, rows, cols, segs)
+        self.bins.append((rows, cols, segs))
+
+    def _add_response(
+        self,
+        k: int,
+        b: int,
+        p: int,
+        prompt_segment: int,
+        last_prompt_column: int,
+        rows: list[int],
+        cols: list[int],
+        segs: list[int],
+    ) -> None:
+        """Row ``b``'s response after its family's prompt (``p`` tokens) in bin ``k``."""
+        r = self.response_lengths[b]
+        if r and not p:
+            raise ValueError(
+                f"row {b} of the micro-batch has a response but no prompt token to predict it from"
+            )
+        start = len(rows)
+        rows += [b] * r
+        cols += range(self.prompt_width, self.prompt_width + r)
+        segs += [self.segment] * r
+        self.family_of.append(prompt_segment)
+        self.segment += 1
+        # response token 0 is predicted by the prompt's last token, token j by response token j - 1
+        if r:
+            self.bin_row += [k] * r
+            self.bin_col += [last_prompt_column, *range(start, start + r - 1)]
+            self.seq += [b] * r
+            self.pos += range(r)
+
+
+def _shared_prompt_mask(seg: torch.Tensor, real: torch.Tensor, family_of: list[int]) -> torch.Tensor:
+    """Who sees whom in a shared-prompt packing: a token its family's prompt and its own segment,
+    causally; padding itself only."""
+    width = seg.shape[1]
     # every token's family (the segment of its family's prompt); padding -1
     family = torch.tensor(family_of + [-1], dtype=torch.long)[seg]
     is_prompt = real & (seg == family)
@@ -311,15 +358,7 @@ def pack_shared_prompts(
     sees = (seg[:, :, None] == seg[:, None, :]) | is_prompt[:, None, :]  # its own segment, or the prompt
     allowed = same_family & sees & causal
     allowed |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding sees itself only
-    return PackedSequences(
-        packed_ids,
-        packed_pos,
-        torch.tensor(bin_row, dtype=torch.long),
-        torch.tensor(bin_col, dtype=torch.long),
-        torch.tensor(seq, dtype=torch.long),
-        torch.tensor(pos, dtype=torch.long),
-        allowed,
-    )
+    return allowed
 
 
 def hf_config(model: Any) -> Any:

@@ -47,10 +47,20 @@ def evaluate(expression: str, max_length: int = 200, max_exponent: int = 64, max
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"cannot parse {expression!r}: {exc.msg}") from None
+    return _format(_Evaluator(expression, max_exponent, max_abs).walk(tree))
 
-    def walk(node: ast.AST) -> int | float:
+
+class _Evaluator:
+    """Walks a parsed expression: numbers and the operators of ``_UNARY`` / ``_BINARY`` only."""
+
+    def __init__(self, expression: str, max_exponent: int, max_abs: float) -> None:
+        self.expression = expression
+        self.max_exponent = max_exponent
+        self.max_abs = max_abs
+
+    def walk(self, node: ast.AST) -> int | float:
         if isinstance(node, ast.Expression):
-            return walk(node.body)
+            return self.walk(node.body)
         if (
             isinstance(node, ast.Constant)
             and isinstance(node.value, (int, float))
@@ -58,30 +68,34 @@ def evaluate(expression: str, max_length: int = 200, max_exponent: int = 64, max
         ):
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](walk(node.operand))
+            return _UNARY[type(node.op)](self.walk(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = walk(node.left), walk(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > max_exponent:
-                raise CalculatorError(f"exponent {right} too large in {expression!r} (limit {max_exponent})")
-            try:
-                value = _BINARY[type(node.op)](left, right)
-            except ZeroDivisionError:
-                raise CalculatorError(f"division by zero in {expression!r}") from None
-            except OverflowError:
-                raise CalculatorError(f"overflow in {expression!r}") from None
-            if isinstance(value, complex):
-                raise CalculatorError(f"complex result in {expression!r}")
-            if abs(value) > max_abs or (isinstance(value, float) and not math.isfinite(value)):
-                raise CalculatorError(f"result out of range (|x| > {max_abs:g}) in {expression!r}")
-            return value
+            return self._binary(node)
         what = type(node).__name__
         if isinstance(node, ast.Name):
             what = f"name {node.id!r}"
         elif isinstance(node, ast.Constant):
             what = f"{type(node.value).__name__} literal"
-        raise CalculatorError(f"{what} is not allowed in {expression!r}; only numbers and + - * / // % **")
+        raise CalculatorError(
+            f"{what} is not allowed in {self.expression!r}; only numbers and + - * / // % **"
+        )
 
-    return _format(walk(tree))
+    def _binary(self, node: ast.BinOp) -> int | float:
+        expression = self.expression
+        left, right = self.walk(node.left), self.walk(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > self.max_exponent:
+            raise CalculatorError(f"exponent {right} too large in {expression!r} (limit {self.max_exponent})")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise CalculatorError(f"division by zero in {expression!r}") from None
+        except OverflowError:
+            raise CalculatorError(f"overflow in {expression!r}") from None
+        if isinstance(value, complex):
+            raise CalculatorError(f"complex result in {expression!r}")
+        if abs(value) > self.max_abs or (isinstance(value, float) and not math.isfinite(value)):
+            raise CalculatorError(f"result out of range (|x| > {self.max_abs:g}) in {expression!r}")
+        return value
 
 
 @register_tool("calculator")
