@@ -18,8 +18,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.train_service", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind: an IP, an interface (eth0, ib0), a CIDR network or 'hostname' (default: loopback)")  # fmt: skip
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind: an IP, an interface (eth0, ib0), a CIDR network or 'hostname' (default: loopback)",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--token-env", default="NEXRL_TRAIN_SERVICE_TOKEN", help="environment variable with the token"
