@@ -2,7 +2,7 @@
 a resumed trainer already holds (its parameters, its optimizer state) when the caller names them.
 
 Why in place: memory the process has not touched yet costs a page fault per 4 KiB on first write
-(0.5-1 s per GB on the VMs measured here, bench/README.md), which a load into fresh buffers pays and
+(the checkpoint bench in bench/README.md), which a load into fresh buffers pays and
 ``dd`` does not; reading into the live tensors pays only the disk. Tensors with no live counterpart
 are read into new memory, with a second thread faulting their pages in ahead of the reads.
 

@@ -3,8 +3,8 @@
 Why not ``safetensors.save_file``: the checkpoint needs each file's digest (``digest``), and hashing
 the bytes on their way out costs a thread running beside the writes (``os.write`` releases the GIL)
 where reading the file back would cost a second pass over the disk. The data starts on a page
-boundary (spaces are valid JSON padding): cold reads from an unaligned offset ran at a third of the
-speed here (bench/README.md). Widest elements first: every tensor then starts aligned to its element
+boundary (spaces are valid JSON padding): cold reads from an unaligned offset are much slower (the
+checkpoint bench, bench/README.md). Widest elements first: every tensor then starts aligned to its element
 size (the format forbids gaps), so a reader can view it in place.
 """
 
