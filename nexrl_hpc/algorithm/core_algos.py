@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+from nexrl_hpc.config.algorithm_names import AdvantageEstimator, KLEstimator, PolicyLossName
+
+KL_ESTIMATORS = tuple(kind.value for kind in KLEstimator)
 
 
 def group_index(keys: list) -> torch.Tensor:
@@ -42,9 +44,6 @@ def grpo_advantages(
     return adv, stats
 
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-
-
 def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE leave-one-out: r_i minus the mean reward of the group's other samples,
     i.e. n/(n-1) (r_i - mean_group). A group of one has no baseline: advantage 0."""
@@ -69,6 +68,46 @@ def batch_whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float) -> to
     return (values - mean) / (var.sqrt() + epsilon)
 
 
+AdvantageFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, dict[str, float]]
+]
+"""(rewards [B], groups [B], response mask [B, T], norm_by_std, epsilon) -> (advantage [B], stats)."""
+
+
+def _grpo(
+    rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    return grpo_advantages(rewards, groups, norm_by_std, epsilon)
+
+
+def _rloo(
+    rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    return rloo_advantages(rewards, groups)
+
+
+def _reinforce_pp(
+    rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    return batch_whiten(rewards.to(torch.float32), mask, epsilon), {"zero_std_group_frac": 0.0}
+
+
+def _reinforce_pp_baseline(
+    rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    centered, stats = grpo_advantages(rewards, groups, False, epsilon)
+    return batch_whiten(centered, mask, epsilon), stats
+
+
+ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, AdvantageFn] = {
+    AdvantageEstimator.GRPO: _grpo,  # group-normalised; without std: Dr. GRPO
+    AdvantageEstimator.RLOO: _rloo,  # leave-one-out
+    AdvantageEstimator.REINFORCE_PP: _reinforce_pp,  # rewards whitened over the batch, no group baseline
+    AdvantageEstimator.REINFORCE_PP_BASELINE: _reinforce_pp_baseline,  # group mean off, then whitened
+}
+ADV_ESTIMATORS = tuple(estimator.value for estimator in AdvantageEstimator)
+
+
 def outcome_advantages(
     estimator: str,
     rewards: torch.Tensor,
@@ -77,21 +116,15 @@ def outcome_advantages(
     norm_by_std: bool,
     epsilon: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One advantage per sequence from its outcome reward, by ``algorithm.adv_estimator``:
-    grpo (group-normalised; without std: Dr. GRPO), rloo (leave-one-out), reinforce_pp (the
-    rewards whitened over the batch, no group baseline) or reinforce_pp_baseline (group mean
-    subtracted, then whitened over the batch)."""
-    if estimator == "grpo":
-        return grpo_advantages(rewards, groups, norm_by_std, epsilon)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, groups)
-    if estimator == "reinforce_pp":
-        adv = batch_whiten(rewards.to(torch.float32), mask, epsilon)
-        return adv, {"zero_std_group_frac": 0.0}
-    if estimator == "reinforce_pp_baseline":
-        centered, stats = grpo_advantages(rewards, groups, False, epsilon)
-        return batch_whiten(centered, mask, epsilon), stats
-    raise ValueError(f"unknown algorithm.adv_estimator {estimator!r}; expected one of {ADV_ESTIMATORS}")
+    """One advantage per sequence from its outcome reward, by ``algorithm.adv_estimator`` (a key of
+    ``ADVANTAGE_ESTIMATORS``)."""
+    try:
+        advantage_fn = ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)]
+    except ValueError:
+        raise ValueError(
+            f"unknown algorithm.adv_estimator {estimator!r}; expected one of {ADV_ESTIMATORS}"
+        ) from None
+    return advantage_fn(rewards, groups, mask, norm_by_std, epsilon)
 
 
 def stepwise_grpo_advantages(
@@ -273,14 +306,17 @@ def gspo_loss(
 
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLoss] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+POLICY_LOSSES: dict[PolicyLossName, PolicyLoss] = {
+    PolicyLossName.VANILLA: ppo_clip_loss,
+    PolicyLossName.GSPO: gspo_loss,
+}
 
 
 def policy_loss(name: str) -> PolicyLoss:
     """The policy loss of ``service.train_service.actor.policy_loss``."""
     try:
-        return POLICY_LOSSES[name]
-    except KeyError:
+        return POLICY_LOSSES[PolicyLossName(name)]
+    except ValueError:
         raise ValueError(
-            f"unknown actor.policy_loss {name!r}; expected one of {sorted(POLICY_LOSSES)}"
+            f"unknown actor.policy_loss {name!r}; expected one of {sorted(n.value for n in PolicyLossName)}"
         ) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypedDict
 
+from nexrl_hpc.config.algorithm_names import AdvantageEstimator, KLEstimator
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 from nexrl_hpc.config.train_service_schema import TrainServiceConfig
 
@@ -166,7 +167,7 @@ class OPDConfig(TypedDict):
 class AlgorithmConfig(TypedDict):
     type: Literal["grpo"]  # the processor: group-based outcome advantages (the estimator below)
     name: str  # the configs/algorithm/ preset chosen (logged; the keys below are what it set)
-    adv_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    adv_estimator: AdvantageEstimator  # one of its values (the advantage registry's keys)
     norm_adv_by_std: bool
     adv_epsilon: Annotated[float, Gt(0.0)]  # 0 would make every identical-reward group NaN
     advantage_granularity: Literal["episode", "step"]  # step: per-turn returns (agent rollouts)
@@ -174,7 +175,7 @@ class AlgorithmConfig(TypedDict):
     off_policy_correction: Literal["none", "decoupled", "tis"]
     is_cap: Annotated[float, Gt(1.0)] | None
     kl_loss_coef: Annotated[float, Ge(0.0)]
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"]
+    kl_loss_type: KLEstimator  # one of its values
     filter_groups: FilterGroupsConfig
     overlong: OverlongConfig
     teacher_model_path: str | None  # on-policy distillation: the teacher's model directory

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypedDict
 
+from nexrl_hpc.config.algorithm_names import PolicyLossName
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 
 
@@ -33,7 +34,7 @@ class ActorConfig(TypedDict):
     clip_ratio_c: Annotated[float, Gt(1.0)] | None  # dual clip: A < 0 token loss <= -A * c; null: off
     log_ratio_clamp: Annotated[float, Gt(0.0)] | None  # |log ratio| bound before exp; null: off
     entropy_coeff: Annotated[float, Ge(0.0)]  # loss -= coeff * entropy; 0: no entropy gradient
-    policy_loss: Literal["vanilla", "gspo"]  # token-level PPO-clip | GSPO's sequence-level ratio
+    policy_loss: PolicyLossName  # one of its values: token-level PPO-clip | GSPO's sequence-level ratio
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ]

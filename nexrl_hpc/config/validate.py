@@ -11,6 +11,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal, Union
 
 from typing_extensions import NotRequired, Required, is_typeddict
@@ -82,6 +83,7 @@ def import_configured(spec: Any, key: str, form: str = "module:name", label: str
 
 
 def _type_name(tp: Any) -> str:
+    tp = _enum_as_literal(tp)
     if tp is type(None):
         return "null"
     if isinstance(tp, type):
@@ -119,6 +121,13 @@ def _unwrap_required(tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Required, NotRequired):
         return typing.get_args(tp)[0]
+    return _enum_as_literal(tp)
+
+
+def _enum_as_literal(tp: Any) -> Any:
+    """A key typed with an enum (``config.algorithm_names``) holds one of its values, as a Literal would."""
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return Literal[tuple(member.value for member in tp)]
     return tp
 
 

@@ -3,10 +3,10 @@
 Behind ``service.train_service.backend=local`` in this process, and on each rank of a trainer group
 (an MPI job's trainer ranks, a standalone service's torchrun workers).
 
-Token-level PPO-clip loss (with the dual clip and a log-ratio clamp), an optional entropy bonus,
-optional KL to a frozen reference, mini-batches (one optimizer step each) split into micro-batches
-whose gradients accumulate with a mini-batch-wide normaliser, grad-norm clipping, AdamW, linear LR
-warm-up then constant or cosine. A non-finite loss or
+Each micro-batch's loss is ``algorithm.loss.ActorLoss`` (the policy loss with the dual clip and a
+log-ratio clamp, an optional entropy bonus, optional KL to a frozen reference); mini-batches (one
+optimizer step each) split into micro-batches whose gradients accumulate with a mini-batch-wide
+normaliser, grad-norm clipping, AdamW, linear LR warm-up then constant or cosine. A non-finite loss or
 gradient skips that optimizer step and is reported in the metrics (``actor/nan_skipped``).
 The parallelism (one process, FSDP2 or DeepSpeed ZeRO over the trainer ranks) is a ``ParallelStrategy``: every
 rank runs this same code on its slice of each mini-batch, with the same number of forward/backward
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.algorithm.core_algos import aggregate, kl_penalty, policy_loss
+from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.batch_plan import plan_batch
@@ -284,102 +284,80 @@ class PolicyTrainer(TrainServiceClient):
         cfg = self._require_cfg()
         par = self._require_parallel()
         actor = cfg["actor"]
-        algo = cfg["algorithm"]
-        has_behaviour = "behaviour_log_probs" in shard
-        agg = actor["loss_agg_mode"]
-        entropy_coeff = actor["entropy_coeff"]
-        pg_loss_fn = policy_loss(actor["policy_loss"])
+        loss_fn = ActorLoss.from_config(actor, cfg["algorithm"])
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
-        steps_done = 0
         for _ in range(actor["ppo_epochs"]):
             lo = 0
             for counts, normalizer, passes, ranges in zip(
                 plan["counts"], plan["normalizers"], plan["passes"], plan["micro"]
             ):
-                hi = lo + counts[par.rank]
                 par.zero_grad(self.model, self.optimizer)
                 for i in range(passes):
                     micro = self._micro(shard, lo, ranges[par.rank], i, plan["shared_prompts"])
-                    part, real = micro.tensors, micro.real
-                    weight = par.loss_scale() if real else 0.0  # a stand-in pass adds nothing
-                    logp, maybe_entropy = self._log_probs(
-                        micro, with_entropy=True, entropy_grad=entropy_coeff > 0
+                    mismatch = self._train_micro_batch(
+                        micro, loss_fn, normalizer, sums, i == passes - 1, first_step=not grad_norms
                     )
-                    assert maybe_entropy is not None
-                    entropy = maybe_entropy
-                    mask = part["response_mask"]
-                    if has_behaviour and steps_done == 0 and real:
-                        diff = (logp.detach() - part["behaviour_log_probs"]).abs() * mask
-                        mismatch_max = max(mismatch_max, float(diff.max()) if diff.numel() else 0.0)
-                    loss, stats = pg_loss_fn(
-                        logp,
-                        part["old_log_probs"],
-                        part["advantages"],
-                        mask,
-                        actor["clip_ratio_low"],
-                        actor["clip_ratio_high"],
-                        agg,
-                        normalizer,
-                        token_weights=part.get("is_weights"),
-                        clip_ratio_c=actor["clip_ratio_c"],
-                        log_ratio_clamp=actor["log_ratio_clamp"],
-                    )
-                    pg_value = float(loss.detach())
-                    entropy_agg = aggregate(entropy, mask, agg, normalizer)
-                    if entropy_coeff > 0:  # the bonus: higher entropy, lower loss
-                        loss = loss - entropy_coeff * entropy_agg
-                    kl = None
-                    if self.ref_model is not None:
-                        with torch.no_grad():
-                            ref_logp = response_log_probs(self.ref_model, part)
-                        kl = aggregate(
-                            kl_penalty(logp, ref_logp, algo["kl_loss_type"]), mask, agg, normalizer
-                        )
-                        loss = loss + algo["kl_loss_coef"] * kl
-                    # a non-finite loss shows up in the grad norm of the step
-                    par.backward(self.model, loss * weight, last_in_step=i == passes - 1)
-                    if real:
-                        sums.add(
-                            LossSums(
-                                pg_loss=pg_value,
-                                kl_loss=float(kl.detach()) if kl is not None else 0.0,
-                                entropy_loss=float(entropy_agg.detach()),
-                                clipfrac=float(stats["clipfrac_sum"]),
-                                clipfrac_lower=float(stats["clipfrac_lower_sum"]),
-                                clipfrac_upper=float(stats["clipfrac_upper_sum"]),
-                                clipfrac_dual=float(stats["clipfrac_dual_sum"]),
-                                ppo_kl=float(stats["ppo_kl_sum"]),
-                                entropy=float((entropy.detach() * mask).sum()),
-                                tokens=float(stats["tokens"]),
-                            )
-                        )
+                    mismatch_max = max(mismatch_max, mismatch)
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
                 if not stepped:
                     nan_skipped += 1
                     logger.warning("non-finite loss or gradient: optimizer step skipped")
                 grad_norms.append(grad_norm)
-                steps_done += 1
-                lo = hi
+                lo += counts[par.rank]
         lr = self.scheduler.get_last_lr()[0]
         with (
             warnings.catch_warnings()
         ):  # a step whose optimizer steps were all skipped still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
+        steps_done = len(grad_norms)
         metrics: dict[str, Any] = {
-            **sums.all_reduced(par).metrics(steps_done, algo["kl_loss_coef"], entropy_coeff),
+            **sums.all_reduced(par).metrics(
+                steps_done, cfg["algorithm"]["kl_loss_coef"], actor["entropy_coeff"]
+            ),
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
             "actor/lr": lr,
             "actor/nan_skipped": nan_skipped,
             "actor/optimizer_steps": steps_done - nan_skipped,
         }
-        if has_behaviour:
+        if "behaviour_log_probs" in shard:
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
         return metrics
+
+    def _train_micro_batch(
+        self,
+        micro: MicroBatch,
+        loss_fn: ActorLoss,
+        normalizer: float | None,
+        sums: LossSums,
+        last_in_step: bool,
+        first_step: bool,
+    ) -> float:
+        """Forward, the loss, backward of one micro-batch (its sums added when it is real); returns
+        the largest |log-prob - behaviour log-prob| of its tokens in the first optimizer step (0 else)."""
+        par = self._require_parallel()
+        part = micro.tensors
+        log_prob, entropy = self._log_probs(micro, with_entropy=True, entropy_grad=loss_fn.entropy_needs_grad)
+        assert entropy is not None
+        mismatch = 0.0
+        if first_step and micro.real and "behaviour_log_probs" in part:
+            diff = (log_prob.detach() - part["behaviour_log_probs"]).abs() * part["response_mask"]
+            mismatch = float(diff.max()) if diff.numel() else 0.0
+        ref_log_prob = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_log_prob = response_log_probs(self.ref_model, part)
+        loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
+        weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
+        # a non-finite loss shows up in the grad norm of the step
+        par.backward(self.model, loss * weight, last_in_step=last_in_step)
+        if micro.real:
+            sums.add(LossSums(**{name: float(value) for name, value in terms.items()}))
+        return mismatch
 
     # --- weights and checkpoints (the files: ``checkpoint.trainer_io``) -------------------------
     def _checkpoint_io(self, par: ParallelStrategy) -> TrainerCheckpointIO:
