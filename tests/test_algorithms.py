@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from nexrl_hpc.algorithm.advantage_processor import AdvantageProcessor, overlong_penalty
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import (
     aggregate,
@@ -19,7 +20,6 @@ from nexrl_hpc.algorithm.core_algos import (
     ppo_clip_loss,
     rloo_advantages,
 )
-from nexrl_hpc.algorithm.grpo import GRPOProcessor, overlong_penalty
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
@@ -149,7 +149,7 @@ def test_grpo_groups_by_every_key_of_a_hierarchical_key_list() -> None:
     """Leaves [1, 1] and [0, 0] under one first key are two groups of identical rewards: advantage
     0, not the +-0.87 of one group [1, 1, 0, 0]."""
     cfg = compose_config(["trajectory_pool.key_list=[group_id,leaf]"])
-    proc = GRPOProcessor(cfg, pad_token_id=0)
+    proc = AdvantageProcessor(cfg, pad_token_id=0)
     trajs = [
         {"group_id": "q", "leaf": leaf, "uid": "q", "epoch": 0, "reward": r, "prompt_ids": [1, 4],
          "response_ids": [5, 2], "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1]}
@@ -158,7 +158,7 @@ def test_grpo_groups_by_every_key_of_a_hierarchical_key_list() -> None:
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     assert out.values["advantages"].abs().max().item() == 0.0
     assert out.metadata["metrics"]["train/num_groups"] == 2
-    one_key = GRPOProcessor(compose_config(), pad_token_id=0).compute(Batch.from_trajectories(trajs, {}))
+    one_key = AdvantageProcessor(compose_config(), pad_token_id=0).compute(Batch.from_trajectories(trajs, {}))
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # 0.866: what grouping by the first key alone gives
     assert one_key.values["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, -a], abs=1e-5)
 
@@ -210,9 +210,9 @@ def test_pack_rejects_inconsistent_trajectories() -> None:
         pack_trajectories(bad, 0)
 
 
-def test_grpo_processor_builds_the_training_batch() -> None:
+def test_advantage_processor_builds_the_training_batch() -> None:
     cfg = compose_config()
-    proc = GRPOProcessor(cfg, pad_token_id=0)
+    proc = AdvantageProcessor(cfg, pad_token_id=0)
     trajs = []
     for g, rewards in (("a", [1.0, 0.0]), ("b", [0.0, 0.0])):
         for r in rewards:
@@ -246,7 +246,7 @@ def test_stepwise_advantages_give_each_turn_its_own_group_normalised_return() ->
     """Two 2-turn episodes and a 1-turn one in a group: turn 1 normalised over all three, turn 2
     over the two that reached it; environment tokens between turns (masked) get nothing."""
     cfg = compose_config(["task=tool_lookup", "algorithm.advantage_granularity=step"])
-    proc = GRPOProcessor(cfg, pad_token_id=0)
+    proc = AdvantageProcessor(cfg, pad_token_id=0)
     # response: turn 1 = tokens [0, 2), env tokens [2, 3), turn 2 = [3, 4)
     episodes = [([0.5, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
                 ([0.0, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
@@ -354,7 +354,7 @@ def test_per_turn_advantages_need_the_grpo_estimator() -> None:
 
 
 def test_the_processor_uses_the_configured_estimator() -> None:
-    proc = GRPOProcessor(compose_config(["algorithm=rloo"]), pad_token_id=0)
+    proc = AdvantageProcessor(compose_config(["algorithm=rloo"]), pad_token_id=0)
     trajs = [
         {"group_id": "a", "uid": "a", "epoch": 0, "reward": r, "prompt_ids": [1, 4], "response_ids": [5, 2],
          "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1], "weight_version": 0}
@@ -438,7 +438,7 @@ def test_the_processor_shapes_overlong_responses_before_the_advantage_and_can_ma
         ["rollout_worker.max_response_length=4", "algorithm.overlong.buffer_len=2",
          "algorithm.overlong.penalty_factor=1.0", "algorithm.norm_adv_by_std=false"]
     )  # fmt: skip
-    out = GRPOProcessor(cfg, pad_token_id=0).compute(
+    out = AdvantageProcessor(cfg, pad_token_id=0).compute(
         Batch.from_trajectories(_trajs([1.0, 1.0], [2, 4], ["stop", "length"]), {"model_tag": "default"})
     )
     # the 4-token response loses 1.0 (the whole factor at the limit): shaped rewards 1.0 and 0.0
@@ -446,7 +446,7 @@ def test_the_processor_shapes_overlong_responses_before_the_advantage_and_can_ma
     assert out.values["rewards"].tolist() == [1.0, 1.0]  # as scored
     assert out.metadata["metrics"]["train/overlong_penalty_mean"] == 0.5
     cfg = compose_config(["rollout_worker.max_response_length=4", "algorithm.overlong.filter=true"])
-    out = GRPOProcessor(cfg, pad_token_id=0).compute(
+    out = AdvantageProcessor(cfg, pad_token_id=0).compute(
         Batch.from_trajectories(_trajs([1.0, 0.0], [2, 4], ["stop", "length"]), {"model_tag": "default"})
     )
     assert out.values["response_mask"][1].sum() == 0 and out.values["advantages"][1].abs().sum() == 0

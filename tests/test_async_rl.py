@@ -187,12 +187,12 @@ def test_trainer_applies_the_staleness_bound_by_policy(tmp_path: Path, mode: str
         ]
     )
     worker = TrainWorker(cfg, NoopTrainService())
-    kept, metrics = worker._apply_staleness_bound(_batch([4, 3, 2, 1]), step=5)  # gaps 0, 1, 2, 3
+    kept, metrics = worker._staleness.apply(_batch([4, 3, 2, 1]), step=5)  # gaps 0, 1, 2, 3
     assert metrics["train/stale_over_bound"] == 2 and metrics["train/staleness_hist/3"] == 1
     if mode == "fully-async" and policy == "drop":
         assert kept is not None and kept.metadata["uid"] == ["u0", "u1"]
         assert metrics["train/stale_dropped_total"] == 2 and metrics["train/stale_kept_total"] == 0
-        all_stale, _ = worker._apply_staleness_bound(_batch([0, 0]), step=5)
+        all_stale, _ = worker._staleness.apply(_batch([0, 0]), step=5)
         assert all_stale is None  # nothing left to train on
     else:  # kept (and counted in async modes); sync mode has no bound to apply
         assert kept is not None and len(kept) == 4
@@ -347,7 +347,7 @@ def test_a_stale_drop_takes_the_whole_group_so_group_advantages_still_sum_to_zer
     batch.values["advantages"] = torch.tensor(
         [[1.0, 1.0], [-1.0, -1.0], [0.5, 0.5], [-0.5, -0.5], [0.0] * 2, [0.0] * 2]
     )
-    kept, metrics = worker._apply_staleness_bound(batch, step=5)
+    kept, metrics = worker._staleness.apply(batch, step=5)
     assert kept is not None and kept.metadata["uid"] == ["u2", "u3", "u4", "u5"]  # group 0 went whole
     assert metrics["train/stale_over_bound"] == 1 and metrics["train/stale_dropped_total"] == 2
     groups = kept.values["group_index"]

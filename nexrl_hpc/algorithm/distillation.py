@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from nexrl_hpc.config.schema import OPDConfig
+
 
 def distillation_advantages(
     student_log_probs: torch.Tensor,
@@ -38,3 +40,19 @@ def distillation_advantages(
         "train/opd_advantage_mean": float(advantages.sum() / tokens),
     }
     return advantages, stats
+
+
+def use_teacher_log_probs(
+    tensors: dict[str, torch.Tensor], teacher_log_probs: torch.Tensor, opd: OPDConfig
+) -> dict[str, float]:
+    """The batch's advantages become the distillation advantages (``algorithm.opd``) of its old
+    log-probs against the teacher's; returns the reverse-KL statistics."""
+    tensors["advantages"], metrics = distillation_advantages(
+        tensors["old_log_probs"],
+        teacher_log_probs,
+        tensors["response_mask"],
+        tensors["advantages"],
+        opd["kl_coef"],
+        opd["reward_coef"],
+    )
+    return metrics

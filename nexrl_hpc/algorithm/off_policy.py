@@ -1,8 +1,8 @@
 """Off-policy bookkeeping of asynchronous RL: version gaps, the staleness bound, importance weights.
 
 A trajectory sampled with weight version ``v`` and trained at step ``s`` (which updates version
-``s - 1``) is ``s - 1 - v`` versions stale. Pure functions over a processed batch, so the trainer's
-step reads top to bottom.
+``s - 1``) is ``s - 1 - v`` versions stale. Functions over a processed batch (and the staleness
+bound, which keeps the run's drop counts), so the trainer's step calls each in a line or two.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from nexrl_hpc.config.schema import WeightConfig
 from nexrl_hpc.types import Batch
 
 T = TypeVar("T")
@@ -108,3 +109,76 @@ def importance_weights(
         "train/is_weight_over_cap_frac": float(((raw > cap) & on).sum() / tokens) if cap is not None else 0.0,
     }
     return weights * m, stats
+
+
+class StalenessBound:
+    """``weight.staleness_threshold`` in the async modes: rows more versions old than the bound are
+    dropped (``weight.stale_policy=drop``) or kept and counted (``keep``); sync mode only measures.
+
+    A drop takes the stale row's whole group with it: the group's advantages were computed
+    against each other, and the rows left of a group would no longer sum to zero."""
+
+    def __init__(self, bound: int, drop: bool, async_mode: bool):
+        self.bound = bound
+        self._drop = drop
+        self._async = async_mode
+        self._dropped_total = 0
+        self._kept_total = 0
+
+    @classmethod
+    def from_config(cls, weight: WeightConfig) -> StalenessBound:
+        return cls(
+            weight["staleness_threshold"], weight["stale_policy"] == "drop", weight["sync_mode"] != "sync"
+        )
+
+    def apply(
+        self, batch: Batch[torch.Tensor], step: int
+    ) -> tuple[Batch[torch.Tensor] | None, dict[str, float]]:
+        """The rows of ``batch`` step ``step`` trains (None: every row dropped) and the step's
+        staleness metrics (running totals included)."""
+        gap = staleness(batch, step)
+        metrics = staleness_metrics(gap)
+        stale = gap > self.bound
+        n_stale = int(stale.sum())
+        kept: Batch[torch.Tensor] | None = batch
+        if self._async and n_stale:
+            if self._drop:
+                drop = rows_of_groups(batch, stale)
+                n_drop = int(drop.sum())
+                self._dropped_total += n_drop
+                kept = select_rows(batch, ~drop) if n_drop < len(batch) else None
+            else:
+                self._kept_total += n_stale
+        metrics["train/stale_dropped_total"] = float(self._dropped_total)
+        metrics["train/stale_kept_total"] = float(self._kept_total)
+        metrics["train/stale_over_bound"] = float(n_stale)
+        return kept, metrics
+
+
+def use_recomputed_log_probs(
+    tensors: dict[str, torch.Tensor],
+    recomputed: torch.Tensor,
+    correction: Literal["none", "decoupled", "tis"],
+    is_cap: float | None,
+) -> dict[str, float]:
+    """The trainer's recomputed (proximal) log-probs become the batch's old log-probs; with an
+    ``algorithm.off_policy_correction`` the tokens are weighted by pi_prox / pi_behaviour
+    (``is_weights``). Returns the engine-vs-trainer mismatch and the weights' statistics."""
+    mask = tensors["response_mask"]
+    diff = (recomputed - tensors["behaviour_log_probs"]).abs() * mask
+    metrics = {
+        "train/logprob_mismatch_max": float(diff.max()),
+        "train/logprob_mismatch_mean": float(diff.sum() / mask.sum().clamp(min=1.0)),
+    }
+    tensors["old_log_probs"] = recomputed
+    if correction != "none":  # decoupled / truncated IS: weight by pi_prox / pi_behaviour
+        weights, is_metrics = importance_weights(
+            recomputed,
+            tensors["behaviour_log_probs"],
+            mask,
+            is_cap,
+            over_cap="mask" if correction == "decoupled" else "truncate",
+        )
+        tensors["is_weights"] = weights
+        metrics.update(is_metrics)
+    return metrics

@@ -8,7 +8,7 @@ puts) is the base worker's: validation episodes go to the validator because ``_a
 routes by the task's context.
 
 Episode numbers (turns, termination reason, tool calls/errors, correctness) travel in the
-trajectory's ``scores``; the validator and the GRPO processor average them into metrics.jsonl.
+trajectory's ``scores``; the validator and the advantage processor average them into metrics.jsonl.
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
 
         return TrajectoryPool
     if role == NexRLRole.ALGORITHM_PROCESSOR:
-        from nexrl_hpc.algorithm.grpo import GRPOProcessor
+        from nexrl_hpc.algorithm.advantage_processor import AdvantageProcessor
 
-        return GRPOProcessor
+        return AdvantageProcessor
     if role == NexRLRole.TRAIN_BATCH_POOL:
         from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
 

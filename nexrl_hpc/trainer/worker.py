@@ -24,14 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nexrl_hpc.algorithm.distillation import distillation_advantages
-from nexrl_hpc.algorithm.off_policy import (
-    importance_weights,
-    rows_of_groups,
-    select_rows,
-    staleness,
-    staleness_metrics,
-)
+from nexrl_hpc.algorithm.distillation import use_teacher_log_probs
+from nexrl_hpc.algorithm.off_policy import StalenessBound, use_recomputed_log_probs
 from nexrl_hpc.checkpoint.manager import CheckpointManager, capture_rng_state
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
@@ -79,10 +73,7 @@ class TrainWorker(NexRLModule):
         self._send_ahead_enabled = (
             self._async and not self._recompute and teacher is None and client.queues_updates
         )
-        self._staleness_bound = weight["staleness_threshold"]
-        self._drop_stale = weight["stale_policy"] == "drop"
-        self._stale_dropped_total = 0
-        self._stale_kept_total = 0
+        self._staleness = StalenessBound.from_config(weight)
         self._dump_rollouts = config["logger"]["dump_rollouts"]
         self._run_dir = config["run_dir"]
         keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
@@ -227,35 +218,12 @@ class TrainWorker(NexRLModule):
         if self._dataloader is not None and keys:
             execute(self._dataloader.release_items, keys)
 
-    def _apply_staleness_bound(self, batch: Batch, step: int) -> tuple[Batch | None, dict[str, float]]:
-        """Async modes: rows more than ``staleness_threshold`` versions old are dropped or kept (counted).
-
-        A drop takes the stale row's whole group with it: the group's advantages were computed
-        against each other, and the rows left of a group would no longer sum to zero."""
-        gap = staleness(batch, step)
-        metrics = staleness_metrics(gap)
-        stale = gap > self._staleness_bound
-        n_stale = int(stale.sum())
-        kept: Batch | None = batch
-        if self._async and n_stale:
-            if self._drop_stale:
-                drop = rows_of_groups(batch, stale)
-                n_drop = int(drop.sum())
-                self._stale_dropped_total += n_drop
-                kept = select_rows(batch, ~drop) if n_drop < len(batch) else None
-            else:
-                self._stale_kept_total += n_stale
-        metrics["train/stale_dropped_total"] = float(self._stale_dropped_total)
-        metrics["train/stale_kept_total"] = float(self._stale_kept_total)
-        metrics["train/stale_over_bound"] = float(n_stale)
-        return kept, metrics
-
     def _start_step(self, batch: Batch, step: int) -> _StartedStep | None:
         """Step ``step`` up to its update being sent: staleness bound, (recomputed) old log-probs,
         (the teacher's advantages); None when the batch was dropped (no step trained)."""
         t0 = time.monotonic()
         consumed = list(batch.metadata.get("task_keys", []))  # trained or dropped below
-        kept, stale_metrics = self._apply_staleness_bound(batch, step)
+        kept, stale_metrics = self._staleness.apply(batch, step)
         assert self._weight_sync_controller is not None
         if kept is None:
             self._release_tasks(consumed)
@@ -263,7 +231,7 @@ class TrainWorker(NexRLModule):
             logger.warning(
                 "a batch of %d trajectories was over the staleness bound (%d) and dropped: no step trained",
                 len(batch),
-                self._staleness_bound,
+                self._staleness.bound,
             )
             return None
         batch = kept
@@ -276,36 +244,14 @@ class TrainWorker(NexRLModule):
             recomputed = self._client.compute_log_prob({"batch": tensors, "meta_info": {}})["batch"][
                 "old_log_probs"
             ]
-            mask = tensors["response_mask"]
-            diff = (recomputed - tensors["behaviour_log_probs"]).abs() * mask
-            metrics["train/logprob_mismatch_max"] = float(diff.max())
-            metrics["train/logprob_mismatch_mean"] = float(diff.sum() / mask.sum().clamp(min=1.0))
-            tensors["old_log_probs"] = recomputed
-            if self._correction != "none":  # decoupled / truncated IS: weight by pi_prox / pi_behaviour
-                weights, is_metrics = importance_weights(
-                    recomputed,
-                    tensors["behaviour_log_probs"],
-                    mask,
-                    self._is_cap,
-                    over_cap="mask" if self._correction == "decoupled" else "truncate",
-                )
-                tensors["is_weights"] = weights
-                metrics.update(is_metrics)
+            metrics.update(use_recomputed_log_probs(tensors, recomputed, self._correction, self._is_cap))
         t_teacher = time.monotonic()
         if self._teacher is not None:
             scored = {k: tensors[k] for k in REQUIRED_KEYS}  # the sequences only: nothing else crosses
             teacher_log_probs = self._teacher.compute_log_prob({"batch": scored, "meta_info": {}})["batch"][
                 "old_log_probs"
             ]
-            tensors["advantages"], opd_metrics = distillation_advantages(
-                tensors["old_log_probs"],
-                teacher_log_probs,
-                tensors["response_mask"],
-                tensors["advantages"],
-                self._opd["kl_coef"],
-                self._opd["reward_coef"],
-            )
-            metrics.update(opd_metrics)
+            metrics.update(use_teacher_log_probs(tensors, teacher_log_probs, self._opd))
         t1 = time.monotonic()
         self._timeline.add("timing/old_log_prob_s", t_teacher - t0)
         self._timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)

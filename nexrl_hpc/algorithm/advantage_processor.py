@@ -1,4 +1,8 @@
-"""GRPO: group-normalised outcome advantages, broadcast over each response's trained tokens."""
+"""The algorithm processor: a batch of trajectories -> the training batch, with its advantages.
+
+Every estimator of ``algorithm.adv_estimator`` (``core_algos.ADVANTAGE_ESTIMATORS``: GRPO, RLOO,
+REINFORCE++, ...) or the per-turn returns of multi-turn rollouts, DAPO's overlong shaping, the batch's
+metrics; each sequence's advantage is broadcast over its trained tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from nexrl_hpc.tracking.timing import rollout_intervals
 from nexrl_hpc.types import Batch
 
 
-class GRPOProcessor(BaseAlgorithmProcessor):
+class AdvantageProcessor(BaseAlgorithmProcessor):
+    """The ``algorithm_processor`` role (``algorithm.type=grpo``): advantages by the configured estimator."""
+
     def __init__(self, config: RLTrainConfig, pad_token_id: int):
         super().__init__(config)
         algo = config["algorithm"]
