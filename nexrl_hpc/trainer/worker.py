@@ -104,22 +104,7 @@ class TrainWorker(NexRLModule):
 
     def train_service_config(self) -> dict[str, Any]:
         """What the train service workers need (the training service's ``initialize_worker`` payload)."""
-        ts = self._config["service"]["train_service"]
-        return {
-            "actor": ts["actor"],
-            "algorithm": {k: self._config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
-            "engine": ts["engine"],
-            "fsdp": ts["fsdp"],
-            "deepspeed": ts["deepspeed"],
-            "device": ts["device"],
-            "dtype": ts["dtype"],
-            "dist_backend": ts["dist_backend"],
-            "num_threads": ts["num_threads"],
-            "export_max_shard_mb": ts["export_max_shard_mb"],
-            "attn_implementation": self._config["model"]["attn_implementation"],
-            "gradient_checkpointing": self._config["model"]["gradient_checkpointing"],
-            "total_training_steps": self._total_steps,
-        }
+        return train_service_config(self._config)
 
     def teacher_service_config(self) -> dict[str, Any]:
         """The teacher's ``initialize_worker`` payload: the student's settings, its own engine, no KL reference."""
@@ -407,6 +392,26 @@ class _StartedStep:
     metrics: dict[str, Any]
     update: UpdateInFlight
     exported_in_send_s: float  # a backend that does not queue: the send's seconds (update + export)
+
+
+def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
+    """What the train service workers need (the training service's ``initialize_worker`` payload)."""
+    ts = config["service"]["train_service"]
+    return {
+        "actor": ts["actor"],
+        "algorithm": {k: config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
+        "engine": ts["engine"],
+        "fsdp": ts["fsdp"],
+        "deepspeed": ts["deepspeed"],
+        "device": ts["device"],
+        "dtype": ts["dtype"],
+        "dist_backend": ts["dist_backend"],
+        "num_threads": ts["num_threads"],
+        "export_max_shard_mb": ts["export_max_shard_mb"],
+        "attn_implementation": config["model"]["attn_implementation"],
+        "gradient_checkpointing": config["model"]["gradient_checkpointing"],
+        "total_training_steps": config["train_worker"]["total_train_steps"],
+    }
 
 
 def throughput(metrics: dict[str, Any], batch: Batch) -> dict[str, float]:
