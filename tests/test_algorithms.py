@@ -478,3 +478,61 @@ def test_identical_rewards_and_groups_of_one_give_zero_advantages_for_every_esti
             estimator, torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask[:2], True, 1e-6
         )
         assert alone.tolist() == [0.0, 0.0]
+
+
+def test_every_name_the_config_accepts_has_an_implementation_and_the_schema_types_it() -> None:
+    import typing
+
+    from nexrl_hpc.algorithm.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from nexrl_hpc.config.algorithm_names import AdvantageEstimator, KLEstimator, PolicyLossName
+    from nexrl_hpc.config.schema import AlgorithmConfig
+    from nexrl_hpc.config.train_service_schema import ActorConfig
+
+    assert set(ADVANTAGE_ESTIMATORS) == set(AdvantageEstimator)
+    assert set(POLICY_LOSSES) == set(PolicyLossName)
+    for kind in KLEstimator:
+        assert kl_penalty(torch.zeros(1), torch.zeros(1), kind).tolist() == [0.0]
+    algorithm, actor = typing.get_type_hints(AlgorithmConfig), typing.get_type_hints(ActorConfig)
+    assert algorithm["adv_estimator"] is AdvantageEstimator and algorithm["kl_loss_type"] is KLEstimator
+    assert actor["policy_loss"] is PolicyLossName
+
+
+def test_the_actor_loss_is_the_surrogate_minus_the_entropy_bonus_plus_the_kl_penalty() -> None:
+    from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
+
+    actor = compose_config()["service"]["train_service"]["actor"]
+    actor = {**actor, "entropy_coeff": 0.01}
+    loss_fn = ActorLoss.from_config(actor, {"kl_loss_coef": 0.1, "kl_loss_type": "k3"})
+    g = torch.Generator().manual_seed(0)
+    log_prob = torch.randn(3, 4, generator=g).clamp(max=-0.1).requires_grad_()
+    entropy = torch.rand(3, 4, generator=g)
+    tensors = {
+        "old_log_probs": log_prob.detach() - 0.05,
+        "advantages": torch.randn(3, 4, generator=g),
+        "response_mask": torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]),
+    }
+    ref = log_prob.detach() + 0.2
+    loss, metrics = loss_fn(LossInputs(log_prob, entropy, tensors, 9.0, ref))
+    mask, agg = tensors["response_mask"], actor["loss_agg_mode"]
+    pg, _ = ppo_clip_loss(
+        log_prob,
+        tensors["old_log_probs"],
+        tensors["advantages"],
+        mask,
+        actor["clip_ratio_low"],
+        actor["clip_ratio_high"],
+        agg,
+        9.0,
+        clip_ratio_c=actor["clip_ratio_c"],
+        log_ratio_clamp=actor["log_ratio_clamp"],
+    )
+    kl = aggregate(kl_penalty(log_prob, ref, "k3"), mask, agg, 9.0)
+    expected = pg - 0.01 * aggregate(entropy, mask, agg, 9.0) + 0.1 * kl
+    assert float(loss.detach()) == float(expected.detach()) and float(metrics["kl_loss"]) == float(
+        kl.detach()
+    )
+    assert float(metrics["entropy"]) == pytest.approx(float((entropy * mask).sum()))
+    assert float(metrics["tokens"]) == 9.0 and float(metrics["pg_loss"]) == float(pg.detach())
+    assert loss_fn.entropy_needs_grad
+    without_ref = loss_fn(LossInputs(log_prob, entropy, tensors, 9.0, None))
+    assert float(without_ref[1]["kl_loss"]) == 0.0
