@@ -7,8 +7,10 @@ update the policy. Here the same step is one function calling the same pieces: t
 tokenizer the config builds, the task's rows and reward function, ``core_algos``' advantages,
 ``pack_trajectories`` and the ``PolicyTrainer``'s update (whose loss is ``algorithm.loss.ActorLoss``).
 ``tests/test_reference_step.py`` checks that its loss is the framework's on the same trajectories.
+Left out: what the defaults leave off (DAPO's overlong shaping and dynamic sampling, per-turn
+advantages of agents, off-policy corrections, distillation).
 
-    python -m nexrl_hpc.reference_step            # one step of the default config (a few seconds)
+    python -m nexrl_hpc.reference_step            # one step of the default config
 """
 
 from __future__ import annotations
