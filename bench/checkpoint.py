@@ -62,10 +62,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from nexrl_hpc.assembly import validate_config  # noqa: E402
 from nexrl_hpc.checkpoint.digest import verify_checkpoint  # noqa: E402
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
 from nexrl_hpc.checkpoint.manager import COMPLETE  # noqa: E402
-from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
+from nexrl_hpc.config import register_resolvers  # noqa: E402
 from nexrl_hpc.models.tiny import materialize_base_model  # noqa: E402
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from nexrl_hpc.trainer.worker import TrainWorker  # noqa: E402

@@ -29,7 +29,8 @@ def random_baseline(overrides: list[str]) -> float:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from nexrl_hpc.config import register_resolvers, validate_config
+    from nexrl_hpc.assembly import validate_config
+    from nexrl_hpc.config import register_resolvers
     from nexrl_hpc.config.location import config_dir
     from nexrl_hpc.tasks.frozenlake import generate_splits
 

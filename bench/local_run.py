@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
+from nexrl_hpc.assembly import validate_config  # noqa: E402
+from nexrl_hpc.config import register_resolvers  # noqa: E402
 from nexrl_hpc.controller import NexRLController  # noqa: E402
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

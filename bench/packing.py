@@ -54,7 +54,8 @@ def compose(overrides: list[str]) -> RLTrainConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from nexrl_hpc.config import register_resolvers, validate_config
+    from nexrl_hpc.assembly import validate_config
+    from nexrl_hpc.config import register_resolvers
     from nexrl_hpc.config.location import config_dir
 
     register_resolvers()

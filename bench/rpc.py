@@ -45,7 +45,8 @@ class Echo:
 def default_config(overrides: list[str] | None = None) -> Any:
     from hydra import compose, initialize_config_dir
 
-    from nexrl_hpc.config import register_resolvers, validate_config
+    from nexrl_hpc.assembly import validate_config
+    from nexrl_hpc.config import register_resolvers
 
     register_resolvers()
     config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

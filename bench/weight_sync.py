@@ -37,8 +37,9 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from nexrl_hpc.assembly import validate_config  # noqa: E402
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir, write_hf_model_dir  # noqa: E402
-from nexrl_hpc.config import register_resolvers, validate_config  # noqa: E402
+from nexrl_hpc.config import register_resolvers  # noqa: E402
 from nexrl_hpc.inference.vllm_server import VLLMServer  # noqa: E402
 from nexrl_hpc.models.tiny import build_tiny_model, materialize_base_model  # noqa: E402
 from nexrl_hpc.weight_sync.transport import VLLMReloadTransport  # noqa: E402

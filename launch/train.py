@@ -14,10 +14,11 @@ import sys
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.assembly import validate_config
+from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.location import CONFIG_NAME, config_dir
-from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.launcher.preflight import preflight
 
 CONFIG_DIR = config_dir()
 
@@ -63,6 +64,7 @@ def hydra_main(cfg: DictConfig) -> None:
         return
     _prewarm_inference_server(config)  # before any heavy import (transformers here), which it overlaps
     _quiet_third_party()
+    from nexrl_hpc.assembly.roles import ROLES
     from nexrl_hpc.controller import run_controller  # heavy imports only once the config is valid
     from nexrl_hpc.inference.prewarm import discard_prewarmed
     from nexrl_hpc.runtime.mpi import exit_process, run_mpi
@@ -71,7 +73,7 @@ def hydra_main(cfg: DictConfig) -> None:
     freeze_imports(config["runtime"])
     grace_s = config["runtime_monitor"]["stop_timeout_s"]
     if config["launch_mode"] == "mpi":
-        code = run_mpi(config, run_controller, HydraConfig.get().runtime.output_dir)
+        code = run_mpi(config, run_controller, ROLES, HydraConfig.get().runtime.output_dir)
         exit_process(code, grace_s)  # never hangs on dead peers' threads
     try:
         code = run_controller(config)

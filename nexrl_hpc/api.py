@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.assembly import validate_config
+from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.location import CONFIG_NAME, config_dir
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
@@ -97,7 +98,7 @@ def _compose(overrides: list[str]) -> RLTrainConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from nexrl_hpc.config.preflight import preflight
+    from nexrl_hpc.launcher.preflight import preflight
 
     register_resolvers()
     preflight(config_dir(), CONFIG_NAME, overrides)  # raises ConfigError listing every problem

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import yaml
 
+from nexrl_hpc.assembly.roles import ROLES
 from nexrl_hpc.checkpoint.manager import (
     STATE_FILE,
     checkpoint_to_resume,
@@ -33,7 +34,6 @@ from nexrl_hpc.checkpoint.manager import (
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.core.execute import execute, execute_async
-from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.gc_tuning import settle_after_setup
@@ -42,6 +42,7 @@ from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.runtime.run_files import restrict_run_files
+from nexrl_hpc.tasks.prepare import prepare_datasets
 from nexrl_hpc.tracking.experiment import ExperimentLogger
 from nexrl_hpc.tracking.plots import read_metrics
 from nexrl_hpc.tracking.run_status import RunStatus
@@ -67,7 +68,7 @@ class NexRLController:
     def __init__(self, config: RLTrainConfig, runtime: Runtime | None = None) -> None:
         self.config = config
         self.run_dir = os.path.abspath(config["run_dir"])
-        self.runtime: Runtime = runtime if runtime is not None else LocalRuntime(config)
+        self.runtime: Runtime = runtime if runtime is not None else LocalRuntime(config, ROLES)
         self._monitor = config["runtime_monitor"]
         self._poll_s = self._monitor["poll_interval_s"]
         self._modules_built = False

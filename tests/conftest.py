@@ -17,7 +17,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.assembly import validate_config
+from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.location import config_dir
 from tests.helpers.hosts import DevHosts, Outsider, dev_hosts
 

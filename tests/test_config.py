@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from nexrl_hpc.config import validate_config
-from nexrl_hpc.config.preflight import preflight
+from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, check_against_schema
+from nexrl_hpc.launcher.preflight import preflight
 from tests.conftest import CONFIG_DIR, compose_config, compose_raw, run_train
 
 

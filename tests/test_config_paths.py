@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
+from nexrl_hpc.launcher.preflight import preflight
 from tests.conftest import CONFIG_DIR, compose_config, run_train
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from nexrl_hpc.data.loader import JsonlDataLoader
-from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.tasks.max_digit import generate_splits
+from nexrl_hpc.tasks.prepare import prepare_datasets
 from tests.conftest import compose_config
 
 

@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import DatasetLoader
-from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.data.rows import MISSING, get_path
 from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.rollout.single_turn import SingleTurnRolloutWorker
+from nexrl_hpc.tasks.prepare import prepare_datasets
 from tests.conftest import compose_config, run_train
 
 DATA_TYPE = {"jsonl": "jsonl", "parquet": "parquet", "hf_disk": "hf", "hf_parquet": "hf", "hf_jsonl": "hf"}

@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
-from nexrl_hpc.config import validate_config
+from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config.hardware import hardware_problems, local_device_problems
 from nexrl_hpc.config.location import config_dir
-from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.inference.vllm_server import VLLMServer
+from nexrl_hpc.launcher.preflight import preflight
 from nexrl_hpc.launcher.slurm import check_slurm_job
 from nexrl_hpc.trainer.parallel import mixed_precision_policy
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer

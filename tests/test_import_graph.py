@@ -6,15 +6,56 @@ arrow between the two files), except those under ``if TYPE_CHECKING:`` (never ex
 for the type checker). ``from pkg import name`` points at ``pkg/name.py`` when that file exists,
 otherwise at ``pkg/__init__.py``; the implicit import of a module's parent packages is not an arrow.
 A circle is a strongly connected component of more than one file (or a file importing itself).
+
+The same graph with folders as nodes (each top-level file of the package, e.g. ``controller.py``,
+its own node) is checked against the declared layering ``LAYERS``: an import from a lower floor
+to a higher one runs against it. ``config/`` is the ground floor and imports no other folder.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = "nexrl_hpc"
 ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = [
+    "types",
+    "config",
+    "core",
+    "rpc",
+    "runtime",
+    "checkpoint",
+    "models",
+    "tracking",
+    "data",
+    "rewards",
+    "agents",
+    "tasks",
+    "weight_sync",
+    "inference",
+    "pool",
+    "algorithm",
+    "trainer",
+    "validate",
+    "rollout",
+    "run_health",
+    "assembly",
+    "controller",
+    "launcher",
+    "api",
+    "__init__",
+]
+"""The floors of the package, bottom to top: a folder (or top-level file) imports only from the
+floors below it. ``assembly`` composes the rooms (their config checks, the role registry) for the
+controller; the launcher starts the controller; ``__init__`` is the package's own ``__init__.py``."""
+
+MAX_IMPORTS_AGAINST_LAYERS = 5
 
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -153,3 +194,59 @@ def test_no_file_of_the_package_is_over_500_lines() -> None:
         name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+def floor(module: str) -> str:
+    """The node of ``module`` in the folder graph: its folder under the package, or the stem of a
+    top-level file (``__init__`` for the package's own ``__init__.py``)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def imports_against_layers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import from a floor of ``LAYERS`` to a higher one."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted((a, b) for a, targets in graph.items() for b in targets if rank[floor(a)] < rank[floor(b)])
+
+
+def test_every_folder_has_its_floor() -> None:
+    files = module_files()
+    assert {floor(m) for m in files} - set(LAYERS) == set(), "add the new folder to LAYERS"
+
+
+def test_few_imports_run_against_the_layering() -> None:
+    files = module_files()
+    against = imports_against_layers(import_graph(files))
+    assert len(against) <= MAX_IMPORTS_AGAINST_LAYERS, "imports against LAYERS:\n" + "\n".join(
+        f"  {a} ({floor(a)}) -> {b} ({floor(b)})" for a, b in against
+    )
+
+
+def test_config_imports_no_other_folder() -> None:
+    files = module_files()
+    graph = import_graph(files)
+    outside = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        if floor(a) == "config"
+        for b in targets
+        if floor(b) != "config"
+    )
+    assert outside == []
+
+
+def test_the_schema_imports_alone() -> None:
+    """A fresh interpreter that imports the schema loads no module of another folder of the package."""
+    code = (
+        "import json, sys, nexrl_hpc.config.schema; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'nexrl_hpc')))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    loaded = json.loads(out.stdout)
+    assert "nexrl_hpc.config.schema" in loaded
+    assert [m for m in loaded if m != "nexrl_hpc" and not m.startswith("nexrl_hpc.config")] == []

@@ -24,9 +24,9 @@ import torch
 import yaml
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
-from nexrl_hpc.config.preflight import preflight
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.launcher.preflight import preflight
 from tests.conftest import CONFIG_DIR, REPO
 from tests.test_hostile_wire import flood_lane, flood_zmq, idle_connections, still_open
 from tests.test_rpc import attack, attack_lane

@@ -14,10 +14,10 @@ import pytest
 
 from nexrl_hpc.agents.rewards import load_reward_fn
 from nexrl_hpc.config.validate import ConfigError
-from nexrl_hpc.data.prepare import prepare_datasets
 from nexrl_hpc.rewards import RewardOutput, exact_match, load_reward, reasoning_gym_score
 from nexrl_hpc.rewards.loader import as_reward, to_scores
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS, RewardRunner
+from nexrl_hpc.tasks.prepare import prepare_datasets
 from nexrl_hpc.tasks.reasoning_gym import reasoning_gym_rows
 from tests.conftest import compose_config, run_train
 

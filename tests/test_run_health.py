@@ -6,6 +6,7 @@ from typing import cast
 
 import pytest
 
+from nexrl_hpc.assembly.roles import ROLES
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.run_health import RunFailed, RunHealth
@@ -28,7 +29,7 @@ def _health(policy: str) -> tuple[RunHealth, ActivityTracker, list[tuple[set[str
     tracker = ActivityTracker()
     dropped: list[tuple[set[str], str]] = []
     health = RunHealth(
-        monitor, LocalRuntime(config), tracker, lambda names, why: dropped.append((names, why))
+        monitor, LocalRuntime(config, ROLES), tracker, lambda names, why: dropped.append((names, why))
     )
     return health, tracker, dropped
 

@@ -142,7 +142,7 @@ def test_warmed_up_model_writes_an_answer_then_stops_but_does_not_know_which(
 
 
 def test_chatml_bpe_without_a_corpus_is_a_config_error_naming_the_key() -> None:
-    from nexrl_hpc.config import validate_config
+    from nexrl_hpc.assembly import validate_config
     from nexrl_hpc.config.validate import ConfigError
 
     with pytest.raises(ConfigError) as err:

@@ -1,17 +1,21 @@
-"""Config: Hydra composition, OmegaConf resolvers, schema validation with one error listing every problem."""
+"""Config: Hydra composition, OmegaConf resolvers, schema validation with one error listing every problem.
+
+The ground floor: imports no other folder of the package. The cross-field checks live with the
+rooms that own the settings and are gathered by ``nexrl_hpc.assembly`` (whose ``validate_config``
+is the full check); ``checked_config`` runs the schema check and the checks it is handed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl_hpc.config.checks import semantic_problems
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, check_against_schema
 
-__all__ = ["ConfigError", "ConfigProblem", "register_resolvers", "resolve_config", "validate_config"]
+__all__ = ["ConfigError", "ConfigProblem", "checked_config", "register_resolvers", "resolve_config"]
 
 
 def register_resolvers() -> None:
@@ -88,12 +92,16 @@ def _drop_follow_on(problems: list[ConfigProblem], interpolations: dict[str, str
     return out
 
 
-def validate_config(cfg: DictConfig | Mapping) -> RLTrainConfig:
-    """Resolve and check ``cfg``; raise ``ConfigError`` listing every problem (exit code 2)."""
+def checked_config(
+    cfg: DictConfig | Mapping, cross_field_problems: Callable[[Mapping], list[ConfigProblem]]
+) -> RLTrainConfig:
+    """Resolve and check ``cfg`` against the schema and with ``cross_field_problems`` (the rooms'
+    checks, ``nexrl_hpc.assembly.checks.semantic_problems``); raise ``ConfigError`` listing every
+    problem (exit code 2)."""
     register_resolvers()
     container, problems, interpolations = resolve_config(cfg)
     problems += check_against_schema(container, RLTrainConfig)
-    problems += semantic_problems(container)
+    problems += cross_field_problems(container)
     problems = _drop_follow_on(problems, interpolations)
     if problems:
         raise ConfigError(problems)

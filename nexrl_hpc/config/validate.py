@@ -7,9 +7,10 @@ before anything is built, started or submitted.
 from __future__ import annotations
 
 import difflib
+import inspect
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, Union
@@ -17,7 +18,7 @@ from typing import Any, Literal, Union
 from typing_extensions import NotRequired, Required, is_typeddict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
-from nexrl_hpc.core.imports import load_object
+from nexrl_hpc.config.imports import load_object
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -80,6 +81,49 @@ def import_configured(spec: Any, key: str, form: str = "module:name", label: str
         raise ConfigError(
             [ConfigProblem(key, f"cannot import {label}{spec!r}: {type(exc).__name__}: {exc}")]
         ) from exc
+
+
+def rule_problems(holds: Callable[[], object], path: str, message: str) -> list[ConfigProblem]:
+    """``[ConfigProblem(path, message)]`` when the cross-field rule ``holds()`` is false; nothing when it
+    holds or cannot be evaluated (a missing or mistyped key: the schema check names that one)."""
+    try:
+        return [] if holds() else [ConfigProblem(path, message)]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return []
+
+
+def callable_problems(
+    cfg: Mapping, path: str, n_args: int | None, kwargs: Mapping[str, Any] | None = None
+) -> list[ConfigProblem]:
+    """The ``"module:function"`` at ``path`` (if set) imports, is callable and, when ``n_args`` is
+    given, accepts ``n_args`` positional arguments and the keywords ``kwargs``."""
+    spec = g_safe(cfg, path)
+    if spec is None or not isinstance(spec, str):
+        return []
+    try:
+        obj = import_configured(spec, path)
+    except ConfigError as exc:
+        return list(exc.problems)
+    if not callable(obj):
+        return [ConfigProblem(path, f"{spec!r} is not callable")]
+    if n_args is None:
+        return []
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    try:
+        sig.bind(*([None] * n_args), **dict(kwargs or {}))
+    except TypeError:
+        extra = f" and the keywords {sorted(kwargs)}" if kwargs else ""
+        return [
+            ConfigProblem(
+                path,
+                f"{spec!r} must accept {n_args} positional arguments{extra}, its signature is "
+                f"{spec.split(':')[-1]}{sig}",
+            )
+        ]
+    return []
 
 
 def _type_name(tp: Any) -> str:

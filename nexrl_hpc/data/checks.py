@@ -9,10 +9,11 @@ until one prompt fits (a dataset that fits is usually known from its first row).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from nexrl_hpc.config.validate import ConfigProblem
+from nexrl_hpc.config.validate import ConfigProblem, config_value, g_safe, rule_problems
 from nexrl_hpc.data.prompts import chat_template_problem, needs_chat_template, prompt_length
 from nexrl_hpc.data.readers import FILE_TYPES, first_rows, iter_rows
 from nexrl_hpc.data.rows import MISSING, get_path, normalise_row, prompt_problem
@@ -122,3 +123,70 @@ def _prompt_fit_problems(
             "raise the limit or shorten the prompts",
         )
     ]
+
+
+def data_files_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """Data read from files names at least one file (task and reasoning-gym data are generated)."""
+    g = lambda p: config_value(cfg, p)  # noqa: E731
+    return rule_problems(
+        lambda: g("data.type") in ("task", "reasoning_gym") or len(g("data.data_files")) > 0,
+        "data.data_files",
+        f"data.type={g_safe(cfg, 'data.type')} needs at least one file",
+    ) + rule_problems(
+        lambda: (
+            g("validate.data.type") in ("task", "reasoning_gym") or len(g("validate.data.data_files")) > 0
+        ),
+        "validate.data.data_files",
+        f"validate.data.type={g_safe(cfg, 'validate.data.type')} needs at least one file",
+    )
+
+
+def input_file_problems(cfg: Mapping, model_loads: bool) -> list[ConfigProblem]:
+    """The files of ``data.data_files`` and ``validate.data.data_files`` exist (read when data.type is
+    jsonl, parquet or hf, or validate.data.type for the latter), and their first rows have the
+    configured keys; ``model_loads``: ``model.path`` passed its check (the length check tokenizes).
+    Checked on the login node before sbatch, instead of failing once the job runs."""
+    problems: list[ConfigProblem] = []
+    file_types = ("jsonl", "parquet", "hf")  # data.type values read from data_files
+    train_files = g_safe(cfg, "data.type") in file_types
+    for key, reads in (
+        ("data.data_files", train_files),
+        ("validate.data.data_files", train_files or g_safe(cfg, "validate.data.type") in file_types),
+    ):
+        files = g_safe(cfg, key)
+        if not reads or not isinstance(files, list):
+            continue
+        prefix = key.rsplit(".", 1)[0]
+        readable: list[tuple[int, str]] = []
+        for i, path in enumerate(files):
+            if not isinstance(path, str):
+                continue  # the schema check reports the type
+            why = _unreadable_file(path, allow_dir=g_safe(cfg, f"{prefix}.type") == "hf")
+            if why:
+                problems.append(ConfigProblem(f"{key}[{i}]", f"{path!r}: {why}"))
+            else:
+                readable.append((i, path))
+        if readable and model_loads:  # their first rows have the configured keys, some prompt fits
+            try:
+                problems += data_file_problems(cfg, prefix, key, readable)
+            except (KeyError, TypeError, AttributeError):
+                pass  # the schema check reports the shape problem
+    return problems
+
+
+def _unreadable_file(path: str, allow_dir: bool = False) -> str:
+    """Why ``path`` cannot be read as a data file ('' if it can); ``allow_dir``: a datasets.save_to_disk folder."""
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        if allow_dir:
+            return "" if os.access(path, os.R_OK | os.X_OK) else "cannot be read (permission denied)"
+        return "is a directory, not a file"
+    if not os.path.isfile(path):
+        return "not a regular file"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return ""

@@ -93,7 +93,7 @@ def prompt_length_filter(config: RLTrainConfig) -> tuple[Any, int | None]:
 
 def reader_type(cfg: DataConfig) -> str:
     """The file reader of ``cfg``: generated data (task, reasoning_gym) is materialised as jsonl
-    (data/prepare.py)."""
+    (tasks/prepare.py)."""
     return cfg["type"] if cfg["type"] in FILE_TYPES else "jsonl"
 
 

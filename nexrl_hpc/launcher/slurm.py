@@ -116,6 +116,7 @@ def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict
 
     catch_signal_early(config["preemption"])  # a signal during start-up is remembered, not fatal
     hold_collections(config["runtime"])  # as launch.train: before the heavy imports
+    from nexrl_hpc.assembly.roles import ROLES
     from nexrl_hpc.controller import run_controller
     from nexrl_hpc.runtime.mpi import run_mpi
 
@@ -124,7 +125,7 @@ def run_job_task(config: RLTrainConfig, launcher_dir: str | None = None) -> dict
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
     if config["launch_mode"] == "mpi":
-        code = run_mpi(config, run_controller, launcher_dir)
+        code = run_mpi(config, run_controller, ROLES, launcher_dir)
     else:
         code = run_controller(config)
     sys.stdout.flush()

@@ -1,4 +1,5 @@
-"""Pre-flight of ``model.path``: the directory loads as an HF causal LM would, without its weights.
+"""The model's config checks. Pre-flight of ``model.path``: the directory loads as an HF causal LM
+would, without its weights; with ``model.path`` null, the tiny model's shape and its callables.
 
 Why up front: a model directory without weights, with a broken tokenizer or an architecture
 transformers does not know would otherwise fail after the run (or the Slurm job) has started.
@@ -7,7 +8,10 @@ transformers does not know would otherwise fail after the run (or the Slurm job)
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
+
+from nexrl_hpc.config.validate import ConfigProblem, callable_problems, config_value, g_safe, rule_problems
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -61,3 +65,75 @@ def vocabulary_mismatch(student: Any, teacher: Any, teacher_vocab_size: int) -> 
             f"has {len(s_vocab)} ids"
         )
     return ""
+
+
+def tiny_model_callable_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """``model.path`` null: the tiny model's warm-up and its tokenizer's corpus are callables."""
+    if g_safe(cfg, "model.path") is not None:
+        return []
+    warmup_args = g_safe(cfg, "model.tiny.warmup_args")
+    problems = callable_problems(
+        cfg, "model.tiny.warmup", 3, warmup_args if isinstance(warmup_args, Mapping) else None
+    )
+    if g_safe(cfg, "model.tiny.tokenizer.kind") == "chatml_bpe":
+        if not g_safe(cfg, "model.tiny.tokenizer.corpus"):
+            problems.append(
+                ConfigProblem(
+                    "model.tiny.tokenizer.corpus",
+                    "kind=chatml_bpe trains its BPE on a corpus: set 'module:function' returning texts",
+                )
+            )
+        corpus_args = g_safe(cfg, "model.tiny.tokenizer.corpus_args")
+        kwargs = corpus_args if isinstance(corpus_args, Mapping) else None
+        problems += callable_problems(cfg, "model.tiny.tokenizer.corpus", 0, kwargs)
+    return problems
+
+
+def model_path_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """``model.path`` is an HF-layout directory whose config and tokenizer load and that holds weights."""
+    model_path = g_safe(cfg, "model.path")
+    if not isinstance(model_path, str):
+        return []
+    why = model_dir_problem(model_path)
+    if not why:
+        return []
+    return [
+        ConfigProblem(
+            "model.path",
+            f"{model_path!r}: {why} (expected an HF-layout model directory with config.json; "
+            "null builds the tiny model of model.tiny)",
+        )
+    ]
+
+
+def tiny_model_shape_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """``model.path`` null: heads that divide, a context that fits the rollout's lengths, an alphabet."""
+    if g_safe(cfg, "model.path") is not None:
+        return []
+    g = lambda p: config_value(cfg, p)  # noqa: E731
+    rules: list[tuple[Any, str, str]] = [
+        (
+            lambda: g("model.tiny.hidden_size") % g("model.tiny.num_attention_heads") == 0,
+            "model.tiny.num_attention_heads",
+            "must divide model.tiny.hidden_size",
+        ),
+        (
+            lambda: g("model.tiny.num_attention_heads") % g("model.tiny.num_key_value_heads") == 0,
+            "model.tiny.num_key_value_heads",
+            "must divide model.tiny.num_attention_heads",
+        ),
+        (
+            lambda: (
+                g("rollout_worker.max_prompt_length") + g("rollout_worker.max_response_length")
+                <= g("model.tiny.max_position_embeddings")
+            ),
+            "rollout_worker.max_response_length",
+            "max_prompt_length + max_response_length must fit model.tiny.max_position_embeddings",
+        ),
+        (
+            lambda: g("model.tiny.tokenizer.kind") != "char" or len(g("model.tiny.tokenizer.alphabet")) > 0,
+            "model.tiny.tokenizer.alphabet",
+            "must not be empty",
+        ),
+    ]
+    return [p for holds, path, message in rules for p in rule_problems(holds, path, message)]

@@ -56,7 +56,7 @@ def build_tiny_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
 @functools.lru_cache(maxsize=4)
 def _trained_bpe_json(corpus: str, corpus_args_json: str, vocab_size: int) -> str:
     """The BPE trained on the corpus, serialised (trained once per process and configuration)."""
-    from nexrl_hpc.core.imports import load_object
+    from nexrl_hpc.config.imports import load_object
     from nexrl_hpc.models.chatml import train_bpe
 
     texts = load_object(corpus)(**json.loads(corpus_args_json))

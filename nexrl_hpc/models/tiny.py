@@ -69,7 +69,7 @@ def materialize_base_model(cfg: ModelConfig, out_dir: str) -> str:
     model, tokenizer = build_tiny_model(cfg["tiny"])
     warmup = cfg["tiny"].get("warmup")
     if warmup:  # e.g. a task's syntax warm-up: RL post-training starts from a model that can write the format
-        from nexrl_hpc.core.imports import load_object
+        from nexrl_hpc.config.imports import load_object
 
         with torch.random.fork_rng(devices=[]):
             load_object(warmup)(

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from nexrl_hpc.config.imports import load_object
 from nexrl_hpc.config.schema import FilterGroupsConfig, RLTrainConfig, TrajectoryPoolConfig
 from nexrl_hpc.core.activity import ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute, long_poll
-from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.pool.stores import TrajectoryStore, create_store

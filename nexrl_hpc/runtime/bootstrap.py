@@ -37,7 +37,7 @@ from nexrl_hpc.runtime.placement import (
     RankSpec,
     plan_placement,
 )
-from nexrl_hpc.runtime.roles import RunContext, build_module, role_class
+from nexrl_hpc.runtime.roles import RoleRegistry, RunContext, TrainerRankBuilder
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm, Intracomm
@@ -87,6 +87,7 @@ class MPIWorld:
     host: str
     peers: list[dict[str, Any]]
     key: bytes
+    roles: RoleRegistry  # which class builds which role (handed in by the composition)
     trainer: TrainerRank | None = None  # this rank's TrainerRank when it is a trainer (or teacher) rank
 
     def service_group(self, group: str = TRAINER_GROUP) -> tuple[str, bytes] | None:
@@ -102,8 +103,9 @@ class MPIWorld:
         return (address, self.key) if address else None
 
 
-def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
-    """Everything MPI is used for (besides the context broadcast and the barrier)."""
+def bootstrap(config: RLTrainConfig, comm: Intracomm, roles: RoleRegistry) -> MPIWorld:
+    """Everything MPI is used for (besides the context broadcast and the barrier); ``roles`` builds
+    this rank's modules and trainer."""
     rank = comm.Get_rank()
     placement = plan_placement(config, comm.Get_size())  # identical on every rank; raises on every rank
     spec = placement.ranks[rank]
@@ -114,7 +116,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     bind = resolve_on_every_rank(comm, rpc["interface"], "runtime.rpc.interface")
     registry = ModuleRegistry()
     locations: dict[str, tuple[int, type]] = {
-        name: (r, role_class(role, config)) for name, (r, role, _) in placement.modules().items()
+        name: (r, roles.role_class(role, config)) for name, (r, role, _) in placement.modules().items()
     }
     locations[TRACKER] = (0, ActivityTracker)
     directory_box: list[Directory] = []
@@ -137,7 +139,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     trainer = None
     names = spec.module_names
     if spec.group in SERVICE_GROUPS:
-        trainer = start_trainer_rank(config, group_comm, bind, key)
+        trainer = start_trainer_rank(config, group_comm, bind, key, roles.build_trainer_rank)
         names = [f"{spec.group}_rank_{spec.instance}"]
     peers = comm.allgather(
         {
@@ -157,21 +159,36 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm) -> MPIWorld:
     )
     registry.add_builtin("ping", lambda: True)
     return MPIWorld(
-        comm, rank, placement, spec, group_comm, endpoint, registry, directory, host, peers, key, trainer
+        comm,
+        rank,
+        placement,
+        spec,
+        group_comm,
+        endpoint,
+        registry,
+        directory,
+        host,
+        peers,
+        key,
+        roles,
+        trainer,
     )
 
 
-def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, bind: BindAddress, key: bytes) -> TrainerRank:
+def start_trainer_rank(
+    config: RLTrainConfig,
+    group_comm: Comm,
+    bind: BindAddress,
+    key: bytes,
+    build_trainer_rank: TrainerRankBuilder,
+) -> TrainerRank:
     """torch.distributed over the trainer group (its rendezvous address exchanged over MPI; gloo's
-    and NCCL's sockets on the interface of ``bind``), then this rank's TrainerRank (rank 0 binds
-    the socket the train worker sends batches to)."""
+    and NCCL's sockets on the interface of ``bind``), then this rank's TrainerRank from
+    ``build_trainer_rank`` (rank 0 binds the socket the train worker sends batches to)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-
-    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
-    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
     ts = config["service"]["train_service"]
     host = bind.address
@@ -219,15 +236,7 @@ def start_trainer_rank(config: RLTrainConfig, group_comm: Comm, bind: BindAddres
         world_size=size,
         timeout=timeout,
     )
-    return TrainerRank(
-        PolicyTrainer(),
-        torch.device(ts["device"]),
-        key,
-        host=host,
-        max_message_bytes=config["runtime"]["rpc"]["max_message_mb"] << 20,
-        idle_tick_s=ts["idle_tick_s"],
-        limits=WireLimits.from_config(config["runtime"]["rpc"]),
-    )
+    return build_trainer_rank(config, host, key)
 
 
 def _comm_type_shared() -> int:
@@ -242,7 +251,9 @@ def build_rank_modules(
     """Build, name and register this rank's modules (every rank, rank 0 included, once the context is known)."""
     modules = []
     for name, role in zip(world.spec.module_names, world.spec.roles):
-        module = build_module(role, config, ctx, world.service_group(), world.service_group(TEACHER_GROUP))
+        module = world.roles.build_module(
+            role, config, ctx, world.service_group(), world.service_group(TEACHER_GROUP)
+        )
         module.set_module_name(name)
         module.set_activity_tracker(proxy)
         world.registry.add(name, module)

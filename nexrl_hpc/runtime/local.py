@@ -14,15 +14,16 @@ from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.runtime.placement import module_name
 from nexrl_hpc.runtime.protocol import Runtime
-from nexrl_hpc.runtime.roles import RunContext, build_module, local_role_counts
+from nexrl_hpc.runtime.roles import RoleRegistry, RunContext, local_role_counts
 from nexrl_hpc.types import NexRLRole
 
 
 class LocalRuntime(Runtime):
-    """Every module is an object of this process."""
+    """Every module is an object of this process, built by the ``roles`` it is handed."""
 
-    def __init__(self, config: RLTrainConfig) -> None:
+    def __init__(self, config: RLTrainConfig, roles: RoleRegistry) -> None:
         self._config = config
+        self._roles = roles
         self._modules: dict[NexRLRole, list[Any]] = {}
 
     def create_all_actors(self, ctx: RunContext, tracker: ActivityTracker) -> None:
@@ -30,7 +31,7 @@ class LocalRuntime(Runtime):
         for role, count in local_role_counts(self._config).items():
             modules = []
             for index in range(count):
-                module = build_module(role, self._config, ctx)
+                module = self._roles.build_module(role, self._config, ctx)
                 module.set_module_name(module_name(role, index, count))
                 module.set_activity_tracker(proxy)
                 modules.append(module)

@@ -28,6 +28,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.runtime.bootstrap import bootstrap
 from nexrl_hpc.runtime.mpi_runtime import MPIRuntime
 from nexrl_hpc.runtime.rank_server import RankServer
+from nexrl_hpc.runtime.roles import RoleRegistry
 
 
 def configure_rank_logging(run_dir: str, rank: int) -> None:
@@ -57,9 +58,11 @@ def configure_rank_logging(run_dir: str, rank: int) -> None:
 def run_mpi(
     config: RLTrainConfig,
     run_controller: Callable[[RLTrainConfig, MPIRuntime], int],
+    roles: RoleRegistry,
     launcher_dir: str | None = None,
 ) -> int:
-    """Every rank: bootstrap; rank 0 runs ``run_controller(config, runtime)``, the others serve.
+    """Every rank: bootstrap; rank 0 runs ``run_controller(config, runtime)``, the others serve;
+    ``roles`` (the composition's role registry) builds each rank's modules.
 
     Rank 0's config (and so its run dir, which may hold a timestamp) is the job's config.
     Returns the process exit code: 2 when the placement does not fit (rank 0 says why).
@@ -96,7 +99,7 @@ def run_mpi(
         _remove_if_only_logs(launcher_dir)  # this rank's Hydra resolved another timestamp
     configure_rank_logging(run_dir, rank)
     try:
-        world = bootstrap(config, comm)
+        world = bootstrap(config, comm, roles)
     except (PlacementError, ConfigError) as err:  # raised by every rank (placement, runtime.rpc.interface)
         _cancel_bootstrap_watchdogs(watchdog)
         if rank == 0:

@@ -1,12 +1,20 @@
-"""How each role's module is built from the config — the same code on every launch mode and rank."""
+"""What the runtimes need to know about roles, without knowing the classes that fill them.
+
+Which class builds which role is the composition's knowledge (``nexrl_hpc.assembly.roles``); the
+runtimes are handed it as a ``RoleRegistry``, so that ``runtime/`` imports none of the modules it
+places and starts.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.types import NexRLRole
+
+if TYPE_CHECKING:
+    from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
 
 @dataclass
@@ -18,6 +26,42 @@ class RunContext:
     train_files: list[str]
     validation_files: list[str]
     pad_token_id: int
+
+
+class RoleClass(Protocol):
+    def __call__(self, role: NexRLRole, config: RLTrainConfig) -> type:
+        """The class a role is built from (also what a remote handle mirrors)."""
+        ...
+
+
+class ModuleBuilder(Protocol):
+    def __call__(
+        self,
+        role: NexRLRole,
+        config: RLTrainConfig,
+        ctx: RunContext,
+        trainer_group: tuple[str, bytes] | None = None,
+        teacher_group: tuple[str, bytes] | None = None,
+    ) -> Any:
+        """One module of ``role``; ``trainer_group`` / ``teacher_group``: (address of rank 0, job key)
+        when the job runs its own trainer (teacher) ranks."""
+        ...
+
+
+class TrainerRankBuilder(Protocol):
+    def __call__(self, config: RLTrainConfig, host: str, key: bytes) -> TrainerRank:
+        """This rank's trainer (torch.distributed already started over its group); rank 0 binds
+        on ``host`` the socket the train worker sends batches to."""
+        ...
+
+
+@dataclass(frozen=True)
+class RoleRegistry:
+    """The builders a runtime is handed: the class of a role, a module of a role, a trainer rank."""
+
+    role_class: RoleClass
+    build_module: ModuleBuilder
+    build_trainer_rank: TrainerRankBuilder
 
 
 def local_role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
@@ -34,84 +78,3 @@ def local_role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
         NexRLRole.INFERENCE_SERVICE: 1,
         NexRLRole.ROLLOUT_WORKER: config["rollout_worker"]["num_workers"],
     }
-
-
-def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
-    """The class a role is built from (also what a remote handle mirrors)."""
-    if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
-        from nexrl_hpc.data.loader import DatasetLoader
-
-        return DatasetLoader
-    if role == NexRLRole.TRAJECTORY_POOL:
-        from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
-
-        return TrajectoryPool
-    if role == NexRLRole.ALGORITHM_PROCESSOR:
-        from nexrl_hpc.algorithm.advantage_processor import AdvantageProcessor
-
-        return AdvantageProcessor
-    if role == NexRLRole.TRAIN_BATCH_POOL:
-        from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
-
-        return TrainBatchPool
-    if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.trainer.worker import TrainWorker
-
-        return TrainWorker
-    if role == NexRLRole.WEIGHT_SYNC_CONTROLLER:
-        from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
-
-        return RolloutScheduler
-    if role == NexRLRole.VALIDATOR:
-        from nexrl_hpc.validate.validator import Validator
-
-        return Validator
-    if role == NexRLRole.INFERENCE_SERVICE:
-        from nexrl_hpc.inference.service import InferenceService
-
-        return InferenceService
-    if role == NexRLRole.ROLLOUT_WORKER:
-        from nexrl_hpc.rollout.factory import rollout_worker_class
-
-        return rollout_worker_class(config)
-    raise ValueError(f"unknown role {role}")
-
-
-def build_module(
-    role: NexRLRole,
-    config: RLTrainConfig,
-    ctx: RunContext,
-    trainer_group: tuple[str, bytes] | None = None,
-    teacher_group: tuple[str, bytes] | None = None,
-) -> Any:
-    """``trainer_group`` / ``teacher_group``: (address of rank 0, job key) when the job runs its own
-    trainer (teacher) ranks."""
-    cls = role_class(role, config)
-    if role in (NexRLRole.DATA_LOADER, NexRLRole.VALIDATE_DATALOADER):
-        from nexrl_hpc.data.rows import prompt_length_filter
-
-        is_validate = role == NexRLRole.VALIDATE_DATALOADER
-        tokenizer, max_prompt_length = prompt_length_filter(config)  # long prompts: filtered at load time
-        return cls(
-            config["validate"]["data"] if is_validate else config["data"],
-            is_validate=is_validate,
-            data_files=ctx.validation_files if is_validate else ctx.train_files,
-            tokenizer=tokenizer,
-            max_prompt_length=max_prompt_length,
-            model_path=config["model"]["path"],
-        )
-    if role == NexRLRole.ALGORITHM_PROCESSOR:
-        return cls(config, pad_token_id=ctx.pad_token_id)
-    if role == NexRLRole.TRAIN_WORKER:
-        from nexrl_hpc.trainer.factory import create_teacher_client, create_train_service_client
-
-        address, key = trainer_group if trainer_group is not None else (None, None)
-        teacher_address, teacher_key = teacher_group if teacher_group is not None else (None, None)
-        return cls(
-            config,
-            create_train_service_client(config, ctx.base_model_dir, address, key),
-            create_teacher_client(config, teacher_address, teacher_key),
-        )
-    if role == NexRLRole.INFERENCE_SERVICE:
-        return cls(config, ctx.base_model_dir, ctx.run_dir)
-    return cls(config)

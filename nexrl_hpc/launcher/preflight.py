@@ -20,7 +20,8 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nexrl_hpc.config import register_resolvers, validate_config
+from nexrl_hpc.assembly import validate_config
+from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, moved_key_hint
 
 HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"

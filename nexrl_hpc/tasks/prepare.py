@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any
 
+from nexrl_hpc.config.imports import load_object
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.data.rows import load_rows, prompt_length_filter
 
 
