@@ -33,7 +33,7 @@ def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], li
     val_copy = os.path.join(data_dir, "validation.jsonl")
     if config["data"]["type"] == "task":
         spec = config["task"]["generator"]
-        assert spec is not None  # config.checks: data.type=task needs a generator
+        assert spec is not None  # tasks.checks: data.type=task needs a generator
         generator = load_object(spec)
         splits = generator(config["task"]["params"], config["data"]["seed"])
         train_path = os.path.join(data_dir, "train.jsonl")
