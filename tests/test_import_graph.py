@@ -38,6 +38,7 @@ LAYERS = [
     "agents",
     "tasks",
     "weight_sync",
+    "scheduler",
     "inference",
     "pool",
     "algorithm",
