@@ -24,8 +24,8 @@ import torch
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages
+from nexrl_hpc.config.imports import load_object
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.core.imports import load_object
 from nexrl_hpc.models.tiny import load_model, load_tokenizer, materialize_base_model, stop_token_ids
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
@@ -145,7 +145,8 @@ def main() -> None:
     """One step of the default config (``run_dir``: a temporary directory), its loss and reward."""
     from hydra import compose, initialize_config_dir
 
-    from nexrl_hpc.config import register_resolvers, validate_config
+    from nexrl_hpc.assembly import validate_config
+    from nexrl_hpc.config import register_resolvers
     from nexrl_hpc.config.location import CONFIG_NAME, config_dir
 
     register_resolvers()

@@ -47,6 +47,7 @@ LAYERS = [
     "rollout",
     "run_health",
     "assembly",
+    "reference_step",
     "controller",
     "launcher",
     "api",
