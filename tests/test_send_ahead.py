@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from nexrl_hpc.trainer.noop import NoopTrainService
-from nexrl_hpc.trainer.service import UpdateInFlight
+from nexrl_hpc.trainer.backend import UpdateInFlight
 from nexrl_hpc.trainer.worker import TrainWorker
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config

@@ -1,4 +1,4 @@
-"""Which TrainServiceClient a run gets: chosen by ``service.train_service.backend`` (the policy) and
+"""Which TrainBackend a run gets: chosen by ``service.train_service.backend`` (the policy) and
 ``service.train_service.teacher_service.backend`` (on-policy distillation's teacher).
 
 Kept apart from the interface (``service``) because it imports the implementations, which import
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.backend import TrainBackend
 
 
 def create_train_service_client(
@@ -18,7 +18,7 @@ def create_train_service_client(
     base_model_dir: str,
     trainer_address: str | None = None,
     job_key: bytes | None = None,
-) -> TrainServiceClient:
+) -> TrainBackend:
     """``local``: the policy trainer in this process (local mode) or the MPI job's trainer ranks (mpi mode:
     ``trainer_address`` is their rank 0); ``direct-zmq``: a standalone service at ``url``."""
     ts = config["service"]["train_service"]
@@ -40,7 +40,7 @@ def create_train_service_client(
 
 def create_teacher_client(
     config: RLTrainConfig, teacher_address: str | None = None, job_key: bytes | None = None
-) -> TrainServiceClient | None:
+) -> TrainBackend | None:
     """On-policy distillation's teacher (None without ``algorithm.teacher_model_path``): in this process,
     the MPI job's teacher ranks (``teacher_address`` is their rank 0), or a standalone service's worker
     group under its own identifier."""
@@ -69,7 +69,7 @@ def _client(
     model_dir: str,
     address: str | None,
     job_key: bytes | None,
-) -> TrainServiceClient:
+) -> TrainBackend:
     if backend == "local" and address is None:
         from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 

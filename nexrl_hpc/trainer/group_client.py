@@ -1,4 +1,4 @@
-"""TrainGroupClient: the TrainServiceClient of a trainer group (the training service's direct-ZMQ client).
+"""TrainGroupClient: the TrainBackend of a trainer group (the training service's direct-ZMQ client).
 
 Batches go to trainer rank 0 only, over one signed ZMQ connection; the control plane decides how
 a batch is started (``Control.submit``), then the client waits for the result:
@@ -30,7 +30,7 @@ import zmq
 from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.trainer.batch_contract import check_batch
 from nexrl_hpc.trainer.protocol import SignedChannel, TrainerRankError
-from nexrl_hpc.trainer.service import TrainServiceClient, UpdateInFlight
+from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 
 _LIVENESS_CHECK_S = 1.0
 
@@ -70,7 +70,7 @@ class DirectControl(Control):
         return value
 
 
-class TrainGroupClient(TrainServiceClient):
+class TrainGroupClient(TrainBackend):
     def __init__(
         self,
         address: str,
@@ -172,7 +172,7 @@ class TrainGroupClient(TrainServiceClient):
         dead = self._control.dead_ranks()
         return f"; {dead}" if dead else ""
 
-    # --- TrainServiceClient -----------------------------------------------------------------------
+    # --- TrainBackend -----------------------------------------------------------------------
     def _batch_operation(self, operation: str, tensors: dict[str, Any]) -> tuple[Any, dict]:
         op_id, start = self._send_batch(operation, tensors)
         return self._wait_batch(op_id, operation, start)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
-from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.backend import TrainBackend
 
 
-class NoopTrainService(TrainServiceClient):
+class NoopTrainService(TrainBackend):
     def __init__(self) -> None:
         self.batches_seen = 0
         self.trajectories_seen = 0

@@ -31,7 +31,7 @@ from nexrl_hpc.trainer.batch_plan import plan_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
-from nexrl_hpc.trainer.service import TrainServiceClient
+from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class MicroBatch:
     shared_prompts: bool  # bins are families packed as their prompt once (the plan's choice)
 
 
-class PolicyTrainer(TrainServiceClient):
+class PolicyTrainer(TrainBackend):
     """The model, its optimizer and LR schedule on one trainer rank, and the PPO update over them.
 
     A trainer group's rank 0 splits each batch with ``plan_batch`` and every rank runs the

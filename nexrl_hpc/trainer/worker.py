@@ -1,4 +1,4 @@
-"""TrainWorker: takes processed batches, trains through a TrainServiceClient, exports, checkpoints, notifies.
+"""TrainWorker: takes processed batches, trains through a TrainBackend, exports, checkpoints, notifies.
 
 One training step: (optionally) recompute old log-probs -> (on-policy distillation) the teacher's
 log-probs of the sampled tokens become per-token advantages -> ``update_actor`` and the export of
@@ -34,7 +34,7 @@ from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
-from nexrl_hpc.trainer.service import TrainServiceClient, UpdateInFlight
+from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 class TrainWorker(NexRLModule):
     def __init__(
-        self, config: RLTrainConfig, client: TrainServiceClient, teacher: TrainServiceClient | None = None
+        self, config: RLTrainConfig, client: TrainBackend, teacher: TrainBackend | None = None
     ):
         """``teacher``: on-policy distillation's frozen teacher (``compute_log_prob`` only), or None."""
         super().__init__()

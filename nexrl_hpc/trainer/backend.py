@@ -1,5 +1,5 @@
-"""TrainServiceClient: how the train worker (and tests) drive a training backend (the training
-service's methods).
+"""TrainBackend: the interface every training backend implements (the policy trainer, the trainer
+group's client, the no-op trainer); the train worker (and tests) drive training through it.
 
 Batches go in as ``{"batch": {name: tensor}, "meta_info": {...}}``; ``compute_log_prob`` returns
 ``{"batch": {"old_log_probs": tensor}}`` and ``update_actor`` ``{"meta_info": {"metrics": {...}}}``.
@@ -36,7 +36,7 @@ class _DoneUpdate(UpdateInFlight):
         return self._answer
 
 
-class TrainServiceClient(ABC):
+class TrainBackend(ABC):
     queues_updates = False  # True: start_update_actor returns before the update is done (see there)
 
     @abstractmethod
