@@ -50,7 +50,7 @@ from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
 
 if TYPE_CHECKING:
     from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
     from nexrl_hpc.inference.service import InferenceService
     from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
@@ -414,11 +414,11 @@ class NexRLController:
         return self.config["service"]["train_service"]["model_tag"] or DEFAULT_MODEL_TAG
 
     @property
-    def dataloader(self) -> JsonlDataLoader:
+    def dataloader(self) -> DatasetLoader:
         return self._one(NexRLRole.DATA_LOADER)
 
     @property
-    def validate_dataloader(self) -> JsonlDataLoader:
+    def validate_dataloader(self) -> DatasetLoader:
         return self._one(NexRLRole.VALIDATE_DATALOADER)
 
     @property

@@ -15,7 +15,7 @@ import torch
 from nexrl_hpc.algorithm.core_algos import ppo_clip_loss
 from nexrl_hpc.algorithm.off_policy import importance_weights, select_rows, staleness, staleness_metrics
 from nexrl_hpc.config import ConfigError
-from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
 from tests.test_weight_sync_and_activity import make_wsc
@@ -224,7 +224,7 @@ def test_data_loader_budget_accumulates(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) + "\n" for i in range(10)))
     cfg = compose_config([f"run_dir={tmp_path}"])
-    loader = JsonlDataLoader(cfg["data"], data_files=[str(data)])
+    loader = DatasetLoader(cfg["data"], data_files=[str(data)])
     loader.set_dispatch_budget(0)
     assert loader.get_next_items(5) == []
     loader.add_dispatch_budget(3)

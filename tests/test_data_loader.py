@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.tasks.max_digit import generate_splits
 from nexrl_hpc.tasks.prepare import prepare_datasets
 from tests.conftest import compose_config
@@ -20,10 +20,10 @@ def write_rows(path: Path, rows: list[Any]) -> str:
     return str(path)
 
 
-def loader(tmp_path: Path, n_rows: int = 3, **cfg_overrides: Any) -> JsonlDataLoader:
+def loader(tmp_path: Path, n_rows: int = 3, **cfg_overrides: Any) -> DatasetLoader:
     cfg = compose_config([f"data.{k}={v}" for k, v in cfg_overrides.items()])
     files = [write_rows(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": str(i)} for i in range(n_rows)])]
-    return JsonlDataLoader(cfg["data"], data_files=files)
+    return DatasetLoader(cfg["data"], data_files=files)
 
 
 def test_each_row_is_repeated_as_one_group(tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path: Path) -> None:
             {"prompt": "ok2", "answer": "2"},
         ],
     )
-    dl = JsonlDataLoader(cfg["data"], data_files=[path])
+    dl = DatasetLoader(cfg["data"], data_files=[path])
     assert dl.num_rows == 2
     assert dl.get_skipped_rows() == 5
 
@@ -108,7 +108,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path: Path) -> None:
 def test_id_key_gives_stable_uids(tmp_path: Path) -> None:
     cfg = compose_config(["data.id_key=id", "data.shuffle=false"])
     path = write_rows(tmp_path / "ids.jsonl", [{"id": "q-17", "prompt": "a"}, {"id": 4, "prompt": "b"}])
-    dl = JsonlDataLoader(cfg["data"], data_files=[path])
+    dl = DatasetLoader(cfg["data"], data_files=[path])
     assert dl.get_next_item()["uid"] == "q-17"
 
 
@@ -192,7 +192,7 @@ def test_during_a_validation_a_worker_takes_its_tasks_first_then_the_next_traini
     val_files = [
         write_rows(tmp_path / "v" / "val.jsonl", [{"prompt": f"v{i}", "answer": "0"} for i in range(3)])
     ]
-    val = JsonlDataLoader(cfg["validate"]["data"], data_files=val_files, is_validate=True)
+    val = DatasetLoader(cfg["validate"]["data"], data_files=val_files, is_validate=True)
     worker = SimpleRolloutWorker(cfg)
     worker.set_module_references(None, train, _OpenWeights(), val, None)  # type: ignore[arg-type]
     train.set_dispatch_budget(2)

@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from launch import status as status_cli
-from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.tracking.timing import TIMING_PARTS
 from tests.conftest import REPO, compose_config, run_train
 
@@ -200,7 +200,7 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(
 
     # the data order of an uninterrupted run: 12 steps x 32 prompts x 8 samples
     cfg = compose_config(args)
-    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
+    reference = DatasetLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
     per_step = cfg["trajectory_pool"]["batch_size"]
     all_expected: collections.Counter = collections.Counter()
     all_got: collections.Counter = collections.Counter()

@@ -25,7 +25,7 @@ import yaml
 
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
 from nexrl_hpc.config.validate import ConfigError
-from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.launcher.preflight import preflight
 from tests.conftest import CONFIG_DIR, REPO
 from tests.test_hostile_wire import flood_lane, flood_zmq, idle_connections, still_open
@@ -208,7 +208,7 @@ def assert_trained_as_planned(run_dir: Path, steps: int) -> None:
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())  # the run's own (seed, batch sizes)
-    reference = JsonlDataLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
+    reference = DatasetLoader(cfg["data"], data_files=[str(run_dir / "data" / "train.jsonl")])
     per_step = cfg["trajectory_pool"]["batch_size"]
     for step in range(1, steps + 1):
         expected = collections.Counter(

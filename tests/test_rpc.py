@@ -21,7 +21,7 @@ import zmq
 
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async, long_poll, quick
-from nexrl_hpc.data.loader import JsonlDataLoader
+from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.inference.service import InferenceService
 from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
 from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
@@ -198,7 +198,7 @@ def test_waiting_long_polls_never_hold_the_threads_other_calls_need(pair: Any) -
 @pytest.mark.parametrize(
     "cls, method",
     [
-        (JsonlDataLoader, "get_next_items"),  # a rollout rank's fetch of tasks
+        (DatasetLoader, "get_next_items"),  # a rollout rank's fetch of tasks
         (TrajectoryPool, "get_batch_any"),
         (TrainBatchPool, "get_batch"),
         (Validator, "wait_complete"),

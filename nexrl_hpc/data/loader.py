@@ -349,5 +349,3 @@ class DatasetLoader(BaseDataLoader):
             self._returned = deque(state["returned"])
             self._extra = deque(state["extra"])
 
-
-JsonlDataLoader = DatasetLoader  # the former name (it read jsonl only): type hints elsewhere still use it

@@ -23,7 +23,7 @@ from nexrl_hpc.pool.stores import TrajectoryStore, create_store
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
     from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class TrajectoryPoolInstance:
         self._refusing = False  # sync mode: from "batch ready" until the scheduler's next release
         self._notified_ready = False
         # module references (the module itself in local mode, a handle with its methods elsewhere)
-        self._dataloader: JsonlDataLoader | None = None
+        self._dataloader: DatasetLoader | None = None
         self._scheduler: RolloutScheduler | None = None
         self._activity_tracker: ActivityTrackerProxy | None = None
         self._seen: dict[
@@ -79,7 +79,7 @@ class TrajectoryPoolInstance:
 
     def set_module_references(
         self,
-        dataloader: JsonlDataLoader | None,
+        dataloader: DatasetLoader | None,
         scheduler: RolloutScheduler | None,
         activity_tracker: ActivityTrackerProxy | None,
     ) -> None:
@@ -216,11 +216,11 @@ class TrajectoryPool(NexRLModule):
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
         self._arrivals = threading.Condition()
-        self._dataloader: JsonlDataLoader | None = None
+        self._dataloader: DatasetLoader | None = None
         self._scheduler: RolloutScheduler | None = None
 
     def set_module_references(
-        self, dataloader: JsonlDataLoader | None, scheduler: RolloutScheduler | None
+        self, dataloader: DatasetLoader | None, scheduler: RolloutScheduler | None
     ) -> None:
         self._dataloader = dataloader
         self._scheduler = scheduler

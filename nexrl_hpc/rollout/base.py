@@ -30,7 +30,7 @@ from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.types import Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
     from nexrl_hpc.inference.factory import LLMClient
     from nexrl_hpc.inference.service import InferenceService
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
@@ -85,9 +85,9 @@ class BaseRolloutWorker(NexRLModule):
         self._inference_service: InferenceService | None = None
         self._is_running_validate = False
         self._trajectory_pool: TrajectoryPool | None = None
-        self._dataloader: JsonlDataLoader | None = None
+        self._dataloader: DatasetLoader | None = None
         self._scheduler: RolloutScheduler | None = None
-        self._validate_dataloader: JsonlDataLoader | None = None
+        self._validate_dataloader: DatasetLoader | None = None
         self._validator: Validator | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
         self._tokenizer: Any = None  # the run's tokenizer, loaded when a prompt first needs its chat template
@@ -102,9 +102,9 @@ class BaseRolloutWorker(NexRLModule):
     def set_module_references(
         self,
         trajectory_pool: TrajectoryPool,
-        dataloader: JsonlDataLoader,
+        dataloader: DatasetLoader,
         scheduler: RolloutScheduler,
-        validate_dataloader: JsonlDataLoader,
+        validate_dataloader: DatasetLoader,
         validator: Validator,
     ) -> None:
         self._trajectory_pool = trajectory_pool

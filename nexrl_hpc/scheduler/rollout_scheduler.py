@@ -53,7 +53,7 @@ from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
 from nexrl_hpc.weight_sync.publisher import WeightPublisher
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
     from nexrl_hpc.inference.service import InferenceService
     from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
 
@@ -81,10 +81,10 @@ class RolloutScheduler(NexRLModule):
         self._validation_version = 0
         self._validations: deque[list[float]] = deque(maxlen=64)  # [requested, ended] (wall clock)
         # module references: the module itself in local mode, a handle with its methods elsewhere
-        self._dataloader: JsonlDataLoader | None = None
+        self._dataloader: DatasetLoader | None = None
         self._trajectory_pool: TrajectoryPool | None = None
 
-    def set_module_references(self, dataloader: JsonlDataLoader, trajectory_pool: TrajectoryPool) -> None:
+    def set_module_references(self, dataloader: DatasetLoader, trajectory_pool: TrajectoryPool) -> None:
         self._dataloader = dataloader
         self._trajectory_pool = trajectory_pool
         self._set_budget(0)  # nothing goes out before start()

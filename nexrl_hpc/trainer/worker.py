@@ -39,7 +39,7 @@ from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
     from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
     from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
 
@@ -89,14 +89,14 @@ class TrainWorker(NexRLModule):
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPool | None = None
         self._weight_sync_controller: RolloutScheduler | None = None
-        self._dataloader: JsonlDataLoader | None = None
+        self._dataloader: DatasetLoader | None = None
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
         self,
         train_batch_pool: TrainBatchPool,
         weight_sync_controller: RolloutScheduler,
-        dataloader: JsonlDataLoader | None = None,
+        dataloader: DatasetLoader | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller

@@ -12,7 +12,7 @@ from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import JsonlDataLoader
+    from nexrl_hpc.data.loader import DatasetLoader
 
 
 class Validator(NexRLModule):
@@ -22,9 +22,9 @@ class Validator(NexRLModule):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._trajectories: list[Trajectory] = []
-        self._validate_dataloader: JsonlDataLoader | None = None  # the module, or a handle to it
+        self._validate_dataloader: DatasetLoader | None = None  # the module, or a handle to it
 
-    def set_module_references(self, validate_dataloader: JsonlDataLoader) -> None:
+    def set_module_references(self, validate_dataloader: DatasetLoader) -> None:
         self._validate_dataloader = validate_dataloader
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
