@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.trainer.noop import NoopTrainService
 from nexrl_hpc.trainer.backend import UpdateInFlight
+from nexrl_hpc.trainer.noop import NoopTrainService
 from nexrl_hpc.trainer.worker import TrainWorker
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config

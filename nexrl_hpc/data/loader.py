@@ -348,4 +348,3 @@ class DatasetLoader(BaseDataLoader):
             self._issued_fresh = int(state["issued_fresh"])
             self._returned = deque(state["returned"])
             self._extra = deque(state["extra"])
-

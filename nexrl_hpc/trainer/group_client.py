@@ -28,9 +28,9 @@ import torch
 import zmq
 
 from nexrl_hpc.rpc.preauth import WireLimits
+from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import check_batch
 from nexrl_hpc.trainer.protocol import SignedChannel, TrainerRankError
-from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 
 _LIVENESS_CHECK_S = 1.0
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
 from nexrl_hpc.trainer.backend import TrainBackend
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS, check_training_batch
 
 
 class NoopTrainService(TrainBackend):

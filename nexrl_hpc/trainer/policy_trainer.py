@@ -27,11 +27,11 @@ import torch
 from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
 from nexrl_hpc.models.tiny import load_model
+from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
-from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.tracking.timing import StepTimeline
-from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
+from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 
@@ -47,9 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class TrainWorker(NexRLModule):
-    def __init__(
-        self, config: RLTrainConfig, client: TrainBackend, teacher: TrainBackend | None = None
-    ):
+    def __init__(self, config: RLTrainConfig, client: TrainBackend, teacher: TrainBackend | None = None):
         """``teacher``: on-policy distillation's frozen teacher (``compute_log_prob`` only), or None."""
         super().__init__()
         tw = config["train_worker"]
