@@ -1,4 +1,5 @@
-"""Core data types shared by every module: model tags, trajectories, batches and process roles.
+"""Core data types shared by every module: model tags, trajectories, batches, process roles and the
+statuses modules answer each other with.
 
 ``Trajectory`` and ``BatchMetadata`` are TypedDicts: at run time they are plain dicts, which is what
 crosses the wire (the codec sees dicts, lists and numbers, never these classes).
@@ -7,6 +8,7 @@ crosses the wire (the codec sees dicts, lists and numbers, never these classes).
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sized
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,8 +17,35 @@ from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 if TYPE_CHECKING:
     import torch  # imported where tensors are handled: the config's checks use these types without it
 
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:
+
+    class StrEnum(str, Enum):
+        """``enum.StrEnum`` (Python 3.11) for 3.10: a member is its value for ``str()``, ``==`` and json."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
 ModelTag = str
 """Identifies one model (policy, teacher, ...) inside a run."""
+
+
+class PutStatus(StrEnum):
+    """What a destination answers to ``put_trajectory`` (and a rollout step returns). A member equals
+    its string, so rollout steps written against the strings keep working."""
+
+    SUCCESS = "success"  # accepted
+    FAIL = "fail"  # refused (the store is full or closed): the sample is dropped
+    RE_ROLLOUT = "re-rollout"  # weights of its model are syncing: the task goes back to its loader
+
+
+class RolloutServiceStatus(StrEnum):
+    """Whether a rollout may start now (``check_rollout_service_status``)."""
+
+    CONTINUE = "continue"
+    BLOCK = "block"  # sync mode: the model's weights are being synced
 
 
 class TaskFields(TypedDict, total=False):

@@ -24,6 +24,7 @@ from nexrl_hpc.core.execute import aexecute, execute
 from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
 from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
 from nexrl_hpc.inference.version import RolloutVersionLookup
+from nexrl_hpc.types import RolloutServiceStatus
 
 if TYPE_CHECKING:
     from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
@@ -276,7 +277,10 @@ class LLMServiceClient:
     def _sync_in_progress(self) -> bool:
         if not self._freeze_for_weight_sync or self._scheduler is None:
             return False
-        return execute(self._scheduler.check_rollout_service_status, self._model_tag) == "block"
+        return (
+            execute(self._scheduler.check_rollout_service_status, self._model_tag)
+            == RolloutServiceStatus.BLOCK
+        )
 
     def _wait_for_weight_sync(self) -> None:
         while self._sync_in_progress():
@@ -286,7 +290,7 @@ class LLMServiceClient:
         if not self._freeze_for_weight_sync or self._scheduler is None:
             return
         status = self._scheduler.check_rollout_service_status
-        while await aexecute(status, self._model_tag) == "block":
+        while await aexecute(status, self._model_tag) == RolloutServiceStatus.BLOCK:
             await asyncio.sleep(self._config["weight_sync_poll_s"])
 
     async def aclose(self) -> None:

@@ -14,13 +14,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nexrl_hpc.types import Trajectory
+from nexrl_hpc.types import PutStatus, Trajectory
 
 
 class TrajectoryStore:
-    """Interface: ``add`` returns "success" or "fail"; ``take`` pops up to n released trajectories."""
+    """Interface: ``add`` returns SUCCESS or FAIL; ``take`` pops up to n released trajectories."""
 
-    def add(self, trajectory: Trajectory) -> str:
+    def add(self, trajectory: Trajectory) -> PutStatus:
         raise NotImplementedError
 
     def num_ready(self) -> int:
@@ -78,9 +78,9 @@ class SimpleTrajectoryStore(TrajectoryStore):
     def __init__(self) -> None:
         self._ready: deque[Trajectory] = deque()
 
-    def add(self, trajectory: Trajectory) -> str:
+    def add(self, trajectory: Trajectory) -> PutStatus:
         self._ready.append(trajectory)
-        return "success"
+        return PutStatus.SUCCESS
 
     def num_ready(self) -> int:
         return len(self._ready)
@@ -130,10 +130,10 @@ class GroupedTrajectoryStore(_GroupRelease):
         self._open: dict[Any, list[Trajectory]] = {}
         self._pending = 0
 
-    def add(self, trajectory: Trajectory) -> str:
+    def add(self, trajectory: Trajectory) -> PutStatus:
         fields: Mapping[str, Any] = trajectory  # the key is a configured name: any field, the task's too
         if self._key not in fields:
-            return "fail"
+            return PutStatus.FAIL
         value = fields[self._key]
         group = self._open.setdefault(value, [])
         group.append(trajectory)
@@ -142,7 +142,7 @@ class GroupedTrajectoryStore(_GroupRelease):
             del self._open[value]
             self._pending -= len(group)
             self._complete(group)
-        return "success"
+        return PutStatus.SUCCESS
 
     def num_pending(self) -> int:
         return self._pending
@@ -161,10 +161,10 @@ class HierarchicalTrajectoryStore(_GroupRelease):
         self._root: dict[Any, Any] = {}
         self._pending = 0
 
-    def add(self, trajectory: Trajectory) -> str:
+    def add(self, trajectory: Trajectory) -> PutStatus:
         fields: Mapping[str, Any] = trajectory  # configured names: any field, the task's too
         if any(k not in fields for k in self._keys):
-            return "fail"
+            return PutStatus.FAIL
         path = [fields[k] for k in self._keys]
         parents = [self._root]
         node = self._root
@@ -183,7 +183,7 @@ class HierarchicalTrajectoryStore(_GroupRelease):
                 if parents[depth + 1]:
                     break
                 del parents[depth][path[depth]]
-        return "success"
+        return PutStatus.SUCCESS
 
     def num_pending(self) -> int:
         return self._pending

@@ -20,7 +20,7 @@ from nexrl_hpc.core.execute import execute, long_poll
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.pool.stores import TrajectoryStore, create_store
-from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, Trajectory
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, PutStatus, Trajectory
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import DatasetLoader
@@ -87,19 +87,19 @@ class TrajectoryPoolInstance:
         self._scheduler = scheduler
         self._activity_tracker = activity_tracker
 
-    def put_trajectory(self, trajectory: Trajectory) -> str:
+    def put_trajectory(self, trajectory: Trajectory) -> PutStatus:
         with self._lock:
             if self._refusing:
-                return "re-rollout"
+                return PutStatus.RE_ROLLOUT
             key = self._sample_key(trajectory)
             if key is not None:
                 epoch, sample = key
                 seen = self._seen.setdefault(epoch, set())
                 if sample in seen:
                     self.duplicates += 1  # the task was re-issued after its first result already arrived
-                    return "success"
+                    return PutStatus.SUCCESS
             result = self._store.add(trajectory)
-            if key is not None and result == "success":
+            if key is not None and result == PutStatus.SUCCESS:
                 seen.add(sample)
                 for old in [e for e in self._seen if e < epoch - 1]:
                     del self._seen[old]
@@ -250,8 +250,8 @@ class TrajectoryPool(NexRLModule):
                     self._instances[model_tag] = instance
         return instance
 
-    def put_trajectory(self, trajectory: Trajectory) -> str:
-        """ "success" | "fail" (the store refused it) | "re-rollout" (sync mode: its model's batch is
+    def put_trajectory(self, trajectory: Trajectory) -> PutStatus:
+        """SUCCESS | FAIL (the store refused it) | RE_ROLLOUT (sync mode: its model's batch is
         complete and the next one not released yet)."""
         return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
 
@@ -259,7 +259,7 @@ class TrajectoryPool(NexRLModule):
         with self._arrivals:
             self._arrivals.notify_all()
 
-    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[PutStatus]:
         """``put_trajectory`` for many at once: one round trip when the pool is on another rank."""
         return [self.put_trajectory(t) for t in trajectories]
 

@@ -33,7 +33,7 @@ from nexrl_hpc.rewards.guard import GuardedReward
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS
 from nexrl_hpc.rollout.base import BaseRolloutWorker
-from nexrl_hpc.types import Trajectory
+from nexrl_hpc.types import PutStatus, Trajectory
 
 KEY = "rollout_worker.agent"
 
@@ -185,11 +185,11 @@ class AgentRolloutWorker(BaseRolloutWorker):
             )
         return self._engine
 
-    async def step(self, task: dict[str, Any]) -> str | None:
+    async def step(self, task: dict[str, Any]) -> PutStatus | None:
         episode = await self._workflow_engine().process_task_with_retry(task, str(task.get("uid", "")))
         trajectory = self.episode_to_trajectory(task, episode, self._model_tag)
         if trajectory is None:
-            return "fail"
+            return PutStatus.FAIL
         return await self._aput_trajectory(trajectory)
 
     @staticmethod

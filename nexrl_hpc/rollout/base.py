@@ -27,7 +27,7 @@ from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.data.prompts import engine_prompt, needs_chat_template
 from nexrl_hpc.inference.factory import create_llm_client, import_llm_client_ahead
 from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
-from nexrl_hpc.types import Trajectory
+from nexrl_hpc.types import PutStatus, RolloutServiceStatus, Trajectory
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import DatasetLoader
@@ -95,7 +95,7 @@ class BaseRolloutWorker(NexRLModule):
         self.num_failed = 0
         self._inflight = 0
         self._put_buffer: dict[
-            int, tuple[TrajectoryPool | Validator, list[tuple[Trajectory, asyncio.Future[str]]]]
+            int, tuple[TrajectoryPool | Validator, list[tuple[Trajectory, asyncio.Future[PutStatus]]]]
         ] = {}
 
     # --- setup ----------------------------------------------------------------------------------
@@ -207,7 +207,10 @@ class BaseRolloutWorker(NexRLModule):
 
     def _request_training_tasks(self, max_items: int, wait_s: float) -> Future:
         assert self._scheduler is not None and self._dataloader is not None
-        if execute(self._scheduler.check_rollout_service_status, self._model_tag) == "block":
+        if (
+            execute(self._scheduler.check_rollout_service_status, self._model_tag)
+            == RolloutServiceStatus.BLOCK
+        ):
             time.sleep(min(wait_s, 0.005))  # a reload takes milliseconds
             done: Future = Future()
             done.set_result(([], False))
@@ -253,13 +256,13 @@ class BaseRolloutWorker(NexRLModule):
         _GENERATED.set(None)
         try:
             if self._step_is_async:
-                result = await cast("Awaitable[str | None]", self.step(task))
+                result = await cast("Awaitable[PutStatus | None]", self.step(task))
             else:
-                result = cast("str | None", await asyncio.to_thread(self.step, task))
-            if result == "re-rollout":
+                result = cast("PutStatus | None", await asyncio.to_thread(self.step, task))
+            if result == PutStatus.RE_ROLLOUT:
                 self._put_rollout_task(task, is_validate)
                 return None
-            if result in (None, "fail"):
+            if result in (None, PutStatus.FAIL):
                 self.num_failed += 1
                 self._activity_tracker.report_error(
                     self._module_name,
@@ -287,8 +290,9 @@ class BaseRolloutWorker(NexRLModule):
                 slot_freed.set()
 
     # --- data-flow helpers -----------------------------------------------------------------------
-    def step(self, task: dict[str, Any]) -> str | None | Awaitable[str | None]:
-        """Roll out one task; return "success" | "fail" | "re-rollout" | None (may be ``async def``)."""
+    def step(self, task: dict[str, Any]) -> PutStatus | None | Awaitable[PutStatus | None]:
+        """Roll out one task; return its trajectory's ``PutStatus`` (or the equal string) or None (may be
+        ``async def``)."""
         raise NotImplementedError
 
     def _engine_prompt(self, task: dict[str, Any]) -> str | list[int] | None:
@@ -322,14 +326,14 @@ class BaseRolloutWorker(NexRLModule):
         generated = _GENERATED.get()
         trajectory["rollout_times"] = [_STARTED.get() or now, now if generated is None else generated, now]
 
-    async def _aput_trajectory(self, trajectory: Trajectory) -> str:
+    async def _aput_trajectory(self, trajectory: Trajectory) -> PutStatus:
         """Put a finished trajectory into the pool (the validator while validating); trajectories
         finishing together go out in one call."""
         self._stamp(trajectory)
         destination = self._validator if _IS_VALIDATE.get() else self._trajectory_pool
         assert destination is not None
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[str] = loop.create_future()
+        future: asyncio.Future[PutStatus] = loop.create_future()
         key = id(destination)
         if key not in self._put_buffer:
             self._put_buffer[key] = (destination, [])
@@ -401,7 +405,9 @@ def _mapped(future: Future, fn: Callable[[Any], Any]) -> Future:
     return out
 
 
-def _resolve_puts(items: list[tuple[Trajectory, asyncio.Future[str]]], request: Future) -> None:
+def _resolve_puts(
+    items: list[tuple[Trajectory, asyncio.Future[PutStatus]]], request: Future[list[PutStatus]]
+) -> None:
     try:
         results = request.result()
     except Exception as exc:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from nexrl_hpc.rollout.base import BaseRolloutWorker
+from nexrl_hpc.types import PutStatus
 
 
 class SimpleRolloutWorker(BaseRolloutWorker):
-    async def step(self, task: dict[str, Any]) -> str | None:
+    async def step(self, task: dict[str, Any]) -> PutStatus | None:
         prompt = self._engine_prompt(task)  # chat messages: the chat template's token ids
         if prompt is None:
             return None

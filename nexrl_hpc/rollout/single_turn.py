@@ -18,6 +18,7 @@ from nexrl_hpc.core.bridge import FutureBridge
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import RewardRunner
 from nexrl_hpc.rollout.base import BaseRolloutWorker
+from nexrl_hpc.types import PutStatus
 
 
 class SingleTurnRolloutWorker(BaseRolloutWorker):
@@ -45,7 +46,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
             self._rewards.close()  # hung calls are left to their daemon threads
             self._rewards = None  # a later run starts a fresh pool
 
-    async def step(self, task: dict[str, Any]) -> str | None:
+    async def step(self, task: dict[str, Any]) -> PutStatus | None:
         prompt = self._engine_prompt(task)  # chat messages: the chat template's token ids
         if prompt is None:
             return None

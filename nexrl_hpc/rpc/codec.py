@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from nexrl_hpc.core.errors import ErrorSeverity
-from nexrl_hpc.types import Batch, NexRLRole
+from nexrl_hpc.types import Batch, NexRLRole, PutStatus, RolloutServiceStatus
 
-_ENUMS: dict[str, type[enum.Enum]] = {"ErrorSeverity": ErrorSeverity, "NexRLRole": NexRLRole}
+_ENUMS: dict[str, type[enum.Enum]] = {
+    cls.__name__: cls for cls in (ErrorSeverity, NexRLRole, PutStatus, RolloutServiceStatus)
+}
 _TORCH_DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (

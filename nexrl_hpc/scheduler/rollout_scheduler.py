@@ -44,12 +44,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
-from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag
+from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, RolloutServiceStatus
 from nexrl_hpc.weight_sync.publisher import WeightPublisher
 
 if TYPE_CHECKING:
@@ -126,12 +126,12 @@ class RolloutScheduler(NexRLModule):
         self._release_rollouts(model_tag)
 
     @quick
-    def check_rollout_service_status(
-        self, model_tag: ModelTag = DEFAULT_MODEL_TAG
-    ) -> Literal["continue", "block"]:
-        """ "block" while the engines reload in sync mode (workers fetch nothing, clients hold requests)."""
+    def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> RolloutServiceStatus:
+        """BLOCK while the engines reload in sync mode (workers fetch nothing, clients hold requests)."""
         with self._lock:
-            return "block" if self._mode == "sync" and model_tag in self._syncing else "continue"
+            if self._mode == "sync" and model_tag in self._syncing:
+                return RolloutServiceStatus.BLOCK
+            return RolloutServiceStatus.CONTINUE
 
     @quick
     def on_batch_ready(self, model_tag: ModelTag) -> bool:

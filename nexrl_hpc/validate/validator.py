@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
-from nexrl_hpc.types import Trajectory
+from nexrl_hpc.types import PutStatus, Trajectory
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.loader import DatasetLoader
@@ -27,17 +27,17 @@ class Validator(NexRLModule):
     def set_module_references(self, validate_dataloader: DatasetLoader) -> None:
         self._validate_dataloader = validate_dataloader
 
-    def put_trajectory(self, trajectory: Trajectory) -> str:
+    def put_trajectory(self, trajectory: Trajectory) -> PutStatus:
         with self._lock:
             self._trajectories.append(trajectory)
             self._arrived.notify_all()
-        return "success"
+        return PutStatus.SUCCESS
 
-    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[PutStatus]:
         with self._lock:
             self._trajectories.extend(trajectories)
             self._arrived.notify_all()
-        return ["success"] * len(trajectories)
+        return [PutStatus.SUCCESS] * len(trajectories)
 
     @quick
     def num_collected(self) -> int:
