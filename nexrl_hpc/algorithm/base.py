@@ -14,8 +14,7 @@ from nexrl_hpc.types import Batch
 if TYPE_CHECKING:
     import torch
 
-    from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
-    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+    from nexrl_hpc.pool.interfaces import TrainBatchPoolRef, TrajectoryPoolRef
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +25,11 @@ class BaseAlgorithmProcessor(NexRLModule):
         self._config = config
         self._long_poll_s = config["algorithm"]["long_poll_s"]
         # module references: the module itself in local mode, a handle with its methods elsewhere
-        self._trajectory_pool: TrajectoryPool | None = None
-        self._train_batch_pool: TrainBatchPool | None = None
+        self._trajectory_pool: TrajectoryPoolRef | None = None
+        self._train_batch_pool: TrainBatchPoolRef | None = None
 
     def set_module_references(
-        self, trajectory_pool: TrajectoryPool, train_batch_pool: TrainBatchPool
+        self, trajectory_pool: TrajectoryPoolRef, train_batch_pool: TrainBatchPoolRef
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._train_batch_pool = train_batch_pool

@@ -27,7 +27,7 @@ from nexrl_hpc.inference.version import RolloutVersionLookup
 from nexrl_hpc.types import RolloutServiceStatus
 
 if TYPE_CHECKING:
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 __all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
 
@@ -82,7 +82,7 @@ class LLMServiceClient:
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._coalesce_max_wait_s = config["coalesce_max_wait_ms"] / 1000.0
         self._max_coalesce = config["max_coalesce"]
-        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
+        self._scheduler: RolloutSchedulerRef | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(self._model_tag)
         self._client = openai.OpenAI(
             base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
@@ -90,7 +90,7 @@ class LLMServiceClient:
         self._aclient: openai.AsyncOpenAI | None = None
         self._pending: dict[Any, _Bucket] = {}
 
-    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+    def set_scheduler(self, scheduler: RolloutSchedulerRef | None) -> None:
         """The rollout scheduler: the version requests record, and whether a reload holds them."""
         self._scheduler = scheduler
         self._version_lookup.set_scheduler(scheduler)

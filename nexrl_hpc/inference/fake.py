@@ -17,7 +17,7 @@ from nexrl_hpc.core.execute import execute
 from nexrl_hpc.inference.version import RolloutVersionLookup
 
 if TYPE_CHECKING:
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 
 class FakeLLMServiceClient:
@@ -32,14 +32,14 @@ class FakeLLMServiceClient:
         self._eos = tokenizer.eos_token_id
         self._rng = random.Random(seed)
         self._latency_s = latency_s
-        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
+        self._scheduler: RolloutSchedulerRef | None = None  # the module, or a handle to it
         self._version_lookup = RolloutVersionLookup(model_tag)
         self.in_flight = 0  # requests being answered now, the most at once, and the threads then
         self.peak_in_flight = 0
         self.threads_at_peak = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
-    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+    def set_scheduler(self, scheduler: RolloutSchedulerRef | None) -> None:
         self._scheduler = scheduler
         self._version_lookup.set_scheduler(scheduler)
 

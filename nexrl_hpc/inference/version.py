@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.core.execute import execute_async
 
 if TYPE_CHECKING:
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 
 class RolloutVersionLookup:
@@ -23,10 +23,10 @@ class RolloutVersionLookup:
 
     def __init__(self, model_tag: str):
         self._model_tag = model_tag
-        self._scheduler: RolloutScheduler | None = None  # the module, or a handle to it
+        self._scheduler: RolloutSchedulerRef | None = None  # the module, or a handle to it
         self._in_flight: asyncio.Future | None = None
 
-    def set_scheduler(self, scheduler: RolloutScheduler | None) -> None:
+    def set_scheduler(self, scheduler: RolloutSchedulerRef | None) -> None:
         self._scheduler = scheduler
 
     async def read(self) -> int | None:

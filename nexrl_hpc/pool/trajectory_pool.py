@@ -23,8 +23,8 @@ from nexrl_hpc.pool.stores import TrajectoryStore, create_store
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, Batch, BatchMetadata, ModelTag, PutStatus, Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import DatasetLoader
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+    from nexrl_hpc.data.interfaces import DataLoaderRef
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class TrajectoryPoolInstance:
         self._refusing = False  # sync mode: from "batch ready" until the scheduler's next release
         self._notified_ready = False
         # module references (the module itself in local mode, a handle with its methods elsewhere)
-        self._dataloader: DatasetLoader | None = None
-        self._scheduler: RolloutScheduler | None = None
+        self._dataloader: DataLoaderRef | None = None
+        self._scheduler: RolloutSchedulerRef | None = None
         self._activity_tracker: ActivityTrackerProxy | None = None
         self._seen: dict[
             int, set[str]
@@ -79,8 +79,8 @@ class TrajectoryPoolInstance:
 
     def set_module_references(
         self,
-        dataloader: DatasetLoader | None,
-        scheduler: RolloutScheduler | None,
+        dataloader: DataLoaderRef | None,
+        scheduler: RolloutSchedulerRef | None,
         activity_tracker: ActivityTrackerProxy | None,
     ) -> None:
         self._dataloader = dataloader
@@ -216,11 +216,11 @@ class TrajectoryPool(NexRLModule):
         self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
         self._lock = threading.Lock()
         self._arrivals = threading.Condition()
-        self._dataloader: DatasetLoader | None = None
-        self._scheduler: RolloutScheduler | None = None
+        self._dataloader: DataLoaderRef | None = None
+        self._scheduler: RolloutSchedulerRef | None = None
 
     def set_module_references(
-        self, dataloader: DatasetLoader | None, scheduler: RolloutScheduler | None
+        self, dataloader: DataLoaderRef | None, scheduler: RolloutSchedulerRef | None
     ) -> None:
         self._dataloader = dataloader
         self._scheduler = scheduler

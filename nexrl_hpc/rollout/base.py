@@ -30,12 +30,11 @@ from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.types import PutStatus, RolloutServiceStatus, Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import DatasetLoader
+    from nexrl_hpc.data.interfaces import DataLoaderRef
     from nexrl_hpc.inference.factory import LLMClient
-    from nexrl_hpc.inference.service import InferenceService
-    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
-    from nexrl_hpc.validate.validator import Validator
+    from nexrl_hpc.inference.interfaces import InferenceServiceRef
+    from nexrl_hpc.pool.interfaces import TrajectoryDestination
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 logger = logging.getLogger(__name__)
 
@@ -82,30 +81,30 @@ class BaseRolloutWorker(NexRLModule):
         }
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._llm_client: LLMClient | None = None
-        self._inference_service: InferenceService | None = None
+        self._inference_service: InferenceServiceRef | None = None
         self._is_running_validate = False
-        self._trajectory_pool: TrajectoryPool | None = None
-        self._dataloader: DatasetLoader | None = None
-        self._scheduler: RolloutScheduler | None = None
-        self._validate_dataloader: DatasetLoader | None = None
-        self._validator: Validator | None = None
+        self._trajectory_pool: TrajectoryDestination | None = None
+        self._dataloader: DataLoaderRef | None = None
+        self._scheduler: RolloutSchedulerRef | None = None
+        self._validate_dataloader: DataLoaderRef | None = None
+        self._validator: TrajectoryDestination | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
         self._tokenizer: Any = None  # the run's tokenizer, loaded when a prompt first needs its chat template
         self.num_completed = 0
         self.num_failed = 0
         self._inflight = 0
         self._put_buffer: dict[
-            int, tuple[TrajectoryPool | Validator, list[tuple[Trajectory, asyncio.Future[PutStatus]]]]
+            int, tuple[TrajectoryDestination, list[tuple[Trajectory, asyncio.Future[PutStatus]]]]
         ] = {}
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
         self,
-        trajectory_pool: TrajectoryPool,
-        dataloader: DatasetLoader,
-        scheduler: RolloutScheduler,
-        validate_dataloader: DatasetLoader,
-        validator: Validator,
+        trajectory_pool: TrajectoryDestination,
+        dataloader: DataLoaderRef,
+        scheduler: RolloutSchedulerRef,
+        validate_dataloader: DataLoaderRef,
+        validator: TrajectoryDestination,
     ) -> None:
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
@@ -115,7 +114,7 @@ class BaseRolloutWorker(NexRLModule):
         if self._llm_client is not None:
             self._llm_client.set_scheduler(scheduler)
 
-    def set_inference_service(self, inference_service: InferenceService) -> None:
+    def set_inference_service(self, inference_service: InferenceServiceRef) -> None:
         """The engine this worker talks to (on its own rank: the endpoint and key stay local)."""
         self._inference_service = inference_service
         if self._llm_client is None:  # wired while the servers start: the client's imports overlap

@@ -17,10 +17,10 @@ import sys
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import HealthCheckConfig, RLTrainConfig
-from nexrl_hpc.core.activity import ActivityTrackerProxy
+from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.execute import execute_async
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.runtime.bootstrap import TRACKER, MPIWorld, build_rank_modules
@@ -52,7 +52,7 @@ class RankServer:
         self._finalize = False
         self._aborted = False
         self._modules: list[NexRLModule] = []
-        self._tracker: Any = None  # the handle to rank 0's ActivityTracker
+        self._tracker: ActivityTracker | None = None  # the handle to rank 0's ActivityTracker
         self._names: list[str] = []
 
     # --- rank built-ins (called by rank 0, on this rank's RPC threads) --------------------------
@@ -125,6 +125,7 @@ class RankServer:
         stats = dict(world.endpoint.stats())
         if world.trainer is not None:
             stats["rejected"] += world.trainer.rejected
+        assert self._tracker is not None  # resolved before the beats start
         reply = execute_async(self._tracker.heartbeat, world.rank, world.host, self._names, stats)
         # a beat in flight when rank 0 says stop/release must not hold this rank (rank 0 may be
         # gone without answering it, and rank 0's exit waits for this rank's MPI_Finalize)

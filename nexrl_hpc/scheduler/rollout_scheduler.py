@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
@@ -53,9 +54,9 @@ from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, RolloutServiceStatus
 from nexrl_hpc.weight_sync.publisher import WeightPublisher
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import DatasetLoader
-    from nexrl_hpc.inference.service import InferenceService
-    from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+    from nexrl_hpc.data.interfaces import DataLoaderRef
+    from nexrl_hpc.inference.interfaces import InferenceServiceRef
+    from nexrl_hpc.pool.interfaces import TrajectoryPoolRef
 
 
 class RolloutScheduler(NexRLModule):
@@ -81,15 +82,15 @@ class RolloutScheduler(NexRLModule):
         self._validation_version = 0
         self._validations: deque[list[float]] = deque(maxlen=64)  # [requested, ended] (wall clock)
         # module references: the module itself in local mode, a handle with its methods elsewhere
-        self._dataloader: DatasetLoader | None = None
-        self._trajectory_pool: TrajectoryPool | None = None
+        self._dataloader: DataLoaderRef | None = None
+        self._trajectory_pool: TrajectoryPoolRef | None = None
 
-    def set_module_references(self, dataloader: DatasetLoader, trajectory_pool: TrajectoryPool) -> None:
+    def set_module_references(self, dataloader: DataLoaderRef, trajectory_pool: TrajectoryPoolRef) -> None:
         self._dataloader = dataloader
         self._trajectory_pool = trajectory_pool
         self._set_budget(0)  # nothing goes out before start()
 
-    def set_inference_services(self, services: list[InferenceService]) -> None:
+    def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
         self._publisher.set_inference_services(services)
 

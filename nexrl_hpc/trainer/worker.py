@@ -39,9 +39,9 @@ from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import DatasetLoader
-    from nexrl_hpc.pool.train_batch_pool import TrainBatchPool
-    from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
+    from nexrl_hpc.data.interfaces import DataLoaderRef
+    from nexrl_hpc.pool.interfaces import TrainBatchPoolRef
+    from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +85,16 @@ class TrainWorker(NexRLModule):
         self._announcer: threading.Thread | None = None  # made at the first announcement
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
-        self._train_batch_pool: TrainBatchPool | None = None
-        self._weight_sync_controller: RolloutScheduler | None = None
-        self._dataloader: DatasetLoader | None = None
+        self._train_batch_pool: TrainBatchPoolRef | None = None
+        self._weight_sync_controller: RolloutSchedulerRef | None = None
+        self._dataloader: DataLoaderRef | None = None
 
     # --- setup ----------------------------------------------------------------------------------
     def set_module_references(
         self,
-        train_batch_pool: TrainBatchPool,
-        weight_sync_controller: RolloutScheduler,
-        dataloader: DatasetLoader | None = None,
+        train_batch_pool: TrainBatchPoolRef,
+        weight_sync_controller: RolloutSchedulerRef,
+        dataloader: DataLoaderRef | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool
         self._weight_sync_controller = weight_sync_controller

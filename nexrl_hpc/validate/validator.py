@@ -12,7 +12,7 @@ from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import PutStatus, Trajectory
 
 if TYPE_CHECKING:
-    from nexrl_hpc.data.loader import DatasetLoader
+    from nexrl_hpc.data.interfaces import DataLoaderRef
 
 
 class Validator(NexRLModule):
@@ -22,9 +22,9 @@ class Validator(NexRLModule):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._trajectories: list[Trajectory] = []
-        self._validate_dataloader: DatasetLoader | None = None  # the module, or a handle to it
+        self._validate_dataloader: DataLoaderRef | None = None  # the module, or a handle to it
 
-    def set_module_references(self, validate_dataloader: DatasetLoader) -> None:
+    def set_module_references(self, validate_dataloader: DataLoaderRef) -> None:
         self._validate_dataloader = validate_dataloader
 
     def put_trajectory(self, trajectory: Trajectory) -> PutStatus:

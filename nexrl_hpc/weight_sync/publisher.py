@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from nexrl_hpc.config.schema import WeightConfig
@@ -20,7 +21,7 @@ from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.weight_sync.transport import WeightSyncError
 
 if TYPE_CHECKING:
-    from nexrl_hpc.inference.service import InferenceService
+    from nexrl_hpc.inference.interfaces import InferenceServiceRef
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ class WeightPublisher:
     def __init__(self, config: WeightConfig):
         self._sync_path = config["sync_weight_path"]
         self._keep_versions = config["keep_versions"]
-        self._inference_services: list[InferenceService] = []
+        self._inference_services: list[InferenceServiceRef] = []
 
-    def set_inference_services(self, services: list[InferenceService]) -> None:
+    def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
         self._inference_services = list(services)
 
