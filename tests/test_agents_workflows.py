@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from nexrl_hpc.agents.agent import FINISH_TOOL, TOOL_CALL_ERROR, MathAgent, ToolAgent
-from nexrl_hpc.agents.engines import AgentExecutionEngine, AgentWorkflowEngine, NotThreadSafeError
 from nexrl_hpc.agents.environments import (
     BaseEnv,
     MultiTurnEnvironment,
@@ -18,6 +17,7 @@ from nexrl_hpc.agents.environments import (
 )
 from nexrl_hpc.agents.rewards.types import RewardOutput
 from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine
+from nexrl_hpc.agents.runners import AgentRunner, NotThreadSafeError, WorkflowRunner
 from nexrl_hpc.agents.types import Episode, Step, TerminationReason, ToolCall, Trajectory
 from nexrl_hpc.agents.workflow import (
     MultiTurnWorkflow,
@@ -254,7 +254,7 @@ def test_execution_engine_gamma_and_parallel_pairs() -> None:
     def script(messages: list[dict[str, Any]], i: int) -> str:
         return "<calculator>3+4</calculator>" if len(messages) == 1 else "7"
 
-    engine = AgentExecutionEngine(
+    engine = AgentRunner(
         agent_class=ToolAgent,
         agent_args={"tools": ["calculator"]},
         env_class=ToolEnvironment,
@@ -274,7 +274,7 @@ def test_execution_engine_gamma_and_parallel_pairs() -> None:
 
 
 # --- the workflow engine --------------------------------------------------------------------------------
-def test_workflow_engine_retries_only_on_error() -> None:
+def test_workflow_runner_retries_only_on_error() -> None:
     failures = {"a": 2, "b": 5}  # a fails twice then succeeds; b always fails; c runs out of turns
 
     def script(messages: list[dict[str, Any]], i: int) -> Any:
@@ -285,7 +285,7 @@ def test_workflow_engine_retries_only_on_error() -> None:
         return "<calculator>1</calculator>" if q == "c" else "7"
 
     model = ScriptedModel(script)
-    engine = AgentWorkflowEngine(
+    engine = WorkflowRunner(
         MultiTurnWorkflow,
         {
             "agent_cls": ToolAgent,
@@ -311,9 +311,9 @@ def test_workflow_engine_retries_only_on_error() -> None:
     assert [e.id for e in episodes] == ["a:0", "b:0", "c:0"]
 
 
-def test_workflow_engine_groups_and_pool_bound() -> None:
+def test_workflow_runner_groups_and_pool_bound() -> None:
     model = ScriptedModel(lambda m, i: "7", delay_s=0.05)
-    engine = AgentWorkflowEngine(
+    engine = WorkflowRunner(
         SingleTurnWorkflow,
         {"agent_cls": MathAgent, "env_cls": SingleTurnEnvironment, "env_args": {"reward_fn": exact_answer}},
         model,
@@ -350,10 +350,10 @@ class SharedStateEnv(MultiTurnEnvironment):
 def test_engines_refuse_non_thread_safe_envs_in_parallel() -> None:
     args = {"agent_cls": MathAgent, "env_cls": SharedStateEnv}
     with pytest.raises(NotThreadSafeError, match="SharedStateEnv is not multithread-safe"):
-        AgentWorkflowEngine(MultiTurnWorkflow, args, ScriptedModel([]), n_parallel_tasks=2)
-    AgentWorkflowEngine(MultiTurnWorkflow, args, ScriptedModel([]), n_parallel_tasks=1).shutdown()
+        WorkflowRunner(MultiTurnWorkflow, args, ScriptedModel([]), n_parallel_tasks=2)
+    WorkflowRunner(MultiTurnWorkflow, args, ScriptedModel([]), n_parallel_tasks=1).shutdown()
     with pytest.raises(NotThreadSafeError, match="n_parallel_agents"):
-        AgentExecutionEngine(MathAgent, SharedStateEnv, ScriptedModel([]), n_parallel_agents=2)
+        AgentRunner(MathAgent, SharedStateEnv, ScriptedModel([]), n_parallel_agents=2)
     assert BaseEnv.is_multithread_safe() is False and ToolEnvironment.is_multithread_safe() is True
 
 
@@ -386,7 +386,7 @@ def test_custom_workflow_env_cls_is_checked_for_thread_safety() -> None:
             raise TerminationEvent(TerminationReason.ENV_DONE)
 
     with pytest.raises(NotThreadSafeError, match="SharedStateEnv"):
-        AgentWorkflowEngine(MakesEnvInRun, {"env_cls": SharedStateEnv}, ScriptedModel([]), n_parallel_tasks=2)
+        WorkflowRunner(MakesEnvInRun, {"env_cls": SharedStateEnv}, ScriptedModel([]), n_parallel_tasks=2)
 
 
 class FakeClient:

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from nexrl_hpc.agents.agent import BaseAgent
-from nexrl_hpc.agents.engines import AgentWorkflowEngine
 from nexrl_hpc.agents.environments import BaseEnv
 from nexrl_hpc.agents.rollout_engine import ClientRolloutEngine, RolloutEngine
+from nexrl_hpc.agents.runners import WorkflowRunner
 from nexrl_hpc.agents.sequence import cumulative_turns, trajectory_to_sequence
 from nexrl_hpc.agents.tools.base import Tool
 from nexrl_hpc.agents.tools.registry import get_tool_class
@@ -165,28 +165,28 @@ def episode_scores(episode: Episode, reward: float) -> dict[str, float]:
 
 
 class AgentRolloutWorker(BaseRolloutWorker):
-    """Runs ``rollout_worker.agent.workflow`` on each task through an AgentWorkflowEngine (retry on ERROR)."""
+    """Runs ``rollout_worker.agent.workflow`` on each task through a WorkflowRunner (retry on ERROR)."""
 
     def __init__(self, config: RLTrainConfig):
         super().__init__(config)
         self._workflow_cls, self._workflow_args = build_workflow_args(config)
         self._retry_limit = config["rollout_worker"]["agent"]["retry_limit"]
-        self._engine: AgentWorkflowEngine | None = None
+        self._runner: WorkflowRunner | None = None
 
-    def _workflow_engine(self) -> AgentWorkflowEngine:
+    def _workflow_runner(self) -> WorkflowRunner:
         """Made on first use: the LLM client exists only once ``run`` started."""
-        if self._engine is None:
-            self._engine = AgentWorkflowEngine(
+        if self._runner is None:
+            self._runner = WorkflowRunner(
                 self._workflow_cls,
                 self._workflow_args,
                 _WorkerRolloutEngine(self._llm_client, self._sampling_kwargs),
                 n_parallel_tasks=self._max_concurrency,
                 retry_limit=self._retry_limit,
             )
-        return self._engine
+        return self._runner
 
     async def step(self, task: dict[str, Any]) -> PutStatus | None:
-        episode = await self._workflow_engine().process_task_with_retry(task, str(task.get("uid", "")))
+        episode = await self._workflow_runner().process_task_with_retry(task, str(task.get("uid", "")))
         trajectory = self.episode_to_trajectory(task, episode, self._model_tag)
         if trajectory is None:
             return PutStatus.FAIL

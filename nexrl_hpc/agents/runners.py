@@ -1,4 +1,4 @@
-"""AgentWorkflowEngine (a pool of workflows with retry) and AgentExecutionEngine (the simple agent+env path).
+"""WorkflowRunner (a pool of workflows with retry) and AgentRunner (the simple agent+env path).
 
 Both run on one asyncio loop; environment calls go to a thread pool, so environments run in
 parallel threads only when their class says ``is_multithread_safe()`` — otherwise construction
@@ -40,7 +40,7 @@ def _check_thread_safety(workflows: Sequence[Workflow], what: str, env_cls: Any 
         )
 
 
-class AgentWorkflowEngine:
+class WorkflowRunner:
     """``n_parallel_tasks`` workflow instances; each task takes a free one, runs, and gives it back.
 
     An episode that ends in ERROR is retried (up to ``retry_limit`` attempts in all); every other
@@ -125,7 +125,7 @@ class AgentWorkflowEngine:
         self.executor.shutdown(wait=False)
 
 
-class AgentExecutionEngine:
+class AgentRunner:
     """The simple execution path: ``n_parallel_agents`` (agent, env) pairs run tasks with a multi-turn loop.
 
     Each pair is driven by a MultiTurnWorkflow (same termination reasons, MC returns with ``gamma``);
