@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import secrets
@@ -35,7 +36,7 @@ from nexrl_hpc.rpc.preauth import FRAME_BYTES, cut_frames, join_frames, secure_c
 from nexrl_hpc.rpc.server import reply_batch, request_batch
 from nexrl_hpc.rpc.wire import RejectedMessage, seal, seal_message, sign
 from nexrl_hpc.scheduler.rollout_scheduler import RolloutScheduler
-from nexrl_hpc.types import Batch
+from nexrl_hpc.types import Batch, PutStatus, RolloutServiceStatus
 from nexrl_hpc.validate.validator import Validator
 from tests.conftest import wire_limits
 
@@ -68,6 +69,16 @@ def test_codec_round_trip_without_pickle() -> None:
     assert out["ref"] == HandleRef("trajectory_pool") and out["nested"] == [{"a": [1.5, True]}]
     with pytest.raises(TypeError, match="cannot send a builtins.object"):
         encode({"x": object()})
+
+
+def test_statuses_cross_the_wire_as_their_enums_and_equal_their_strings() -> None:
+    value = [PutStatus.SUCCESS, PutStatus.FAIL, PutStatus.RE_ROLLOUT, RolloutServiceStatus.BLOCK]
+    header, buffers = encode(value)
+    out = decode(header, [bytes(b) for b in buffers])
+    assert out == value and [type(v) for v in out] == [type(v) for v in value]
+    assert out == ["success", "fail", "re-rollout", "block"]
+    assert [str(v) for v in out] == ["success", "fail", "re-rollout", "block"]
+    assert json.dumps(out) == '["success", "fail", "re-rollout", "block"]'
 
 
 class Counter:
