@@ -18,30 +18,45 @@ import time
 from typing import Any
 
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
+from nexrl_hpc.types import StrEnum
 
 STATUS_FILE = "status.json"
 
+
+class RunState(StrEnum):
+    """A run's state as ``status.json`` and ``launch.status`` say it (the file holds the string)."""
+
+    RUNNING = "running"
+    PENDING = "pending"  # Slurm has not started it (again) yet
+    FINISHED = "finished"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"  # no status file
+
+
 # sacct states after which the job's processes are gone, and what the run then is
 SLURM_END_STATES = {
-    "COMPLETED": "finished",
-    "FAILED": "failed",
-    "OUT_OF_MEMORY": "failed",
-    "NODE_FAIL": "failed",
-    "BOOT_FAIL": "failed",
-    "DEADLINE": "timeout",
-    "TIMEOUT": "timeout",
-    "CANCELLED": "cancelled",
-    "PREEMPTED": "preempted",
+    "COMPLETED": RunState.FINISHED,
+    "FAILED": RunState.FAILED,
+    "OUT_OF_MEMORY": RunState.FAILED,
+    "NODE_FAIL": RunState.FAILED,
+    "BOOT_FAIL": RunState.FAILED,
+    "DEADLINE": RunState.TIMEOUT,
+    "TIMEOUT": RunState.TIMEOUT,
+    "CANCELLED": RunState.CANCELLED,
+    "PREEMPTED": RunState.PREEMPTED,
 }
 SLURM_WAITING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
-ENDED = ("finished", "failed", "preempted")
+ENDED = (RunState.FINISHED, RunState.FAILED, RunState.PREEMPTED)
 
 
-def state_of(exit_code: int) -> str:
+def state_of(exit_code: int) -> RunState:
     """The run's end state for its process exit code (launch/train.py's codes)."""
     if exit_code == 0:
-        return "finished"
-    return "preempted" if exit_code == PREEMPTED_EXIT else "failed"
+        return RunState.FINISHED
+    return RunState.PREEMPTED if exit_code == PREEMPTED_EXIT else RunState.FAILED
 
 
 class RunStatus:
@@ -53,7 +68,7 @@ class RunStatus:
 
     def started(self) -> None:
         self._record = {
-            "state": "running",
+            "state": RunState.RUNNING,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
@@ -102,16 +117,16 @@ def describe(record: dict[str, Any] | None, slurm_state: str | None) -> dict[str
     own = dict(record or {})
     state = own.get("state")
     out: dict[str, Any] = {
-        "state": state or "unknown",
+        "state": state or RunState.UNKNOWN,
         "exit_code": own.get("exit_code"),
         "reason": own.get("reason"),
     }
     slurm = (slurm_state or "").split()[0] if slurm_state else None
     if slurm in SLURM_WAITING_STATES:
-        if state == "preempted":
+        if state == RunState.PREEMPTED:
             out["reason"] = f"{own.get('reason')}; requeued, waiting to restart (Slurm {slurm})"
         else:
-            out.update(state="pending", reason=f"Slurm {slurm}")
+            out.update(state=RunState.PENDING, reason=f"Slurm {slurm}")
         return out
     if slurm in SLURM_END_STATES:
         if state in ENDED:
@@ -121,17 +136,21 @@ def describe(record: dict[str, Any] | None, slurm_state: str | None) -> dict[str
         )
         return out
     if slurm is not None and slurm not in ("UNKNOWN", "unknown"):  # RUNNING, COMPLETING, ...
-        if state in ("finished", "failed"):  # the run ended; Slurm is tidying up
+        if state in (RunState.FINISHED, RunState.FAILED):  # the run ended; Slurm is tidying up
             return out
-        if state != "running":  # starting, or resuming after a preemption
-            again = "; resuming after a preemption" if state == "preempted" else ""
-            out.update(state="running", exit_code=None, reason=f"Slurm {slurm}{again}")
+        if state != RunState.RUNNING:  # starting, or resuming after a preemption
+            again = "; resuming after a preemption" if state == RunState.PREEMPTED else ""
+            out.update(state=RunState.RUNNING, exit_code=None, reason=f"Slurm {slurm}{again}")
         return out
     if state is None:
         out["reason"] = "no status.json: the run never started, or predates status files"
-    elif state == "running" and own.get("host") == socket.gethostname() and not _pid_alive(int(own["pid"])):
+    elif (
+        state == RunState.RUNNING
+        and own.get("host") == socket.gethostname()
+        and not _pid_alive(int(own["pid"]))
+    ):
         out.update(
-            state="failed",
+            state=RunState.FAILED,
             reason=f"the run's process (pid {own['pid']}) is gone without recording an end: "
             "killed (SIGKILL, out of memory?)",
         )
