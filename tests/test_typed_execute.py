@@ -3,7 +3,8 @@
 mypy (with the project's configuration) checks a small file that calls real module methods through
 ``execute`` / ``execute_async`` / ``aexecute``, once as peers hold them (a Protocol of the package's
 ``interfaces.py``) and once as the concrete class; the wrong call is reported at its line, the same
-file with the right argument passes.
+file with the right argument passes. A remote handle (what a module reference is on another rank)
+passes where the Protocol is expected.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 from nexrl_hpc.core.execute import aexecute, execute, execute_async
 from nexrl_hpc.pool.interfaces import TrajectoryPoolRef
 from nexrl_hpc.pool.trajectory_pool import TrajectoryPool
+from nexrl_hpc.rpc.handles import RemoteModuleHandle
 from nexrl_hpc.types import Batch, PutStatus, Trajectory
 
 
@@ -36,11 +38,16 @@ def through_the_class(pool: TrajectoryPool, trajectory: Trajectory) -> Future[Pu
 
 async def on_a_loop(pool: TrajectoryPoolRef) -> bool:
     return await aexecute(pool.is_empty, {model_tag})
+
+
+def a_remote_handle_is_a_module_reference(handle: RemoteModuleHandle) -> TrajectoryPoolRef:
+    execute(handle.get_batch_any, 8, 0.5)
+    return handle
 """
 
 GOOD = {"batch_size": "8", "trajectory": "trajectory", "model_tag": '"default"'}
 BAD = {"batch_size": '"eight"', "trajectory": "[trajectory]", "model_tag": "3"}
-BAD_LINES = {10: "get_batch_any", 14: "put_trajectory", 18: "is_empty"}
+BAD_LINES = {11: "get_batch_any", 15: "put_trajectory", 19: "is_empty"}
 
 
 @pytest.fixture(scope="module")
