@@ -36,8 +36,8 @@ def through_the_class(pool: TrajectoryPool, trajectory: Trajectory) -> Future[Pu
     return execute_async(pool.put_trajectory, {trajectory})
 
 
-async def on_a_loop(pool: TrajectoryPoolRef) -> bool:
-    return await aexecute(pool.is_empty, {model_tag})
+async def on_a_loop(pool: TrajectoryPoolRef) -> None:
+    await aexecute(pool.accept_trajectories, {model_tag})
 
 
 def a_remote_handle_is_a_module_reference(handle: RemoteModuleHandle) -> TrajectoryPoolRef:
@@ -47,7 +47,7 @@ def a_remote_handle_is_a_module_reference(handle: RemoteModuleHandle) -> Traject
 
 GOOD = {"batch_size": "8", "trajectory": "trajectory", "model_tag": '"default"'}
 BAD = {"batch_size": '"eight"', "trajectory": "[trajectory]", "model_tag": "3"}
-BAD_LINES = {11: "get_batch_any", 15: "put_trajectory", 19: "is_empty"}
+BAD_LINES = {11: "get_batch_any", 15: "put_trajectory", 19: "accept_trajectories"}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """What the other modules call on an inference service: the seam between it and its peers.
 
-The controller starts it, the weight sync controller reloads its weights, a rollout worker asks for
+The controller starts it, the weight publisher reloads its weights, a rollout worker asks for
 its endpoint. Peers hold it as a module reference (the service itself, or a handle to it on another
 rank) and call it through ``execute``; typed as this Protocol, mypy checks every call, and the
 controller's wiring checks ``InferenceService`` against it. Imports only lower floors (none).
