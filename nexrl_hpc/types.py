@@ -8,7 +8,6 @@ crosses the wire (the codec sees dicts, lists and numbers, never these classes).
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Sized
 from dataclasses import dataclass, field
 from enum import Enum
@@ -17,16 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 if TYPE_CHECKING:
     import torch  # imported where tensors are handled: the config's checks use these types without it
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:
-
-    class StrEnum(str, Enum):
-        """``enum.StrEnum`` (Python 3.11) for 3.10: a member is its value for ``str()``, ``==`` and json."""
-
-        def __str__(self) -> str:
-            return str(self.value)
-
+from nexrl_hpc.config.enums import StrEnum
 
 ModelTag = str
 """Identifies one model (policy, teacher, ...) inside a run."""

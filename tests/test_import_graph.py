@@ -25,8 +25,8 @@ PACKAGE = "nexrl_hpc"
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    "types",
     "config",
+    "types",
     "core",
     "rpc",
     "runtime",

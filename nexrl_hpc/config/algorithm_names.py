@@ -7,16 +7,7 @@ added here is one the config accepts and a registry must implement.
 
 from __future__ import annotations
 
-import sys
-from enum import Enum
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # Python 3.10: the same behaviour (members are their values, str() is the value)
-
-    class StrEnum(str, Enum):
-        def __str__(self) -> str:
-            return str(self.value)
+from nexrl_hpc.config.enums import StrEnum
 
 
 class AdvantageEstimator(StrEnum):
