@@ -155,6 +155,6 @@ def local_device_problems(cfg: Mapping) -> list[ConfigProblem]:
             key,
             f"cuda, but {why} on this machine (hardware=gpu needs a GPU here; "
             "drop it to run on CPU, or submit with launcher=slurm_gpu)",
-        )  # fmt: skip
+        )
         for key in wants
     ]

@@ -25,6 +25,16 @@ from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, moved_key_hint
 
 HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+_SWEEP_JOB_KEYS = (
+    "partition",
+    "nodes",
+    "tasks_per_node",
+    "cpus_per_task",
+    "gpus_per_node",
+    "gpus_per_task",
+    "timeout_min",
+)
+"""The submitit launcher's settings a sweep point's job is checked with."""
 
 _PASSTHROUGH_FLAGS = {
     "--help",
@@ -118,8 +128,7 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
     launcher = cfg.hydra.launcher  # which launcher Hydra would hand the runs to
     job = None
     if launcher.get("_target_") == HYDRA_SUBMITIT_SLURM:  # each point becomes a job: check it as one
-        job = {k: launcher.get(k) for k in ("partition", "nodes", "tasks_per_node", "cpus_per_task",
-                                            "gpus_per_node", "gpus_per_task", "timeout_min")}  # fmt: skip
+        job = {k: launcher.get(k) for k in _SWEEP_JOB_KEYS}
         job["setup"] = list(launcher.setup or [])
     with open_dict(cfg):
         del cfg["hydra"]
