@@ -137,9 +137,12 @@ def test_a_length_cut_turn_earns_nothing_unless_score_truncated() -> None:
     cut-off turn is not scored; ``score_truncated=True`` still lets the env score it."""
     for score_truncated, reward in ((False, 0.0), (True, 1.0)):
         wf = SingleTurnWorkflow(
-            ScriptedModel([("7", "length")]), agent_cls=MathAgent, env_cls=SingleTurnEnvironment,
-            env_args={"reward_fn": exact_answer}, score_truncated=score_truncated,
-        )  # fmt: skip
+            ScriptedModel([("7", "length")]),
+            agent_cls=MathAgent,
+            env_cls=SingleTurnEnvironment,
+            env_args={"reward_fn": exact_answer},
+            score_truncated=score_truncated,
+        )
         episode = run(wf.run_with_termination_handling(TASK, "t0"))
         assert episode.termination_reason == TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
         assert episode.trajectories[0].reward == reward and bool(episode.is_correct) == bool(reward)

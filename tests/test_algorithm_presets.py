@@ -30,9 +30,15 @@ STEPS = 6
 def test_the_preset_runs_the_default_task(preset: str, tmp_path: Path) -> None:
     run_dir = tmp_path / preset
     proc = run_train(
-        [f"algorithm={preset}", f"run_dir={run_dir}", "seed=7", "logger.backend=[]",
-         f"train_worker.total_train_steps={STEPS}", f"validate.eval.validate_freq={STEPS}"]
-    )  # fmt: skip
+        [
+            f"algorithm={preset}",
+            f"run_dir={run_dir}",
+            "seed=7",
+            "logger.backend=[]",
+            f"train_worker.total_train_steps={STEPS}",
+            f"validate.eval.validate_freq={STEPS}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     expected = compose_config([f"algorithm={preset}"])

@@ -151,10 +151,19 @@ def test_grpo_groups_by_every_key_of_a_hierarchical_key_list() -> None:
     cfg = compose_config(["trajectory_pool.key_list=[group_id,leaf]"])
     proc = AdvantageProcessor(cfg, pad_token_id=0)
     trajs = [
-        {"group_id": "q", "leaf": leaf, "uid": "q", "epoch": 0, "reward": r, "prompt_ids": [1, 4],
-         "response_ids": [5, 2], "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1]}
+        {
+            "group_id": "q",
+            "leaf": leaf,
+            "uid": "q",
+            "epoch": 0,
+            "reward": r,
+            "prompt_ids": [1, 4],
+            "response_ids": [5, 2],
+            "behaviour_log_probs": [-1.0, -1.0],
+            "loss_mask": [1, 1],
+        }
         for leaf, r in (("x", 1.0), ("x", 1.0), ("y", 0.0), ("y", 0.0))
-    ]  # fmt: skip
+    ]
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     assert out.values["advantages"].abs().max().item() == 0.0
     assert out.metadata["metrics"]["train/num_groups"] == 2
@@ -218,11 +227,20 @@ def test_advantage_processor_builds_the_training_batch() -> None:
         for r in rewards:
             cut = g == "a" and r == 0.0  # one response ran into max_response_length
             trajs.append(
-                {"group_id": g, "uid": g, "epoch": 0, "reward": r, "prompt_ids": [1, 4],
-                 "response_ids": [5, 6, 7] if cut else [5, 2], "behaviour_log_probs": [-1.0] * (3 if cut else 2),
-                 "loss_mask": [1] * (3 if cut else 2), "weight_version": 3, "finish_reason": "length" if cut else "stop",
-                 "rollout_times": [10.0 + len(trajs), 11.0 + len(trajs), 11.5 + len(trajs)]}
-            )  # fmt: skip
+                {
+                    "group_id": g,
+                    "uid": g,
+                    "epoch": 0,
+                    "reward": r,
+                    "prompt_ids": [1, 4],
+                    "response_ids": [5, 6, 7] if cut else [5, 2],
+                    "behaviour_log_probs": [-1.0] * (3 if cut else 2),
+                    "loss_mask": [1] * (3 if cut else 2),
+                    "weight_version": 3,
+                    "finish_reason": "length" if cut else "stop",
+                    "rollout_times": [10.0 + len(trajs), 11.0 + len(trajs), 11.5 + len(trajs)],
+                }
+            )
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert torch.allclose(
@@ -248,16 +266,28 @@ def test_stepwise_advantages_give_each_turn_its_own_group_normalised_return() ->
     cfg = compose_config(["task=tool_lookup", "algorithm.advantage_granularity=step"])
     proc = AdvantageProcessor(cfg, pad_token_id=0)
     # response: turn 1 = tokens [0, 2), env tokens [2, 3), turn 2 = [3, 4)
-    episodes = [([0.5, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
-                ([0.0, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
-                ([0.5, 0.0], [[0, 2], [3, 4]], [1, 1, 0, 1]),
-                ([0.0], [[0, 2]], [1, 1])]  # fmt: skip
+    episodes = [
+        ([0.5, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+        ([0.0, 0.5], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+        ([0.5, 0.0], [[0, 2], [3, 4]], [1, 1, 0, 1]),
+        ([0.0], [[0, 2]], [1, 1]),
+    ]
     trajs = [
-        {"group_id": "g", "uid": "g", "epoch": 0, "reward": sum(ret), "prompt_ids": [1],
-         "response_ids": [5, 6, 7, 8][: len(mask)], "behaviour_log_probs": [-1.0] * len(mask),
-         "loss_mask": mask, "step_returns": ret, "step_rewards": ret, "step_spans": spans}
+        {
+            "group_id": "g",
+            "uid": "g",
+            "epoch": 0,
+            "reward": sum(ret),
+            "prompt_ids": [1],
+            "response_ids": [5, 6, 7, 8][: len(mask)],
+            "behaviour_log_probs": [-1.0] * len(mask),
+            "loss_mask": mask,
+            "step_returns": ret,
+            "step_rewards": ret,
+            "step_spans": spans,
+        }
         for ret, spans, mask in episodes
-    ]  # fmt: skip
+    ]
     adv = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"})).values["advantages"]
     t1, _ = grpo_advantages(torch.tensor([0.5, 0.0, 0.5, 0.0]), torch.zeros(4, dtype=torch.long), True, 1e-6)
     t2, _ = grpo_advantages(torch.tensor([0.5, 0.5, 0.0]), torch.zeros(3, dtype=torch.long), True, 1e-6)
@@ -356,10 +386,19 @@ def test_per_turn_advantages_need_the_grpo_estimator() -> None:
 def test_the_processor_uses_the_configured_estimator() -> None:
     proc = AdvantageProcessor(compose_config(["algorithm=rloo"]), pad_token_id=0)
     trajs = [
-        {"group_id": "a", "uid": "a", "epoch": 0, "reward": r, "prompt_ids": [1, 4], "response_ids": [5, 2],
-         "behaviour_log_probs": [-1.0, -1.0], "loss_mask": [1, 1], "weight_version": 0}
+        {
+            "group_id": "a",
+            "uid": "a",
+            "epoch": 0,
+            "reward": r,
+            "prompt_ids": [1, 4],
+            "response_ids": [5, 2],
+            "behaviour_log_probs": [-1.0, -1.0],
+            "loss_mask": [1, 1],
+            "weight_version": 0,
+        }
         for r in (1.0, 0.0, 0.0)
-    ]  # fmt: skip
+    ]
     out = proc.compute(Batch.from_trajectories(trajs, {"model_tag": "default"}))
     assert out.values["advantages"][:, 0].tolist() == [1.0, -0.5, -0.5]
 
@@ -426,18 +465,32 @@ def test_soft_overlong_penalty_hand_computed() -> None:
 
 def _trajs(rewards: list[float], lengths: list[int], finish: list[str]) -> list[dict]:
     return [
-        {"group_id": "a", "uid": "a", "epoch": 0, "sample_index": i, "reward": r, "prompt_ids": [1, 4],
-         "response_ids": [5] * n, "behaviour_log_probs": [-1.0] * n, "loss_mask": [1] * n,
-         "weight_version": 0, "finish_reason": f}
+        {
+            "group_id": "a",
+            "uid": "a",
+            "epoch": 0,
+            "sample_index": i,
+            "reward": r,
+            "prompt_ids": [1, 4],
+            "response_ids": [5] * n,
+            "behaviour_log_probs": [-1.0] * n,
+            "loss_mask": [1] * n,
+            "weight_version": 0,
+            "finish_reason": f,
+        }
         for i, (r, n, f) in enumerate(zip(rewards, lengths, finish))
-    ]  # fmt: skip
+    ]
 
 
 def test_the_processor_shapes_overlong_responses_before_the_advantage_and_can_mask_them() -> None:
     cfg = compose_config(
-        ["rollout_worker.max_response_length=4", "algorithm.overlong.buffer_len=2",
-         "algorithm.overlong.penalty_factor=1.0", "algorithm.norm_adv_by_std=false"]
-    )  # fmt: skip
+        [
+            "rollout_worker.max_response_length=4",
+            "algorithm.overlong.buffer_len=2",
+            "algorithm.overlong.penalty_factor=1.0",
+            "algorithm.norm_adv_by_std=false",
+        ]
+    )
     out = AdvantageProcessor(cfg, pad_token_id=0).compute(
         Batch.from_trajectories(_trajs([1.0, 1.0], [2, 4], ["stop", "length"]), {"model_tag": "default"})
     )

@@ -41,14 +41,27 @@ def test_slurm_time_limits(limit: str, minutes: float | None) -> None:
 def check(
     part: Partition, demands: list[Demand], het: bool = False, time_min: float | None = None
 ) -> list[str]:
-    problems = check_job(part, "launcher.partition", demands, separate_nodes=het, time_min=time_min,
-                         time_key="launcher.time_min", shrink_hint="use fewer ranks")  # fmt: skip
+    problems = check_job(
+        part,
+        "launcher.partition",
+        demands,
+        separate_nodes=het,
+        time_min=time_min,
+        time_key="launcher.time_min",
+        shrink_hint="use fewer ranks",
+    )
     return [str(p) for p in problems]
 
 
 def ranks(tasks: int, cpus: int = 1, gpus: int = 0, label: str = "trainer") -> Demand:
-    return Demand(label, tasks, cpus, gpus, cpus_key=f"placement.resources.{label}.cpus_per_rank",
-                  gpus_key=f"placement.resources.{label}.gpus_per_rank")  # fmt: skip
+    return Demand(
+        label,
+        tasks,
+        cpus,
+        gpus,
+        cpus_key=f"placement.resources.{label}.cpus_per_rank",
+        gpus_key=f"placement.resources.{label}.gpus_per_rank",
+    )
 
 
 def test_a_job_fits_up_to_the_partitions_cpus_and_gpus_and_no_further() -> None:

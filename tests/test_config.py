@@ -78,8 +78,9 @@ def test_mapping_values_are_checked_against_their_type() -> None:
     assert probs["runtime.mpi_env.FI_PROVIDER"] == "expected string or int or float or bool, got list"
     assert probs["placement.resources.rollout.cpus_per_rank"] == "must be >= 1, got 0"
     assert compose_config(["+runtime.mpi_env.MPIR_CVAR_NOLOCAL=1"])["runtime"]["mpi_env"] == {
-        "MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": 1,
-    }  # fmt: skip
+        "MPIR_CVAR_CH4_NETMOD": "ofi",
+        "MPIR_CVAR_NOLOCAL": 1,
+    }
 
 
 def test_missing_required_key() -> None:

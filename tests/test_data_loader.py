@@ -30,8 +30,13 @@ def test_each_row_is_repeated_as_one_group(tmp_path: Path) -> None:
     dl = loader(tmp_path, rollout_repeat_n=2, shuffle=False)
     items = [dl.get_next_item() for _ in range(6)]
     assert [(t["uid"], t["sample_index"], t["epoch"]) for t in items] == [
-        ("train-0", 0, 0), ("train-0", 1, 0), ("train-1", 0, 0), ("train-1", 1, 0), ("train-2", 0, 0), ("train-2", 1, 0)
-    ]  # fmt: skip
+        ("train-0", 0, 0),
+        ("train-0", 1, 0),
+        ("train-1", 0, 0),
+        ("train-1", 1, 0),
+        ("train-2", 0, 0),
+        ("train-2", 1, 0),
+    ]
     assert items[0]["group_id"] == items[1]["group_id"] == "train-0@0"
     assert items[0]["prompt"] == "p0" and items[0]["answer"] == "0"
     nxt = dl.get_next_item()  # max_epochs null: a new epoch starts

@@ -86,9 +86,12 @@ def test_verl_rows_of_every_source_become_normalised_tasks(tmp_path: Path, kind:
 def test_trl_rows_work_with_key_overrides(tmp_path: Path, kind: str) -> None:
     standard = [{"prompt": f"2*{i}=", "solution": str(2 * i)} for i in range(2)]
     conversational = [
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"2*{i}="}], "answer": str(2 * i)}
+        {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"2*{i}="}],
+            "answer": str(2 * i),
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
     dl = make_loader(kind, [write_source(kind, tmp_path / "std", standard)], ["data.answer_key=solution"])
     task = dl.get_next_item()
     assert task["prompt"] == "2*0=" and task["answer"] == "0" and task["data_source"] is None
@@ -153,7 +156,12 @@ def test_long_prompts_are_filtered_and_counted_after_templating(
 ) -> None:
     tok = AutoTokenizer.from_pretrained(chatml_model_dir)
     rows = [{"prompt": [{"role": "user", "content": "1 + 1 " * n}], "answer": "x"} for n in (1, 30, 2, 60)]
-    lengths = [len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for r in rows]  # fmt: skip
+    lengths = [
+        len(
+            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for r in rows
+    ]
     limit = sorted(lengths)[1]  # two fit, two are too long
     path = write_source("parquet", tmp_path / "long", rows)
     cfg = compose_config([f"model.path={chatml_model_dir}"])
@@ -199,10 +207,16 @@ def test_validation_copy_holds_the_filtered_rows_validation_uses(
     val = write_source("parquet", tmp_path / "val", rows)
     train = write_source("parquet", tmp_path / "train", verl_rows(2))
     cfg = compose_config(
-        [f"model.path={chatml_model_dir}", "data.type=parquet", f"data.data_files=[{train}]",
-         f"validate.data.data_files=[{val}]", "data.answer_key=reward_model.ground_truth",
-         "rollout_worker.max_prompt_length=40", f"run_dir={tmp_path}"]
-    )  # fmt: skip
+        [
+            f"model.path={chatml_model_dir}",
+            "data.type=parquet",
+            f"data.data_files=[{train}]",
+            f"validate.data.data_files=[{val}]",
+            "data.answer_key=reward_model.ground_truth",
+            "rollout_worker.max_prompt_length=40",
+            f"run_dir={tmp_path}",
+        ]
+    )
     train_files, val_files = prepare_datasets(cfg, str(tmp_path))  # type: ignore[arg-type]
     assert (train_files, val_files) == ([train], [val])
     copy = [json.loads(line) for line in open(tmp_path / "data" / "validation.jsonl")]
@@ -211,8 +225,12 @@ def test_validation_copy_holds_the_filtered_rows_validation_uses(
 
 def test_the_tiny_char_model_refuses_chat_prompts_naming_the_key(tmp_path: Path) -> None:
     path = write_source("parquet", tmp_path / "chat", verl_rows(2))
-    overrides = ["data.type=parquet", f"data.data_files=[{path}]", f"validate.data.data_files=[{path}]",
-                 "data.answer_key=reward_model.ground_truth"]  # fmt: skip
+    overrides = [
+        "data.type=parquet",
+        f"data.data_files=[{path}]",
+        f"validate.data.data_files=[{path}]",
+        "data.answer_key=reward_model.ground_truth",
+    ]
     with pytest.raises(ConfigError) as err:
         compose_config(overrides)
     paths = {p.path for p in err.value.problems}
@@ -249,8 +267,13 @@ def problems_of(overrides: list[str]) -> dict[str, str]:
 def test_preflight_names_each_data_problem_by_its_key(tmp_path: Path, chatml_model_dir: str) -> None:
     train = write_source("parquet", tmp_path / "train", verl_rows(4))
     val = write_source("hf_disk", tmp_path / "val_disk", verl_rows(2))
-    base = [f"model.path={chatml_model_dir}", "data.type=parquet", f"data.data_files=[{train}]",
-            "validate.data.type=hf", f"validate.data.data_files=[{val}]"]  # fmt: skip
+    base = [
+        f"model.path={chatml_model_dir}",
+        "data.type=parquet",
+        f"data.data_files=[{train}]",
+        "validate.data.type=hf",
+        f"validate.data.data_files=[{val}]",
+    ]
     ok = compose_config(base + ["data.answer_key=reward_model.ground_truth"])
     assert ok["validate"]["data"]["type"] == "hf"  # a save_to_disk folder is a valid hf source
 
@@ -290,9 +313,14 @@ def test_preflight_finds_a_fitting_prompt_past_the_first_rows(tmp_path: Path, ch
     rows = [{"prompt": "1 + 1 " * 50, "answer": "2"}] * 8 + [{"prompt": "1 + 1", "answer": "2"}]
     path = write_source("jsonl", tmp_path / "mostly_long", rows)
     cfg = compose_config(
-        [f"model.path={chatml_model_dir}", "data.type=jsonl", f"data.data_files=[{path}]",
-         f"validate.data.data_files=[{path}]", "rollout_worker.max_prompt_length=20"]
-    )  # fmt: skip
+        [
+            f"model.path={chatml_model_dir}",
+            "data.type=jsonl",
+            f"data.data_files=[{path}]",
+            f"validate.data.data_files=[{path}]",
+            "rollout_worker.max_prompt_length=20",
+        ]
+    )
     assert cfg["data"]["data_files"] == [path]
 
 
@@ -309,13 +337,25 @@ def test_verl_parquet_run_trains_on_the_chat_template_ids(tmp_path: Path, chatml
     val = write_source("parquet", tmp_path / "V", val_rows)
     run_dir = tmp_path / "D"
     proc = run_train(
-        [f"model.path={chatml_model_dir}", "data.type=parquet", f"data.data_files=[{train}]",
-         f"validate.data.data_files=[{val}]", "data.answer_key=reward_model.ground_truth",
-         "rollout_worker.reward_fn=tests.test_data_sources:answer_prefix_reward",
-         "rollout_worker.max_prompt_length=96", "rollout_worker.max_response_length=8", "data.batch_size=8",
-         "data.rollout_repeat_n=4", "train_worker.total_train_steps=3", "logger.dump_rollouts=true",
-         f"run_dir={run_dir}", "seed=7", "logger.backend=[]", "validate.eval.validate_freq=0"]
-    )  # fmt: skip
+        [
+            f"model.path={chatml_model_dir}",
+            "data.type=parquet",
+            f"data.data_files=[{train}]",
+            f"validate.data.data_files=[{val}]",
+            "data.answer_key=reward_model.ground_truth",
+            "rollout_worker.reward_fn=tests.test_data_sources:answer_prefix_reward",
+            "rollout_worker.max_prompt_length=96",
+            "rollout_worker.max_response_length=8",
+            "data.batch_size=8",
+            "data.rollout_repeat_n=4",
+            "train_worker.total_train_steps=3",
+            "logger.dump_rollouts=true",
+            f"run_dir={run_dir}",
+            "seed=7",
+            "logger.backend=[]",
+            "validate.eval.validate_freq=0",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(chatml_model_dir)
     expected = {
@@ -349,15 +389,25 @@ def test_hf_dataset_dict_folder_reads_the_configured_split(tmp_path: Path) -> No
         {"train": datasets.Dataset.from_list(verl_rows(3)), "test": datasets.Dataset.from_list(verl_rows(1))}
     ).save_to_disk(str(folder))
     cfg = compose_config(
-        ["data.type=hf", f"data.data_files=[{folder}]", f"validate.data.data_files=[{folder}]",
-         "validate.data.split=test", "data.answer_key=reward_model.ground_truth",
-         "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'"]
-    )  # fmt: skip
+        [
+            "data.type=hf",
+            f"data.data_files=[{folder}]",
+            f"validate.data.data_files=[{folder}]",
+            "validate.data.split=test",
+            "data.answer_key=reward_model.ground_truth",
+            "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'",
+        ]
+    )
     assert DatasetLoader(cfg["data"], data_files=[str(folder)]).num_rows == 3
     assert DatasetLoader(cfg["validate"]["data"], is_validate=True, data_files=[str(folder)]).num_rows == 1
     found = problems_of(
-        ["data.type=hf", f"data.data_files=[{folder}]", f"validate.data.data_files=[{folder}]",
-         "data.answer_key=reward_model.ground_truth", "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'"]
-    )  # fmt: skip
+        [
+            "data.type=hf",
+            f"data.data_files=[{folder}]",
+            f"validate.data.data_files=[{folder}]",
+            "data.answer_key=reward_model.ground_truth",
+            "model.tiny.tokenizer.chat_template='{{ messages[0].content }}'",
+        ]
+    )
     assert set(found) == {"validate.data.data_files[0]"}  # validate.data.split defaults to "validation"
     assert "no split 'validation' (it has train, test)" in found["validate.data.data_files[0]"]

@@ -63,9 +63,14 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(
 
 def test_the_teacher_gets_ranks_of_its_own_in_mpi_mode(tiny_model_dir: str) -> None:
     cfg = compose_config(
-        ["launch_mode=mpi", "algorithm=opd", f"algorithm.teacher_model_path={tiny_model_dir}",
-         "service.train_service.teacher_service.world_size=2", "service.train_service.teacher_service.engine=fsdp"]
-    )  # fmt: skip
+        [
+            "launch_mode=mpi",
+            "algorithm=opd",
+            f"algorithm.teacher_model_path={tiny_model_dir}",
+            "service.train_service.teacher_service.world_size=2",
+            "service.train_service.teacher_service.engine=fsdp",
+        ]
+    )
     placement = plan_placement(cfg, 5)
     assert [r.group for r in placement.ranks] == ["driver", "trainer", "teacher", "teacher", "rollout"]
     assert all(not r.module_names for r in placement.ranks if r.group == "teacher")
@@ -80,18 +85,25 @@ def test_a_standalone_teacher_needs_a_url_and_the_token(
     monkeypatch.delenv("NEXRL_TRAIN_SERVICE_TOKEN", raising=False)
     with pytest.raises(ConfigError) as err:
         compose_config(
-            ["algorithm=opd", f"algorithm.teacher_model_path={tiny_model_dir}",
-             "service.train_service.teacher_service.backend=direct-zmq"]
-        )  # fmt: skip
+            [
+                "algorithm=opd",
+                f"algorithm.teacher_model_path={tiny_model_dir}",
+                "service.train_service.teacher_service.backend=direct-zmq",
+            ]
+        )
     text = str(err.value)
     assert "service.train_service.teacher_service.url: backend=direct-zmq needs the API server's url" in text
     assert "service.train_service.token_env: the teacher's backend=direct-zmq" in text
     monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", "t")
     cfg = compose_config(
-        ["launch_mode=mpi", "algorithm=opd", f"algorithm.teacher_model_path={tiny_model_dir}",
-         "service.train_service.teacher_service.backend=direct-zmq",
-         "service.train_service.teacher_service.url=http://127.0.0.1:9"]
-    )  # fmt: skip
+        [
+            "launch_mode=mpi",
+            "algorithm=opd",
+            f"algorithm.teacher_model_path={tiny_model_dir}",
+            "service.train_service.teacher_service.backend=direct-zmq",
+            "service.train_service.teacher_service.url=http://127.0.0.1:9",
+        ]
+    )
     # a standalone teacher takes no ranks of the job
     assert [r.group for r in plan_placement(cfg, 3).ranks] == ["driver", "trainer", "rollout"]
 
@@ -114,9 +126,14 @@ def test_a_slurm_job_gets_a_component_for_the_teacher_ranks(tiny_model_dir: str)
     from nexrl_hpc.launcher.slurm import plan_components
 
     cfg = compose_config(
-        ["launcher=slurm", "algorithm=opd", f"algorithm.teacher_model_path={tiny_model_dir}",
-         "placement.resources.teacher.cpus_per_rank=2", "launcher.rollout_ranks=2"]
-    )  # fmt: skip
+        [
+            "launcher=slurm",
+            "algorithm=opd",
+            f"algorithm.teacher_model_path={tiny_model_dir}",
+            "placement.resources.teacher.cpus_per_rank=2",
+            "launcher.rollout_ranks=2",
+        ]
+    )
     world, components = plan_components(cfg)
     assert world == 5
     assert [(c.groups, c.ntasks, c.cpus_per_task) for c in components] == [

@@ -34,11 +34,15 @@ def commands(page: Path) -> list[list[str]]:
 def placeholders(chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     data = tmp_path_factory.mktemp("recipe_data")
     rows = [
-        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i} + 1 = ? ####"}],
-         "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
-         "extra_info": {"split": "train", "index": i}}
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{i} + 1 = ? ####"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"split": "train", "index": i},
+        }
         for i in range(8)
-    ]  # fmt: skip
+    ]
     for name in ("gsm8k/train.parquet", "gsm8k/test.parquet"):
         (data / name).parent.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), data / name)

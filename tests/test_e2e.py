@@ -139,9 +139,11 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
     assert status["step"] == "50 / 50" and status["last checkpoint"].endswith("global_step_50")
     assert status["last validation"].startswith("step 50: ")
     assert f"val/accuracy={val[-1][1]:.4f}" in status["last validation"]
-    assert status["reward"].endswith(f"last {steps[-1]['train/reward_mean']:.4f}"
-                                     f" (min {min(r['train/reward_mean'] for r in steps):.4f},"
-                                     f" max {max(r['train/reward_mean'] for r in steps):.4f})")  # fmt: skip
+    assert status["reward"].endswith(
+        f"last {steps[-1]['train/reward_mean']:.4f}"
+        f" (min {min(r['train/reward_mean'] for r in steps):.4f},"
+        f" max {max(r['train/reward_mean'] for r in steps):.4f})"
+    )
 
     # the same command again: the run is finished, nothing is added, its last validation is reported
     again = run_train([f"run_dir={run_dir}", "seed=7"], timeout=900)
@@ -150,8 +152,13 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
     assert f"last validation: val/accuracy={val[-1][1]:.4f}" in again.stdout
 
 
-ASYNC = ["weight.sync_mode=fully-async", "weight.staleness_threshold=2", "weight.stale_policy=keep",
-         "service.train_service.num_threads=1", "service.inference_service.local.num_threads=1"]  # fmt: skip
+ASYNC = [
+    "weight.sync_mode=fully-async",
+    "weight.staleness_threshold=2",
+    "weight.stale_policy=keep",
+    "service.train_service.num_threads=1",
+    "service.inference_service.local.num_threads=1",
+]
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully-async"])
@@ -162,9 +169,16 @@ def test_resume_after_kill_continues_steps_and_data_exactly_once(
     uninterrupted one; in fully-async mode also the tasks that were out or done-but-untrained
     at the checkpoint (the order within the run then differs, the multiset does not)."""
     run_dir = tmp_path / "resume"
-    args = [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=12", "train_worker.save_freq=2",
-            "train_worker.max_ckpt_to_keep=null", "logger.dump_rollouts=true", *FAST,
-            *(ASYNC if mode != "sync" else [])]  # fmt: skip
+    args = [
+        f"run_dir={run_dir}",
+        "seed=3",
+        "train_worker.total_train_steps=12",
+        "train_worker.save_freq=2",
+        "train_worker.max_ckpt_to_keep=null",
+        "logger.dump_rollouts=true",
+        *FAST,
+        *(ASYNC if mode != "sync" else []),
+    ]
     first = subprocess.Popen(
         [sys.executable, "-m", "launch.train", *args],
         cwd=REPO,
@@ -245,7 +259,7 @@ def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Pa
             "data.batch_size=4",
             "train_worker.total_train_steps=2",
             *FAST,
-        ]  # fmt: skip
+        ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]
@@ -271,7 +285,7 @@ def test_nan_loss_step_is_skipped_and_reported(tmp_path: Path) -> None:
             "data.shuffle=false",
             "train_worker.total_train_steps=3",
             *FAST,
-        ]  # fmt: skip
+        ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "train/reward_mean" in r]

@@ -122,10 +122,25 @@ def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
     """The tested CPU path: no GPU flags, eager mode, vLLM's CPU platform."""
     server = _vllm([], tmp_path)
     cmd = server.command(8000)
-    assert cmd[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen",
-                       "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "8000",
-                       "--dtype", "float32", "--generation-config", "vllm",
-                       "--middleware", "nexrl_vllm_guard.RequireKey", "--enforce-eager"]  # fmt: skip
+    assert cmd[1:] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/qwen",
+        "--served-model-name",
+        "policy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--dtype",
+        "float32",
+        "--generation-config",
+        "vllm",
+        "--middleware",
+        "nexrl_vllm_guard.RequireKey",
+        "--enforce-eager",
+    ]
     assert server.environment({}, "/guard")["VLLM_TARGET_DEVICE"] == "cpu"
 
 
@@ -174,8 +189,14 @@ def test_contradicting_hardware_keys_are_refused() -> None:
 
 def test_slurm_gpu_ranks_must_ask_for_gpus() -> None:
     """On the login node only the config is checked (its own CUDA is irrelevant): GPU ranks need GPUs."""
-    gpu_slurm = ["hardware=gpu", "launcher=slurm_gpu", "launch_mode=mpi", "service.train_service.world_size=4",
-                 "service.train_service.engine=fsdp", "service.inference_service.backend=vllm"]  # fmt: skip
+    gpu_slurm = [
+        "hardware=gpu",
+        "launcher=slurm_gpu",
+        "launch_mode=mpi",
+        "service.train_service.world_size=4",
+        "service.train_service.engine=fsdp",
+        "service.inference_service.backend=vllm",
+    ]
     assert _problems(gpu_slurm) == {}
     got = _problems(["hardware=gpu", "launcher=slurm", "launch_mode=mpi"])
     assert set(got) == {
@@ -218,8 +239,12 @@ def test_launch_train_with_hardware_gpu_exits_2_naming_the_key(tmp_path: Any) ->
     env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")  # no GPU visible, on any machine
     proc = subprocess.run(
         [sys.executable, "-m", "launch.train", "hardware=gpu", f"run_dir={tmp_path}/run"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "service.train_service.device: cuda, but" in proc.stderr
     assert not os.path.exists(f"{tmp_path}/run")  # nothing started
@@ -227,8 +252,12 @@ def test_launch_train_with_hardware_gpu_exits_2_naming_the_key(tmp_path: Any) ->
 
 
 def _trained(model_dir: str, checkpointing: bool) -> tuple[PolicyTrainer, dict[str, float], int]:
-    cfg = compose_config([f"model.gradient_checkpointing={str(checkpointing).lower()}",
-                          "service.train_service.actor.ppo_micro_batch_size=4"])  # fmt: skip
+    cfg = compose_config(
+        [
+            f"model.gradient_checkpointing={str(checkpointing).lower()}",
+            "service.train_service.actor.ppo_micro_batch_size=4",
+        ]
+    )
     eng = PolicyTrainer(model_dir)
     eng.initialize_worker(TrainWorker(cfg, eng).train_service_config())
     eng.init_model()

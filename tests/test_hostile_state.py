@@ -118,8 +118,14 @@ def test_a_run_resumes_from_the_previous_checkpoint_and_its_files_are_private(tm
     """The whole path: a real run, its newest state.h5 damaged, the same command run again."""
     os.chmod(tmp_path, 0o755)
     run_dir = tmp_path / "run"
-    args = [f"run_dir={run_dir}", "service.inference_service.backend=fake", "data.batch_size=4",
-            "train_worker.save_freq=1", "logger.dump_rollouts=false", *FAST]  # fmt: skip
+    args = [
+        f"run_dir={run_dir}",
+        "service.inference_service.backend=fake",
+        "data.batch_size=4",
+        "train_worker.save_freq=1",
+        "logger.dump_rollouts=false",
+        *FAST,
+    ]
     first = run_train([*args, "train_worker.total_train_steps=2"], timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = run_dir / "checkpoints"

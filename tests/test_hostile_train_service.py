@@ -35,10 +35,22 @@ def server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
     log = open(tmp_path / "api_server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.train_service", "--host", "127.0.0.1", "--port", str(port),
-         "--heartbeat-timeout-s", "2"],
-        cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.train_service",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--heartbeat-timeout-s",
+            "2",
+        ],
+        cwd=REPO,
+        env=env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -55,10 +67,27 @@ def server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
 def start_group(url: str, identifier: str, port: int, tmp_path: Path, n: int) -> subprocess.Popen:
     log = open(tmp_path / f"workers_{identifier}_{n}.log", "w")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-        "-m", "launch.train_worker", "--api-server-url", url, "--identifier", identifier,
-        "--backend", "single", "--heartbeat-s", "0.5", "--idle-tick-s", "0.5", "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        "-m",
+        "launch.train_worker",
+        "--api-server-url",
+        url,
+        "--identifier",
+        identifier,
+        "--backend",
+        "single",
+        "--heartbeat-s",
+        "0.5",
+        "--idle-tick-s",
+        "0.5",
+        "--port",
+        str(port),
+    ]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -68,9 +97,14 @@ def client_for(
     address: str, info: dict, control: ApiServerControl, via: str | None = None
 ) -> TrainGroupClient:
     client = TrainGroupClient(
-        via or address, key_from_token(TOKEN, "replay", info["session"]), DirectControl(),
-        recv_timeout_ms=5_000, total_timeout_ms=5_000, max_message_bytes=1 << 20, limits=wire_limits(),
-    )  # fmt: skip
+        via or address,
+        key_from_token(TOKEN, "replay", info["session"]),
+        DirectControl(),
+        recv_timeout_ms=5_000,
+        total_timeout_ms=5_000,
+        max_message_bytes=1 << 20,
+        limits=wire_limits(),
+    )
     client.address = address  # messages name rank 0 as their recipient, whatever path they take
     return client
 

@@ -57,9 +57,17 @@ def endpoint(rank: int, key: bytes, limits: WireLimits, module: Any = None) -> R
     if module is not None:
         registry.add("counter", module)
     return RpcEndpoint(
-        rank, "127.0.0.1", key, 1 << 30, 4, 20.0, registry.lookup, direct_sockets_per_peer=2,
-        long_poll_threads=2, limits=limits,
-    )  # fmt: skip
+        rank,
+        "127.0.0.1",
+        key,
+        1 << 30,
+        4,
+        20.0,
+        registry.lookup,
+        direct_sockets_per_peer=2,
+        long_poll_threads=2,
+        limits=limits,
+    )
 
 
 class Probe:
@@ -79,9 +87,17 @@ def serve_target(conn: Any, key: bytes, limits: WireLimits) -> None:
     registry.add("counter", Counter())
     registry.add("probe", probe)
     target = RpcEndpoint(
-        1, "127.0.0.1", key, 1 << 30, 4, 20.0, registry.lookup, direct_sockets_per_peer=2,
-        long_poll_threads=2, limits=limits,
-    )  # fmt: skip
+        1,
+        "127.0.0.1",
+        key,
+        1 << 30,
+        4,
+        20.0,
+        registry.lookup,
+        direct_sockets_per_peer=2,
+        long_poll_threads=2,
+        limits=limits,
+    )
     probe.endpoint = target
     conn.send((target.address, target.lane_address))
     target.connect(*conn.recv())
@@ -457,10 +473,18 @@ def test_a_signed_malformed_request_leaves_the_io_thread_serving(three_ranks: An
     payload, _ = encode([[], {}])
     good = {"t": "req", "id": 1, "src": 0, "to": 1, "m": "counter", "f": "peek"}
     bad = [
-        dict(good, src="x"), dict(good, src=None), dict(good, src=1e300), dict(good, id="1"),
-        dict(good, m=5), dict(good, q=float("inf")), dict(good, k=[7]), dict(good, k="x"), dict(good, to=True),
-        {"t": "reqs", "src": [], "to": 1}, ["not", "a", "map"],
-    ]  # fmt: skip
+        dict(good, src="x"),
+        dict(good, src=None),
+        dict(good, src=1e300),
+        dict(good, id="1"),
+        dict(good, m=5),
+        dict(good, q=float("inf")),
+        dict(good, k=[7]),
+        dict(good, k="x"),
+        dict(good, to=True),
+        {"t": "reqs", "src": [], "to": 1},
+        ["not", "a", "map"],
+    ]
     for q, envelope in enumerate(bad, start=1):
         if isinstance(envelope, dict):
             envelope = {"s": "fuzzer", "q": q, **envelope}

@@ -134,10 +134,23 @@ def test_mpi_agent_episodes_run_on_the_rollout_ranks(tmp_path: Path) -> None:
     """
     run_dir = tmp_path / "agent"
     proc = subprocess.run(
-        mpirun(4, ["task=tool_lookup", f"run_dir={run_dir}", "seed=1", "train_worker.total_train_steps=4",
-                   "task.params.val_size=32", "validate.validate_before_train=false", "logger.backend=[]"]),
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        mpirun(
+            4,
+            [
+                "task=tool_lookup",
+                f"run_dir={run_dir}",
+                "seed=1",
+                "train_worker.total_train_steps=4",
+                "task.params.val_size=32",
+                "validate.validate_before_train=false",
+                "logger.backend=[]",
+            ],
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(run_dir)
     steps = [r for r in rows if "train/reward_mean" in r]
@@ -154,11 +167,17 @@ def test_mpi_agent_episodes_run_on_the_rollout_ranks(tmp_path: Path) -> None:
 def failure_run_args(run_dir: Path, policy: str, steps: int) -> list[str]:
     """A short run with a fake LLM, 1 s heartbeats and rollout dumps: the failure tests' run."""
     return [
-        f"run_dir={run_dir}", f"train_worker.total_train_steps={steps}", "logger.dump_rollouts=true",
-        "service.inference_service.backend=fake", "service.inference_service.fake_latency_ms=150",
-        f"runtime_monitor.exception_handling.policy={policy}", "runtime_monitor.health_check.check_interval=1.0",
-        "runtime_monitor.health_check.timeout=1.5", "data.batch_size=8", *FAST,
-    ]  # fmt: skip
+        f"run_dir={run_dir}",
+        f"train_worker.total_train_steps={steps}",
+        "logger.dump_rollouts=true",
+        "service.inference_service.backend=fake",
+        "service.inference_service.fake_latency_ms=150",
+        f"runtime_monitor.exception_handling.policy={policy}",
+        "runtime_monitor.health_check.check_interval=1.0",
+        "runtime_monitor.health_check.timeout=1.5",
+        "data.batch_size=8",
+        *FAST,
+    ]
 
 
 def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int = 3, timeout: float = 300) -> None:
@@ -320,10 +339,17 @@ def test_world_size_that_does_not_fit_is_refused_before_start(tmp_path: Path) ->
 def test_colocation_group_placement_errors_before_start() -> None:
     base = ["launch_mode=mpi", "placement.mode=manual"]
     roles = {
-        "data_loader": ("driver", 1), "validate_dataloader": ("driver", 1), "trajectory_pool": ("driver", 1),
-        "algorithm_processor": ("driver", 1), "train_batch_pool": ("driver", 1), "weight_sync_controller": ("driver", 1),
-        "validator": ("driver", 1), "train_worker": (None, 1), "rollout_worker": ("rollout", 2), "inference_service": ("rollout", 1),
-    }  # fmt: skip
+        "data_loader": ("driver", 1),
+        "validate_dataloader": ("driver", 1),
+        "trajectory_pool": ("driver", 1),
+        "algorithm_processor": ("driver", 1),
+        "train_batch_pool": ("driver", 1),
+        "weight_sync_controller": ("driver", 1),
+        "validator": ("driver", 1),
+        "train_worker": (None, 1),
+        "rollout_worker": ("rollout", 2),
+        "inference_service": ("rollout", 1),
+    }
     spec = [
         f"+placement.roles.{k}={{count:{c},colocation_group:{g if g else 'null'}}}"
         for k, (g, c) in roles.items()
@@ -373,11 +399,18 @@ def test_mpi_fully_async_feeds_the_trainer_back_to_back_and_exports_each_version
     trains once, and each checkpoint holds exactly the weights exported as its version."""
     run_dir = tmp_path / "ahead"
     args = [
-        f"run_dir={run_dir}", "seed=4", "weight.sync_mode=fully-async", "weight.staleness_threshold=2",
-        "service.inference_service.backend=fake", "train_worker.total_train_steps=16",
-        "train_worker.save_freq=8", "train_worker.max_ckpt_to_keep=null", "weight.keep_versions=20",
-        "service.train_service.num_threads=1", *FAST,
-    ]  # fmt: skip
+        f"run_dir={run_dir}",
+        "seed=4",
+        "weight.sync_mode=fully-async",
+        "weight.staleness_threshold=2",
+        "service.inference_service.backend=fake",
+        "train_worker.total_train_steps=16",
+        "train_worker.save_freq=8",
+        "train_worker.max_ckpt_to_keep=null",
+        "weight.keep_versions=20",
+        "service.train_service.num_threads=1",
+        *FAST,
+    ]
     proc = subprocess.run(mpirun(3, args), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "train/sent_ahead" in r]

@@ -90,8 +90,13 @@ def test_an_inference_server_may_bind_every_interface_or_ipv6() -> None:
 
 def test_the_config_check_names_each_bad_bind_setting() -> None:
     with pytest.raises(ConfigError) as err:
-        compose_config(["runtime.rpc.interface=0.0.0.0", "service.inference_service.local.host='a b'",
-                        "service.inference_service.vllm.host=10.0.0.0/99"])  # fmt: skip
+        compose_config(
+            [
+                "runtime.rpc.interface=0.0.0.0",
+                "service.inference_service.local.host='a b'",
+                "service.inference_service.vllm.host=10.0.0.0/99",
+            ]
+        )
     paths = {p.path: p.message for p in err.value.problems}
     assert "0.0.0.0 binds every interface" in paths["runtime.rpc.interface"]
     assert "is not an IP" in paths["service.inference_service.local.host"]
@@ -100,8 +105,13 @@ def test_the_config_check_names_each_bad_bind_setting() -> None:
 
 
 def rank(net: str, host: str, address: str | None, error: str | None = None) -> dict:
-    return {"net": net, "host": host, "address": address, "loopback": bool(address and address.startswith("127.")),
-            "error": error}  # fmt: skip
+    return {
+        "net": net,
+        "host": host,
+        "address": address,
+        "loopback": bool(address and address.startswith("127.")),
+        "error": error,
+    }
 
 
 def test_loopback_is_refused_only_when_the_ranks_are_on_more_than_one_host() -> None:
@@ -117,8 +127,11 @@ def test_loopback_is_refused_only_when_the_ranks_are_on_more_than_one_host() -> 
         "'hostname' resolves to loopback (127.0.0.1) on rank(s) 0, 1, 2, but the job's ranks are on 2 hosts "
         "(n1: rank(s) 0, 1; n2: rank(s) 2)"
     )
-    failed = [rank("a", "n1", "10.0.0.1"), rank("b", "n2", None, "no interface 'ib0'"),
-              rank("c", "n3", None, "no interface 'ib0'")]  # fmt: skip
+    failed = [
+        rank("a", "n1", "10.0.0.1"),
+        rank("b", "n2", None, "no interface 'ib0'"),
+        rank("c", "n3", None, "no interface 'ib0'"),
+    ]
     assert [p.message for p in reachability_problems(failed, "ib0", key)] == [
         "rank(s) 1, 2: no interface 'ib0'"
     ]
@@ -127,8 +140,11 @@ def test_loopback_is_refused_only_when_the_ranks_are_on_more_than_one_host() -> 
 def test_processes_in_one_network_namespace_share_a_loopback_scope() -> None:
     other = subprocess.run(
         [sys.executable, "-c", "from nexrl_hpc.runtime.network import network_host; print(network_host())"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert other.stdout.strip() == network_host()
 
 
@@ -147,10 +163,26 @@ def test_each_node_host_resolves_the_settings_to_its_own_address(two_hosts: DevH
     for node in two_hosts.nodes:
         # the node's namespaces as slurmd has them: its network, hostname and /etc/hosts
         proc = subprocess.run(
-            ["ip", "netns", "exec", node["netns"], "unshare", "--uts", "sh", "-c",
-             f'hostname {node["hostname"]} && exec "$0" "$@"', sys.executable, "-c", code, *specs],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                node["netns"],
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f'hostname {node["hostname"]} && exec "$0" "$@"',
+                sys.executable,
+                "-c",
+                code,
+                *specs,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         got = json.loads(proc.stdout)
         assert [got[s] for s in specs] == [node["address"]] * 3, got

@@ -30,8 +30,14 @@ def teacher_model(default_run: tuple[Path, subprocess.CompletedProcess]) -> str:
 
 
 def opd_args(teacher: str, run_dir: Path) -> list[str]:
-    return ["algorithm=opd", f"algorithm.teacher_model_path={teacher}", f"train_worker.total_train_steps={STEPS}",
-            f"run_dir={run_dir}", "seed=7", "logger.backend=[]"]  # fmt: skip
+    return [
+        "algorithm=opd",
+        f"algorithm.teacher_model_path={teacher}",
+        f"train_worker.total_train_steps={STEPS}",
+        f"run_dir={run_dir}",
+        "seed=7",
+        "logger.backend=[]",
+    ]
 
 
 def held_out_accuracy(run_dir: Path) -> list[float]:
@@ -55,8 +61,10 @@ def check_distilled(run_dir: Path, teacher: str) -> None:
     assert len(kl) == STEPS and kl[-1] < 0.5 * kl[0], kl
     independent = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert independent.returncode == 0, independent.stderr
     result = json.loads(independent.stdout.strip().splitlines()[-1])
     assert result["checkpoint"].endswith(f"global_step_{STEPS}") and result["accuracy"] >= bar, (result, bar)
@@ -94,12 +102,24 @@ def test_opd_with_student_and_teacher_groups_on_one_api_server(
     run_dir = tmp_path / "opd_service"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "launch.train", *opd_args(teacher_model, run_dir),
-             "service.train_service.backend=direct-zmq", f"service.train_service.url={api_server}",
-             "service.train_service.identifier=student", "service.train_service.engine=fsdp",
-             "service.train_service.world_size=2", "service.train_service.teacher_service.backend=direct-zmq"],
-            cwd=REPO, env=env(), capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "launch.train",
+                *opd_args(teacher_model, run_dir),
+                "service.train_service.backend=direct-zmq",
+                f"service.train_service.url={api_server}",
+                "service.train_service.identifier=student",
+                "service.train_service.engine=fsdp",
+                "service.train_service.world_size=2",
+                "service.train_service.teacher_service.backend=direct-zmq",
+            ],
+            cwd=REPO,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         check_distilled(run_dir, teacher_model)
     finally:

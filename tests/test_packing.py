@@ -234,9 +234,13 @@ def test_packed_token_budget_update_matches_the_padded_update(
     )
     # Adam with eps=1 steps in proportion to the gradient: the weights then compare the gradients (with
     # eps=1e-8 a first step is ~lr * sign(g), and a gradient near 1e-8 makes summation order visible)
-    common = [f"service.train_service.actor.loss_agg_mode={agg}", "service.train_service.actor.ppo_mini_batch_size=8",
-              "service.train_service.actor.entropy_coeff=0.01", "service.train_service.actor.optim.eps=1.0",
-              "service.train_service.actor.optim.lr=0.1"]  # fmt: skip
+    common = [
+        f"service.train_service.actor.loss_agg_mode={agg}",
+        "service.train_service.actor.ppo_mini_batch_size=8",
+        "service.train_service.actor.entropy_coeff=0.01",
+        "service.train_service.actor.optim.eps=1.0",
+        "service.train_service.actor.optim.lr=0.1",
+    ]
     padded = trainer(tiny_model_dir, [*common, *PADDED, "service.train_service.actor.ppo_micro_batch_size=3"])
     packed = trainer(
         tiny_model_dir,

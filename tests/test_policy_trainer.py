@@ -278,16 +278,37 @@ def test_a_load_that_fails_halfway_keeps_the_engine_from_training(
 
 def test_loss_sums_give_the_losses_per_optimizer_step_and_the_ratios_per_token() -> None:
     sums = LossSums()
-    sums.add(LossSums(pg_loss=1.0, kl_loss=0.25, entropy_loss=0.5, clipfrac=2.0, clipfrac_lower=0.0,
-                      clipfrac_upper=2.0, clipfrac_dual=1.0, ppo_kl=0.5, entropy=6.0, tokens=4.0))  # fmt: skip
+    sums.add(
+        LossSums(
+            pg_loss=1.0,
+            kl_loss=0.25,
+            entropy_loss=0.5,
+            clipfrac=2.0,
+            clipfrac_lower=0.0,
+            clipfrac_upper=2.0,
+            clipfrac_dual=1.0,
+            ppo_kl=0.5,
+            entropy=6.0,
+            tokens=4.0,
+        )
+    )
     sums.add(
         LossSums(
             pg_loss=3.0, kl_loss=0.25, entropy_loss=1.5, clipfrac=0.0, ppo_kl=1.5, entropy=2.0, tokens=4.0
         )
     )
     reduced = sums.all_reduced(SingleProcess())  # one rank: the sums themselves
-    assert reduced == LossSums(pg_loss=4.0, kl_loss=0.5, entropy_loss=2.0, clipfrac=2.0, clipfrac_upper=2.0,
-                               clipfrac_dual=1.0, ppo_kl=2.0, entropy=8.0, tokens=8.0)  # fmt: skip
+    assert reduced == LossSums(
+        pg_loss=4.0,
+        kl_loss=0.5,
+        entropy_loss=2.0,
+        clipfrac=2.0,
+        clipfrac_upper=2.0,
+        clipfrac_dual=1.0,
+        ppo_kl=2.0,
+        entropy=8.0,
+        tokens=8.0,
+    )
     assert reduced.metrics(optimizer_steps=2, kl_loss_coef=0.5, entropy_coeff=0.1) == {
         "actor/pg_loss": 2.0,
         "actor/kl_loss": 0.25,

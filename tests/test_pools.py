@@ -254,9 +254,13 @@ def scored(i: int, group: str, reward: float) -> dict[str, Any]:
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills_until_the_cap() -> None:
     pool, wsc = make_pool(
-        **{"data.batch_size": 1, "data.rollout_repeat_n": 2, "algorithm.filter_groups.enable": "true",
-           "algorithm.filter_groups.max_num_gen_batches": 3}
-    )  # fmt: skip
+        **{
+            "data.batch_size": 1,
+            "data.rollout_repeat_n": 2,
+            "algorithm.filter_groups.enable": "true",
+            "algorithm.filter_groups.max_num_gen_batches": 3,
+        }
+    )
     loader = RecordingLoader()
     wsc.loader = loader
     pool.set_module_references(loader, wsc)  # type: ignore[arg-type]

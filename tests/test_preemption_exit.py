@@ -65,8 +65,13 @@ def assert_stopped_for_resume(run_dir: Path, out: str, server_logs: list[Path]) 
 def test_preempted_local_run_aborts_its_server_and_resumes_exactly(tmp_path: Path) -> None:
     run_dir = tmp_path / "local"
     args = [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=8", *FAST]
-    proc = subprocess.Popen([sys.executable, "-m", "launch.train", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     preempt_after(proc, run_dir, 2, lambda: proc.pid)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
@@ -91,8 +96,19 @@ def test_preempted_mpi_run_aborts_every_rank_and_resumes_exactly(tmp_path: Path)
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: install the dev extra (bash scripts/install.sh --dev: mpi4py + mpich)")
     run_dir = tmp_path / "mpi"
-    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "launch.train", "launch_mode=mpi", f"run_dir={run_dir}",
-           "seed=3", "train_worker.total_train_steps=8", *FAST]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launch_mode=mpi",
+        f"run_dir={run_dir}",
+        "seed=3",
+        "train_worker.total_train_steps=8",
+        *FAST,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def rank0_pid() -> int:

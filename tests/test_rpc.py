@@ -132,9 +132,17 @@ def pair() -> Iterator[tuple[RpcEndpoint, RpcEndpoint, Counter, bytes]]:
     counter = Counter()
     registry.add("counter", counter)
     server = RpcEndpoint(
-        1, "127.0.0.1", key, 1 << 20, 4, 5.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=8,
+        1,
+        "127.0.0.1",
+        key,
+        1 << 20,
+        4,
+        5.0,
+        registry.lookup,
+        direct_sockets_per_peer=4,
+        long_poll_threads=8,
         limits=wire_limits(),
-    )  # fmt: skip
+    )
     client = RpcEndpoint(
         0,
         "127.0.0.1",
@@ -515,10 +523,20 @@ def test_big_parts_travel_cut_into_frames_within_the_peers_frame_limit() -> None
     registry = ModuleRegistry()
     registry.add("counter", Counter())
     ends = [
-        RpcEndpoint(rank, "127.0.0.1", key, 4 << 20, 4, 10.0, lookup, direct_sockets_per_peer=0,
-                    long_poll_threads=2, limits=limits)
+        RpcEndpoint(
+            rank,
+            "127.0.0.1",
+            key,
+            4 << 20,
+            4,
+            10.0,
+            lookup,
+            direct_sockets_per_peer=0,
+            long_poll_threads=2,
+            limits=limits,
+        )
         for rank, lookup in ((0, ModuleRegistry().lookup), (1, registry.lookup))
-    ]  # fmt: skip
+    ]
     try:
         ends[0].connect({1: ends[1].address})
         ends[1].connect({0: ends[0].address})

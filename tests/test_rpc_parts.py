@@ -121,8 +121,13 @@ def test_calls_sign_requests_complete_replies_and_batch_queued_quick_requests(ro
     first = calls.call_async(1, "adder", "peek", (), {}, quick=True)
     envelope, rest = receive(sock)
     assert {k: envelope[k] for k in ("t", "src", "to", "m", "f", "q")} == {
-        "t": "req", "src": 0, "to": 1, "m": "adder", "f": "peek", "q": 2,
-    }  # fmt: skip
+        "t": "req",
+        "src": 0,
+        "to": 1,
+        "m": "adder",
+        "f": "peek",
+        "q": 2,
+    }
     assert decode(bytes(rest[0]), []) == [[], {}]
     # while it is unanswered, the next quick requests wait in the outbox ...
     queued = [calls.call_async(1, "adder", "peek", (i,), {}, quick=True) for i in range(2)]
@@ -136,8 +141,9 @@ def test_calls_sign_requests_complete_replies_and_batch_queued_quick_requests(ro
     assert batch["t"] == "reqs" and batch["q"] == 3 and batch["to"] == 1 and not calls.peers[1].outbox
     items = msgpack.unpackb(bytes(rest[0]), raw=False)
     assert [(m, f, decode(p, [])) for _, m, f, p in items] == [
-        ("adder", "peek", [[0], {}]), ("adder", "peek", [[1], {}]),
-    ]  # fmt: skip
+        ("adder", "peek", [[0], {}]),
+        ("adder", "peek", [[1], {}]),
+    ]
     calls.expire(time.monotonic() + 10)
     for future in queued:
         with pytest.raises(CallTimeout, match="adder.peek on rank 1: no reply before the deadline"):
@@ -175,9 +181,15 @@ def test_the_direct_pool_calls_a_lane_server_and_reuses_its_connection() -> None
     adder.n = 9
     server_rejections, client_rejections = Rejections(1), Rejections(0)
     lanes = LaneServer(
-        1, "127.0.0.1", KEY, 1 << 20, SequenceGuard(), Invoker(1, lookup_for(adder)), server_rejections.reject,
+        1,
+        "127.0.0.1",
+        KEY,
+        1 << 20,
+        SequenceGuard(),
+        Invoker(1, lookup_for(adder)),
+        server_rejections.reject,
         LIMITS,
-    )  # fmt: skip
+    )
     end = serve_in_thread(lanes)
     dead: dict[int, str] = {}
     pool = DirectPool(
@@ -250,8 +262,10 @@ def test_the_io_server_answers_a_request_batch_with_one_reply_batch(router: Any)
         reply, rest = receive(caller_router)
         assert reply["t"] == "reps" and reply["s"].startswith("1:") and (reply["src"], reply["to"]) == (1, 0)
         assert [(i, ok, decode(body, [])) for i, ok, body in msgpack.unpackb(rest[0])] == [
-            (10, True, 5), (11, True, 5), (12, True, 5),
-        ]  # fmt: skip
+            (10, True, 5),
+            (11, True, 5),
+            (12, True, 5),
+        ]
         dealer.send_multipart(seal_message(KEY, envelope, msgpack.packb(items), []))  # a replay
         deadline = time.monotonic() + 5
         while rejections.count == 0 and time.monotonic() < deadline:

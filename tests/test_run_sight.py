@@ -106,8 +106,14 @@ def write_run(run_dir: Path, rows: list[dict[str, Any]], total: int = 4, status:
 
 
 def train_row(step: int, reward: float) -> dict[str, Any]:
-    return {"step": step, "train/reward_mean": reward, "train/loss": 0.1 * step, "timing/step_s": 1.0,
-            "timing/update_s": 0.6, "timing/wait_s": 0.4}  # fmt: skip
+    return {
+        "step": step,
+        "train/reward_mean": reward,
+        "train/loss": 0.1 * step,
+        "timing/step_s": 1.0,
+        "timing/update_s": 0.6,
+        "timing/wait_s": 0.4,
+    }
 
 
 def cli(run_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
@@ -125,8 +131,10 @@ def test_status_file_records_start_and_end(tmp_path: Path) -> None:
     record = read_status(str(tmp_path / "run"))
     assert record is not None and record["ended_at"] >= record["started_at"]
     assert describe(record, None) == {
-        "state": "failed", "exit_code": 1, "reason": "RunFailed: inference server unreachable"
-    }  # fmt: skip
+        "state": "failed",
+        "exit_code": 1,
+        "reason": "RunFailed: inference server unreachable",
+    }
     status.ended(3, "signal SIGUSR2: checkpoint saved at step 2")
     assert describe(read_status(str(tmp_path / "run")), None)["state"] == "preempted"
     status.ended(0, "run finished")
@@ -151,15 +159,23 @@ ENDED_FAILED = {"state": "failed", "exit_code": 1, "reason": "ValueError: bad re
         (RUNNING, "OUT_OF_MEMORY", "failed", "Slurm OUT_OF_MEMORY: the run ended without recording why"),
         (None, "FAILED", "failed", "Slurm FAILED: the run ended without recording why"),
         (ENDED_FAILED, "FAILED", "failed", "ValueError: bad reward"),  # the run knows why
-        ({**ENDED_FAILED, "state": "preempted", "exit_code": 3, "reason": "signal SIGUSR2"}, "PENDING",
-         "preempted", "signal SIGUSR2; requeued, waiting to restart (Slurm PENDING)"),
-        ({**ENDED_FAILED, "state": "preempted", "exit_code": 3}, "RUNNING", "running",
-         "Slurm RUNNING; resuming after a preemption"),
+        (
+            {**ENDED_FAILED, "state": "preempted", "exit_code": 3, "reason": "signal SIGUSR2"},
+            "PENDING",
+            "preempted",
+            "signal SIGUSR2; requeued, waiting to restart (Slurm PENDING)",
+        ),
+        (
+            {**ENDED_FAILED, "state": "preempted", "exit_code": 3},
+            "RUNNING",
+            "running",
+            "Slurm RUNNING; resuming after a preemption",
+        ),
         (None, "PENDING", "pending", "Slurm PENDING"),
         (RUNNING, "RUNNING", "running", None),
         (RUNNING, None, "running", None),  # another host: its pid cannot be checked from here
     ],
-)  # fmt: skip
+)
 def test_state_combines_the_run_and_slurm(
     record: dict | None, slurm: str | None, state: str, reason: str
 ) -> None:
@@ -172,8 +188,11 @@ def test_a_run_killed_before_recording_its_end_shows_failed(
 ) -> None:
     pid = dead_pid()
     run_dir = tmp_path / "killed"
-    write_run(run_dir, [train_row(1, 0.1)], status={"state": "running", "pid": pid, "host": socket.gethostname(),
-                                                    "started_at": time.time() - 5})  # fmt: skip
+    write_run(
+        run_dir,
+        [train_row(1, 0.1)],
+        status={"state": "running", "pid": pid, "host": socket.gethostname(), "started_at": time.time() - 5},
+    )
     code, out = cli(run_dir, capsys)
     assert code == 0
     assert f"failed: the run's process (pid {pid}) is gone without recording an end" in out
@@ -184,8 +203,19 @@ def test_status_shows_a_failed_run_as_failed_not_fresh(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "failed"
-    write_run(run_dir, [], status={"state": "failed", "exit_code": 1, "pid": 7, "host": "h", "started_at": 1.0,
-                                   "ended_at": 2.0, "reason": "RunFailed: http://127.0.0.1:9 unreachable"})  # fmt: skip
+    write_run(
+        run_dir,
+        [],
+        status={
+            "state": "failed",
+            "exit_code": 1,
+            "pid": 7,
+            "host": "h",
+            "started_at": 1.0,
+            "ended_at": 2.0,
+            "reason": "RunFailed: http://127.0.0.1:9 unreachable",
+        },
+    )
     code, out = cli(run_dir, capsys)
     assert code == 0
     lines = dict(
@@ -202,8 +232,19 @@ def test_status_prints_every_validation_metric_and_a_reward_sparkline(
     run_dir = tmp_path / "agent"
     rows = [train_row(s, r) for s, r in enumerate([0.0, 0.25, 0.5, 1.0], start=1)]
     rows.append({"step": 4, "val/reward": 0.75, "val/is_correct": 0.5, "val/num_samples": 64})
-    write_run(run_dir, rows, status={"state": "finished", "exit_code": 0, "reason": "run finished", "pid": 1,
-                                     "host": "h", "started_at": 1.0, "ended_at": 2.0})  # fmt: skip
+    write_run(
+        run_dir,
+        rows,
+        status={
+            "state": "finished",
+            "exit_code": 0,
+            "reason": "run finished",
+            "pid": 1,
+            "host": "h",
+            "started_at": 1.0,
+            "ended_at": 2.0,
+        },
+    )
     code, out = cli(run_dir, capsys)
     assert code == 0
     assert "finished (exit 0): run finished" in out and "step             4 / 4" in out
@@ -238,8 +279,15 @@ def test_plots_are_drawn_from_metrics_and_listed_by_status(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
-    rows = [{**train_row(s, 0.1 * s), "train/grad_norm": 1.0 / s, "actor/entropy": 2.0 - 0.1 * s,
-             "train/logprob_mismatch_max": 1e-6} for s in range(1, 6)]  # fmt: skip
+    rows = [
+        {
+            **train_row(s, 0.1 * s),
+            "train/grad_norm": 1.0 / s,
+            "actor/entropy": 2.0 - 0.1 * s,
+            "train/logprob_mismatch_max": 1e-6,
+        }
+        for s in range(1, 6)
+    ]
     rows += [{"step": 5, "val/is_correct": 0.4, "val/reward/errors": 0.0, "val/num_samples": 8}]
     write_run(run_dir, rows, total=5)
     assert validation_keys(rows) == ["val/is_correct"]  # counters and all-zero metrics left out

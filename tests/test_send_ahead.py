@@ -148,9 +148,17 @@ def test_fully_async_sends_the_next_batch_while_the_trainer_trains_but_never_pas
     # 2 goes out before 1's answer is read; 2 is a checkpoint step: 3 waits for that checkpoint,
     # which holds version 2's weights and nothing newer; 4 (the last) rides behind 3
     assert [e for e in events if not e.startswith("announce")] == [
-        "send 1", "send 2", "answer 1", "answer 2", "checkpoint 2",
-        "send 3", "send 4", "answer 3", "answer 4", "checkpoint 4",
-    ]  # fmt: skip
+        "send 1",
+        "send 2",
+        "answer 1",
+        "answer 2",
+        "checkpoint 2",
+        "send 3",
+        "send 4",
+        "answer 3",
+        "answer 4",
+        "checkpoint 4",
+    ]
     assert [e for e in events if e.startswith("announce")] == [f"announce {v}" for v in (1, 2, 3, 4)]
     # a version is announced only after its own answer (its weights are exported)
     for v in (1, 2, 3, 4):
@@ -167,8 +175,12 @@ def test_a_stop_request_while_a_batch_is_ahead_ends_the_session_after_that_batch
 
     events = run_loop(tmp_path, "fully-async", steps=6, save_freq=0, on_result=stop_at_first_answer)
     assert [e for e in events if not e.startswith("announce")] == [
-        "send 1", "send 2", "answer 1", "answer 2", "checkpoint 2",
-    ]  # fmt: skip
+        "send 1",
+        "send 2",
+        "answer 1",
+        "answer 2",
+        "checkpoint 2",
+    ]
     assert [e for e in events if e.startswith("announce")] == ["announce 1"]  # 2 ends the session
 
 
@@ -176,8 +188,14 @@ def test_sync_mode_sends_one_batch_at_a_time(tmp_path: Path) -> None:
     """The next batch needs the new weights: nothing goes ahead, even to a backend that queues."""
     events = run_loop(tmp_path, "sync", steps=3, save_freq=0)
     assert [e for e in events if not e.startswith("announce")] == [
-        "send 1", "answer 1", "send 2", "answer 2", "send 3", "answer 3", "checkpoint 3",
-    ]  # fmt: skip
+        "send 1",
+        "answer 1",
+        "send 2",
+        "answer 2",
+        "send 3",
+        "answer 3",
+        "checkpoint 3",
+    ]
 
 
 def test_trainer_rank_0_takes_only_an_export_path_with_a_batch() -> None:

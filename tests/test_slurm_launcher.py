@@ -23,8 +23,12 @@ pytestmark = pytest.mark.e2e
 def launch(env: dict[str, str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "launch.train", "launcher=slurm", "launcher.poll_s=1", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def sacct_state(env: dict[str, str], job_id: str) -> str:
@@ -68,9 +72,18 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
     it trains, a host on the same network that is in no job (the outsider) sends every rank's ports
     the hostile inputs: all dropped and counted, nothing run, the run learns as before."""
     run_dir = tmp_path / "het"
-    cmd = [sys.executable, "-m", "launch.train", "launcher=slurm", "launcher.poll_s=1", "launcher.wait=true",
-           f"run_dir={run_dir}", "seed=2", "placement.resources.rollout.cpus_per_rank=2",
-           f"runtime.rpc.interface={two_hosts.interface}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launcher=slurm",
+        "launcher.poll_s=1",
+        "launcher.wait=true",
+        f"run_dir={run_dir}",
+        "seed=2",
+        "placement.resources.rollout.cpus_per_rank=2",
+        f"runtime.rpc.interface={two_hosts.interface}",
+    ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -93,8 +106,9 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
         ]
         lanes = [r["lane_address"] for r in ranks]
         marker = tmp_path / "pwned"
-        attacked = outsider.python(["-m", "tests.helpers.attack", "--marker", str(marker), "--zmq", *zmq_ports,
-                                    "--lane", *lanes])  # fmt: skip
+        attacked = outsider.python(
+            ["-m", "tests.helpers.attack", "--marker", str(marker), "--zmq", *zmq_ports, "--lane", *lanes]
+        )
         assert attacked.returncode == 0, attacked.stderr[-3000:]
         out, err = proc.communicate(timeout=900)
     finally:
@@ -126,8 +140,13 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
     assert not marker.exists()
     val = [r["val/accuracy"] for r in metrics(run_dir) if "val/accuracy" in r]
     assert val[0] <= 0.3 and val[-1] >= 0.8, val
-    status = subprocess.run([sys.executable, "-m", "launch.status", str(run_dir)], cwd=REPO, env=slurm_env,
-                            capture_output=True, text=True)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "launch.status", str(run_dir)],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+    )
     assert status.returncode == 0
     assert "COMPLETED" in status.stdout and "global_step_50" in status.stdout
     assert "finished (exit 0): run finished" in status.stdout
@@ -142,10 +161,16 @@ def across_hosts(hosts: DevHosts) -> list[str]:
 def preemptible_run(run_dir: Path, steps: int) -> list[str]:
     """A short run with a fake LLM and rollout dumps (every trained prompt recorded per step)."""
     return [
-        f"run_dir={run_dir}", f"train_worker.total_train_steps={steps}", "logger.dump_rollouts=true",
-        "service.inference_service.backend=fake", "service.inference_service.fake_latency_ms=150",
-        "data.batch_size=8", "train_worker.save_freq=4", "launcher.signal_grace_s=60", *FAST,
-    ]  # fmt: skip
+        f"run_dir={run_dir}",
+        f"train_worker.total_train_steps={steps}",
+        "logger.dump_rollouts=true",
+        "service.inference_service.backend=fake",
+        "service.inference_service.fake_latency_ms=150",
+        "data.batch_size=8",
+        "train_worker.save_freq=4",
+        "launcher.signal_grace_s=60",
+        *FAST,
+    ]
 
 
 def test_usr2_twice_requeues_and_resumes_exactly(
@@ -180,10 +205,22 @@ def test_preemption_by_a_high_priority_job_resumes_exactly(
     wait_until(lambda: trained_steps(run_dir) >= 6, 300, "step 6")
     # every CPU of both nodes, in the high-priority partition: the run's job must make room
     high = subprocess.run(
-        ["sbatch", "--parsable", "-p", "high", "-N2", "--ntasks-per-node=4", f"--output={tmp_path}/high-%j.out",
-         "--wrap", "sleep 8"],
-        env=slurm_env, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "high",
+            "-N2",
+            "--ntasks-per-node=4",
+            f"--output={tmp_path}/high-%j.out",
+            "--wrap",
+            "sleep 8",
+        ],
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     wait_until(lambda: restarts(slurm_env, job_id) >= 1, 120, "the preemption requeue")
     wait_until(lambda: sacct_state(slurm_env, high) == "COMPLETED", 120, "the high-priority job")
     wait_until(lambda: sacct_state(slurm_env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
@@ -198,9 +235,22 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
     run_dir = tmp_path / "sweep"
     args = [a for a in preemptible_run(run_dir, 6) if not a.startswith("run_dir=")]
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.train", "-m", "launcher=slurm", f"run_dir={run_dir}", "seed=1,2", *args],
-        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            "-m",
+            "launcher=slurm",
+            f"run_dir={run_dir}",
+            "seed=1,2",
+            *args,
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [json.loads((run_dir / str(k) / "launcher.json").read_text())["job_id"] for k in (0, 1)]
     assert len(set(jobs)) == 2
@@ -225,32 +275,60 @@ def test_a_two_point_sweep_gives_two_finished_runs(slurm_env: dict[str, str], tm
 @pytest.mark.parametrize(
     ("args", "path", "says"),
     [
-        (["launcher.partition=nowhere"], "launcher.partition", "unknown partition 'nowhere' (available: debug, high)"),
-        (["placement.mode=manual", "+placement.roles.rollout_worker={count:2,colocation_group:rollout}",
-          "+placement.roles.inference_service={count:1,colocation_group:rollout}"],
-         "placement.roles (rollout)", "All roles in colocation group must have same count"),
+        (
+            ["launcher.partition=nowhere"],
+            "launcher.partition",
+            "unknown partition 'nowhere' (available: debug, high)",
+        ),
+        (
+            [
+                "placement.mode=manual",
+                "+placement.roles.rollout_worker={count:2,colocation_group:rollout}",
+                "+placement.roles.inference_service={count:1,colocation_group:rollout}",
+            ],
+            "placement.roles (rollout)",
+            "All roles in colocation group must have same count",
+        ),
         (["data.batch_size=0"], "data.batch_size", ">= 1"),
         # placements that cannot fit the dev cluster (2 nodes of 4 CPUs): Slurm would queue them for good
-        (["launcher.rollout_ranks=7"], "launcher.partition",
-         "the job (driver, trainer, rollout) needs 9 task(s) x 1 CPU(s), more than partition 'debug' "
-         "(2 node(s) of 4 CPUs) holds: use fewer ranks (launcher.rollout_ranks"),
-        (["placement.resources.rollout.cpus_per_rank=3"], "launcher.partition",
-         "component 1 (rollout): 2 task(s) x 3 CPU(s) -> 2 node(s); 3 nodes in all, but partition 'debug'"),
-        (["placement.resources.rollout.cpus_per_rank=5"], "placement.resources.rollout.cpus_per_rank",
-         "component 1 (rollout) asks for 5 CPU(s) on one node; no node of partition 'debug' (2 node(s) of 4 "
-         "CPUs) has more than 4"),
-        (["placement.resources.trainer.gpus_per_rank=1"], "placement.resources.trainer.gpus_per_rank",
-         "asks for 1 GPU(s) on one node; no node of partition 'debug'"),
+        (
+            ["launcher.rollout_ranks=7"],
+            "launcher.partition",
+            "the job (driver, trainer, rollout) needs 9 task(s) x 1 CPU(s), more than partition 'debug' "
+            "(2 node(s) of 4 CPUs) holds: use fewer ranks (launcher.rollout_ranks",
+        ),
+        (
+            ["placement.resources.rollout.cpus_per_rank=3"],
+            "launcher.partition",
+            "component 1 (rollout): 2 task(s) x 3 CPU(s) -> 2 node(s); 3 nodes in all, but partition 'debug'",
+        ),
+        (
+            ["placement.resources.rollout.cpus_per_rank=5"],
+            "placement.resources.rollout.cpus_per_rank",
+            "component 1 (rollout) asks for 5 CPU(s) on one node; no node of partition 'debug' (2 node(s) of 4 "
+            "CPUs) has more than 4",
+        ),
+        (
+            ["placement.resources.trainer.gpus_per_rank=1"],
+            "placement.resources.trainer.gpus_per_rank",
+            "asks for 1 GPU(s) on one node; no node of partition 'debug'",
+        ),
         (["-m", "launcher.rollout_ranks=2,7"], "launcher.partition", "needs 9 task(s)"),  # not even point 0
         # a job on several nodes cannot exchange loopback addresses (the default binds 127.0.0.1)
-        (["placement.resources.rollout.cpus_per_rank=2"], "runtime.rpc.interface",
-         "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (a heterogeneous job gives "
-         "each component nodes of its own) and no other node can reach a loopback address"),
-        (["launcher.nodes=2", "runtime.rpc.interface=lo"], "runtime.rpc.interface",
-         "'lo' is loopback, but the job's ranks will be on more than one node (launcher.nodes=2)"),
+        (
+            ["placement.resources.rollout.cpus_per_rank=2"],
+            "runtime.rpc.interface",
+            "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (a heterogeneous job gives "
+            "each component nodes of its own) and no other node can reach a loopback address",
+        ),
+        (
+            ["launcher.nodes=2", "runtime.rpc.interface=lo"],
+            "runtime.rpc.interface",
+            "'lo' is loopback, but the job's ranks will be on more than one node (launcher.nodes=2)",
+        ),
         (["runtime.rpc.interface=0.0.0.0"], "runtime.rpc.interface", "0.0.0.0 binds every interface"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_refused_before_sbatch(
     slurm_env: dict[str, str], tmp_path: Path, args: list[str], path: str, says: str
 ) -> None:
@@ -269,10 +347,21 @@ def test_a_time_limit_above_the_partitions_is_refused_before_sbatch(
     before = queued(slurm_env)
     subprocess.run(["scontrol", "update", "PartitionName=high", "MaxTime=30"], env=slurm_env, check=True)
     try:
-        proc = launch(slurm_env, [f"run_dir={tmp_path / 'bad'}", "launcher.partition=high", "launcher.time_min=45"],
-                      timeout=120)  # fmt: skip
-        fits = launch(slurm_env, [f"run_dir={tmp_path / 'ok'}", "launcher.partition=high", "launcher.time_min=30",
-                                  "data.batch_size=0"], timeout=120)  # fmt: skip
+        proc = launch(
+            slurm_env,
+            [f"run_dir={tmp_path / 'bad'}", "launcher.partition=high", "launcher.time_min=45"],
+            timeout=120,
+        )
+        fits = launch(
+            slurm_env,
+            [
+                f"run_dir={tmp_path / 'ok'}",
+                "launcher.partition=high",
+                "launcher.time_min=30",
+                "data.batch_size=0",
+            ],
+            timeout=120,
+        )
     finally:
         subprocess.run(
             ["scontrol", "update", "PartitionName=high", "MaxTime=INFINITE"], env=slurm_env, check=True
@@ -289,10 +378,21 @@ def test_plain_sbatch_template_runs_the_mpi_mode(
 ) -> None:
     run_dir = tmp_path / "sbatch"
     job = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/%j.out", str(REPO / "slurm" / "mpi.sbatch"),
-         *preemptible_run(run_dir, 6), f"runtime.rpc.interface={two_hosts.interface}"],
-        cwd=REPO, env=slurm_env, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--output={tmp_path}/%j.out",
+            str(REPO / "slurm" / "mpi.sbatch"),
+            *preemptible_run(run_dir, 6),
+            f"runtime.rpc.interface={two_hosts.interface}",
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     wait_until(lambda: sacct_state(slurm_env, job) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the end")
     assert sacct_state(slurm_env, job) == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-3000:]
     assert trained_steps(run_dir) == 6
@@ -305,8 +405,13 @@ def test_the_run_saves_and_requeues_before_the_time_limit(
 ) -> None:
     """No signal at all: the run reads the job's end time and stops in time (preemption.save_before_end_s)."""
     run_dir = tmp_path / "deadline"
-    args = [*preemptible_run(run_dir, 400), "launcher.time_min=2", "launcher.signal_grace_s=0",
-            "preemption.save_before_end_s=100", *across_hosts(two_hosts)]  # fmt: skip
+    args = [
+        *preemptible_run(run_dir, 400),
+        "launcher.time_min=2",
+        "launcher.signal_grace_s=0",
+        "preemption.save_before_end_s=100",
+        *across_hosts(two_hosts),
+    ]
     proc = launch(slurm_env, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = json.loads((run_dir / "launcher.json").read_text())["job_id"]
@@ -321,10 +426,18 @@ def test_the_run_saves_and_requeues_before_the_time_limit(
 
 def hydra_submitit(env: dict[str, str], args: list[str], **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     """``python -m launch.train -m hydra/launcher=submitit_slurm ARGS``: Hydra submits the points."""
-    cmd = [sys.executable, "-m", "launch.train", "-m", "hydra/launcher=submitit_slurm",
-           "hydra.launcher.timeout_min=20", *args]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            **kwargs)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.timeout_min=20",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs
+    )
 
 
 def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
@@ -334,9 +447,18 @@ def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
     each host): 2 points, 2 finished runs; point 0, signalled mid-run, requeues itself and resumes exactly."""
     steps, run_dir = 12, tmp_path / "hydra_sweep"
     args = [a for a in preemptible_run(run_dir, steps) if not a.startswith("run_dir=")]
-    proc = hydra_submitit(slurm_env, ["launch_mode=mpi", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2",
-                                      f"runtime.rpc.interface={two_hosts.network}", f"run_dir={run_dir}",
-                                      "seed=1,2", *args])  # fmt: skip
+    proc = hydra_submitit(
+        slurm_env,
+        [
+            "launch_mode=mpi",
+            "hydra.launcher.nodes=2",
+            "hydra.launcher.tasks_per_node=2",
+            f"runtime.rpc.interface={two_hosts.network}",
+            f"run_dir={run_dir}",
+            "seed=1,2",
+            *args,
+        ],
+    )
     try:
         wait_until(lambda: trained_steps(run_dir / "0") >= 3, 300, "point 0's step 3")
         queue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True)
@@ -364,21 +486,51 @@ def test_hydra_submitit_sweep_of_mpi_runs_resumes_a_preempted_point(
     ("args", "path", "says"),
     [
         (["hydra.launcher.partition=nowhere"], "hydra.launcher.partition", "unknown partition 'nowhere'"),
-        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=2"], "placement",
-         "hydra.launcher.nodes x tasks_per_node = 2 tasks"),
-        (["hydra.launcher.tasks_per_node=4"], "hydra.launcher.tasks_per_node", "launch_mode=local is one process"),
-        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "placement.resources.rollout.cpus_per_rank=2"],
-         "placement.resources", "use launcher=slurm (a heterogeneous job)"),
-        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.setup=['export SLURM_MPI_TYPE=none']"],
-         "hydra.launcher.setup", "launch_mode=mpi needs pmi2"),
-        (["launch_mode=mpi", "hydra.launcher.nodes=3", "hydra.launcher.tasks_per_node=2"], "hydra.launcher.partition",
-         "each of the 3 node(s) of the job needs 6 task(s) x 1 CPU(s) (2 per node), more than partition 'debug'"),
-        (["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=2"],
-         "hydra.launcher.cpus_per_task, hydra.launcher.tasks_per_node", "asks for 8 CPU(s) on one node"),
-        (["launch_mode=mpi", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2"], "runtime.rpc.interface",
-         "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (hydra.launcher.nodes=2)"),
+        (
+            ["launch_mode=mpi", "hydra.launcher.tasks_per_node=2"],
+            "placement",
+            "hydra.launcher.nodes x tasks_per_node = 2 tasks",
+        ),
+        (
+            ["hydra.launcher.tasks_per_node=4"],
+            "hydra.launcher.tasks_per_node",
+            "launch_mode=local is one process",
+        ),
+        (
+            [
+                "launch_mode=mpi",
+                "hydra.launcher.tasks_per_node=4",
+                "placement.resources.rollout.cpus_per_rank=2",
+            ],
+            "placement.resources",
+            "use launcher=slurm (a heterogeneous job)",
+        ),
+        (
+            [
+                "launch_mode=mpi",
+                "hydra.launcher.tasks_per_node=4",
+                "hydra.launcher.setup=['export SLURM_MPI_TYPE=none']",
+            ],
+            "hydra.launcher.setup",
+            "launch_mode=mpi needs pmi2",
+        ),
+        (
+            ["launch_mode=mpi", "hydra.launcher.nodes=3", "hydra.launcher.tasks_per_node=2"],
+            "hydra.launcher.partition",
+            "each of the 3 node(s) of the job needs 6 task(s) x 1 CPU(s) (2 per node), more than partition 'debug'",
+        ),
+        (
+            ["launch_mode=mpi", "hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=2"],
+            "hydra.launcher.cpus_per_task, hydra.launcher.tasks_per_node",
+            "asks for 8 CPU(s) on one node",
+        ),
+        (
+            ["launch_mode=mpi", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2"],
+            "runtime.rpc.interface",
+            "'127.0.0.1' is loopback, but the job's ranks will be on more than one node (hydra.launcher.nodes=2)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_hydra_submitit_bad_input_is_refused_before_sbatch(
     slurm_env: dict[str, str], tmp_path: Path, args: list[str], path: str, says: str
 ) -> None:

@@ -73,8 +73,12 @@ def test_mpi_start_up_across_nodes_never_hangs(slurm_env: dict[str, str]) -> Non
         try:
             proc = subprocess.run(
                 [*srun, sys.executable, "-m", "tests.helpers.mpi_start"],
-                cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=90,
-            )  # fmt: skip
+                cwd=REPO,
+                env=slurm_env,
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
         except subprocess.TimeoutExpired as exc:
             pytest.fail(f"start {attempt}: MPI_Init hung for 90 s; stderr:\n{exc.stderr}")
         assert proc.returncode == 0, f"start {attempt}: {proc.stderr[-2000:]}"
@@ -87,10 +91,23 @@ def test_srun_without_pmi2_is_refused_by_every_task(slurm_env: dict[str, str], t
     into the same run dir. Every task refuses, saying what to change, before anything runs."""
     run_dir = tmp_path / "no_pmi"
     proc = subprocess.run(
-        ["srun", "--mpi=none", "-N1", "-n2", sys.executable, "-m", "launch.train", "launch_mode=mpi",
-         f"run_dir={run_dir}"],
-        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            "srun",
+            "--mpi=none",
+            "-N1",
+            "-n2",
+            sys.executable,
+            "-m",
+            "launch.train",
+            "launch_mode=mpi",
+            f"run_dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (
         proc.stderr.count(
@@ -109,10 +126,23 @@ def test_loopback_on_a_job_across_hosts_is_refused_by_every_rank(
     anything; rank 0 says which key, which ranks, which hosts; nothing runs."""
     run_dir = tmp_path / "loopback"
     proc = subprocess.run(
-        ["srun", "--mpi=pmi2", "-N2", "-n3", sys.executable, "-m", "launch.train", "launch_mode=mpi",
-         f"run_dir={run_dir}"],
-        cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "srun",
+            "--mpi=pmi2",
+            "-N2",
+            "-n3",
+            sys.executable,
+            "-m",
+            "launch.train",
+            "launch_mode=mpi",
+            f"run_dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     hostnames = sorted(n["hostname"] for n in two_hosts.nodes)
     assert (
@@ -134,12 +164,29 @@ def test_fsdp2_trainer_group_across_hosts_learns(
     run_dir = tmp_path / "fsdp"
     n1, n2 = (n["name"] for n in two_hosts.nodes)
     proc = subprocess.Popen(
-        ["srun", "--mpi=pmi2", "-n5", "--distribution=arbitrary", f"--nodelist={n1},{n2},{n1},{n2},{n1}",
-         "--kill-on-bad-exit=1", sys.executable, "-m",
-         "launch.train", "launch_mode=mpi", f"run_dir={run_dir}", "seed=2", "service.train_service.engine=fsdp",
-         "service.train_service.world_size=2", f"runtime.rpc.interface={two_hosts.interface}"],
-        cwd=REPO, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            "srun",
+            "--mpi=pmi2",
+            "-n5",
+            "--distribution=arbitrary",
+            f"--nodelist={n1},{n2},{n1},{n2},{n1}",
+            "--kill-on-bad-exit=1",
+            sys.executable,
+            "-m",
+            "launch.train",
+            "launch_mode=mpi",
+            f"run_dir={run_dir}",
+            "seed=2",
+            "service.train_service.engine=fsdp",
+            "service.train_service.world_size=2",
+            f"runtime.rpc.interface={two_hosts.interface}",
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_steps(run_dir, proc, steps=1, timeout=600)
         ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())

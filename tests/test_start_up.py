@@ -80,12 +80,18 @@ def test_the_tiny_base_model_is_written_without_importing_deepspeed_and_loads_as
     from nexrl_hpc.models.tiny import build_tiny_model
     from tests.conftest import compose_config
 
-    for name, overrides in (("llama", []), ("qwen2_tied", ["model.tiny.architecture=qwen2", "model.tiny.tie_word_embeddings=true"])):  # fmt: skip
+    for name, overrides in (
+        ("llama", []),
+        ("qwen2_tied", ["model.tiny.architecture=qwen2", "model.tiny.tie_word_embeddings=true"]),
+    ):
         out_dir = tmp_path / name
         proc = subprocess.run(
             [sys.executable, "-c", MODEL_PROBE, str(out_dir), *overrides],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result == {"path": str(out_dir), "deepspeed_imported": False}, result

@@ -157,12 +157,20 @@ def test_coding_run_scores_real_programs_in_the_sandbox(tmp_path: Path) -> None:
     run_dir = tmp_path / "code"
     steps = 2
     proc = run_train(
-        ["task=coding", f"run_dir={run_dir}", "seed=1", f"train_worker.total_train_steps={steps}",
-         f"validate.eval.validate_freq={steps}", "validate.validate_before_train=false",
-         "data.batch_size=4", "task.params.val_repeats=1",
-         "logger.backend=[]", "logger.dump_rollouts=true"],
+        [
+            "task=coding",
+            f"run_dir={run_dir}",
+            "seed=1",
+            f"train_worker.total_train_steps={steps}",
+            f"validate.eval.validate_freq={steps}",
+            "validate.validate_before_train=false",
+            "data.batch_size=4",
+            "task.params.val_repeats=1",
+            "logger.backend=[]",
+            "logger.dump_rollouts=true",
+        ],
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/reward_mean" in r]
@@ -192,12 +200,16 @@ def test_coding_run_scores_real_programs_in_the_sandbox(tmp_path: Path) -> None:
                 programs = [ids for m, ids in segments if m == 1]
                 if any(set(ids) & (set(tokenizer.all_special_ids) - {eos}) for ids in programs):
                     continue  # a sampled special token: the exact prefix trained (context_mismatch)
-                episodes.append((
-                    uid, train_rows[int(uid.split("-")[1])],
-                    [tokenizer.decode(ids, skip_special_tokens=True) for ids in programs],
-                    [tokenizer.decode(ids) for m, ids in segments if m == 0],
-                    programs[-1][-1] == eos, float(f["rewards"][i]),
-                ))  # fmt: skip
+                episodes.append(
+                    (
+                        uid,
+                        train_rows[int(uid.split("-")[1])],
+                        [tokenizer.decode(ids, skip_special_tokens=True) for ids in programs],
+                        [tokenizer.decode(ids) for m, ids in segments if m == 0],
+                        programs[-1][-1] == eos,
+                        float(f["rewards"][i]),
+                    )
+                )
     attempts = {(uid, program): row for uid, row, programs, *_ in episodes for program in programs}
     with ThreadPoolExecutor(4) as pool:  # each verdict is a sandbox process (or a few)
         verdicts = dict(zip(attempts, pool.map(lambda a: code_reward_fn(attempts[a], a[1]), attempts)))

@@ -87,8 +87,13 @@ def test_walking_to_the_goal_rewards_one_and_ends() -> None:
         assert info["action_is_valid"] and info["action_is_effective"]
     assert observations == ["_O_\nPO_\n__G\n", "_O_\n_O_\nP_G\n", "_O_\n_O_\n_PG\n", "_O_\n_O_\n__√\n"]
     assert rewards == [0.0, 0.0, 0.0, 1.0] and dones == [False, False, False, True]
-    assert info == {"action_is_valid": True, "action_is_effective": True, "is_correct": True,
-                    "fell_in_hole": False, "steps": 4}  # fmt: skip
+    assert info == {
+        "action_is_valid": True,
+        "action_is_effective": True,
+        "is_correct": True,
+        "fell_in_hole": False,
+        "steps": 4,
+    }
     with pytest.raises(RuntimeError, match="after the episode ended"):
         env.step("L")
 
@@ -141,10 +146,25 @@ def test_slippery_moves_go_sideways_two_thirds_of_the_time_and_replay_by_identit
 
 @pytest.mark.parametrize(
     "text,action",
-    [("L", 1), ("D", 2), ("R", 3), ("U", 4), ("Left", 1), ("down", 2), (" RIGHT \n", 3), ("4", 4),
-     ("```Up```", 4), ("I will go ```\nLeft\n```", 1), ("```python\nd\n```", 2),
-     ("", 0), ("LR", 0), ("Move left", 0), ("5", 0), ("```Up``` then ```Sideways```", 0)],
-)  # fmt: skip
+    [
+        ("L", 1),
+        ("D", 2),
+        ("R", 3),
+        ("U", 4),
+        ("Left", 1),
+        ("down", 2),
+        (" RIGHT \n", 3),
+        ("4", 4),
+        ("```Up```", 4),
+        ("I will go ```\nLeft\n```", 1),
+        ("```python\nd\n```", 2),
+        ("", 0),
+        ("LR", 0),
+        ("Move left", 0),
+        ("5", 0),
+        ("```Up``` then ```Sideways```", 0),
+    ],
+)
 def test_agent_parses_letters_names_numbers_and_blocks(text: str, action: int) -> None:
     assert fl.parse_action(text) == action
     agent = fl.FrozenLakeAgent()
@@ -220,9 +240,12 @@ def test_plan_reward_replays_the_moves() -> None:
 def test_episodes_through_the_multi_turn_workflow() -> None:
     def workflow(moves: list[str], max_steps: int = 4) -> MultiTurnWorkflow:
         return MultiTurnWorkflow(
-            ScriptedModel(moves), agent_cls=fl.FrozenLakeAgent, env_cls=fl.FrozenLakeEnv,
-            env_args={"max_steps": max_steps}, max_steps=max_steps,
-        )  # fmt: skip
+            ScriptedModel(moves),
+            agent_cls=fl.FrozenLakeAgent,
+            env_cls=fl.FrozenLakeEnv,
+            env_args={"max_steps": max_steps},
+            max_steps=max_steps,
+        )
 
     task = {"desc": DESC}
     won = asyncio.run(workflow(["D", "D", "R", "R"]).run_with_termination_handling(task, "u"))
@@ -256,9 +279,18 @@ def test_one_episode_through_the_rollout_worker_on_the_task_config() -> None:
     grids = ["_O_\nPO_\n__G\n", "_O_\n_O_\nP_G\n", "_O_\n_O_\n_PG\n"]
     assert traj["prompt_ids"] == ids("PO_\n_O_\n__G\n")
     assert traj["response_ids"] == (
-        ids("D") + [eos] + ids(grids[0]) + ids("D") + [eos] + ids(grids[1]) + ids("R") + [eos]
-        + ids(grids[2]) + ids("R") + [eos]
-    )  # fmt: skip
+        ids("D")
+        + [eos]
+        + ids(grids[0])
+        + ids("D")
+        + [eos]
+        + ids(grids[1])
+        + ids("R")
+        + [eos]
+        + ids(grids[2])
+        + ids("R")
+        + [eos]
+    )
     assert traj["loss_mask"] == ([1, 1] + [0] * 12) * 3 + [1, 1]  # moves train, grids do not
     assert traj["reward"] == 1.0 and traj["step_rewards"] == [0.0, 0.0, 0.0, 1.0]
     scores = traj["scores"]
@@ -316,11 +348,19 @@ def test_frozenlake_run_plays_real_episodes(tmp_path: Path) -> None:
     run_dir = tmp_path / "fl"
     steps = 3
     proc = run_train(
-        ["task=frozenlake", f"run_dir={run_dir}", "seed=1", f"train_worker.total_train_steps={steps}",
-         f"validate.eval.validate_freq={steps}", "data.batch_size=8", "task.params.val_size=32",
-         "logger.backend=[]", "logger.dump_rollouts=true"],
+        [
+            "task=frozenlake",
+            f"run_dir={run_dir}",
+            "seed=1",
+            f"train_worker.total_train_steps={steps}",
+            f"validate.eval.validate_freq={steps}",
+            "data.batch_size=8",
+            "task.params.val_size=32",
+            "logger.backend=[]",
+            "logger.dump_rollouts=true",
+        ],
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3]

@@ -161,10 +161,16 @@ def test_rg_aiw_task_runs_end_to_end_on_its_chat_model(tmp_path: Path) -> None:
     run_dir = tmp_path / "rg_aiw"
     steps = 3
     proc = run_train(
-        [*QUICK, f"run_dir={run_dir}", "seed=1", f"train_worker.total_train_steps={steps}",
-         f"validate.eval.validate_freq={steps}", "logger.backend=[]"],
+        [
+            *QUICK,
+            f"run_dir={run_dir}",
+            "seed=1",
+            f"train_worker.total_train_steps={steps}",
+            f"validate.eval.validate_freq={steps}",
+            "logger.backend=[]",
+        ],
         timeout=380,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows: list[dict[str, Any]] = [json.loads(line) for line in f]

@@ -47,10 +47,22 @@ def api_server(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = open(tmp_path / "api_server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.train_service", "--host", "127.0.0.1", "--port", str(port),
-         "--heartbeat-timeout-s", "2"],
-        cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.train_service",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--heartbeat-timeout-s",
+            "2",
+        ],
+        cwd=REPO,
+        env=env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -70,10 +82,25 @@ def start_workers(
 ) -> subprocess.Popen:
     log = open(tmp_path / f"workers_{identifier}.log", "w")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "-m", "launch.train_worker", "--api-server-url", url, "--identifier", identifier,
-        "--backend", backend, "--heartbeat-s", "0.5", "--idle-tick-s", "0.5",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "launch.train_worker",
+        "--api-server-url",
+        url,
+        "--identifier",
+        identifier,
+        "--backend",
+        backend,
+        "--heartbeat-s",
+        "0.5",
+        "--idle-tick-s",
+        "0.5",
+    ]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -240,11 +267,23 @@ def test_a_run_trains_through_a_standalone_service(api_server: str, tmp_path: Pa
     run_dir = tmp_path / "run"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "seed=2",
-             "service.train_service.backend=direct-zmq", f"service.train_service.url={api_server}",
-             "service.train_service.engine=fsdp", "service.train_service.world_size=2"],
-            cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "launch.train",
+                f"run_dir={run_dir}",
+                "seed=2",
+                "service.train_service.backend=direct-zmq",
+                f"service.train_service.url={api_server}",
+                "service.train_service.engine=fsdp",
+                "service.train_service.world_size=2",
+            ],
+            cwd=REPO,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "last validation: val/accuracy=" in proc.stdout
         last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -259,10 +298,20 @@ def test_a_run_trains_through_a_standalone_service(api_server: str, tmp_path: Pa
 def test_a_run_without_the_token_stops_before_training(tmp_path: Path) -> None:
     environ = {k: v for k, v in env().items() if k != "NEXRL_TRAIN_SERVICE_TOKEN"}
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.train", f"run_dir={tmp_path / 'run'}",
-         "service.train_service.backend=direct-zmq", "service.train_service.url=http://127.0.0.1:9"],
-        cwd=REPO, env=environ, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            f"run_dir={tmp_path / 'run'}",
+            "service.train_service.backend=direct-zmq",
+            "service.train_service.url=http://127.0.0.1:9",
+        ],
+        cwd=REPO,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "NEXRL_TRAIN_SERVICE_TOKEN" in proc.stderr and "service.train_service.token_env" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -303,9 +352,14 @@ def test_the_embedded_group_takes_the_execute_signal_with_the_batch(embedded: bo
 
     control = DirectControl() if embedded else RecordingControl()
     client = TrainGroupClient(
-        "tcp://127.0.0.1:9", b"k" * 32, control,
-        recv_timeout_ms=1_000, total_timeout_ms=1_000, max_message_bytes=1 << 20, limits=wire_limits(),
-    )  # fmt: skip
+        "tcp://127.0.0.1:9",
+        b"k" * 32,
+        control,
+        recv_timeout_ms=1_000,
+        total_timeout_ms=1_000,
+        max_message_bytes=1 << 20,
+        limits=wire_limits(),
+    )
     sent: list[dict] = []
     waited: list[str] = []
     client.send = lambda header, tensors=None: sent.append(header)  # type: ignore[method-assign]

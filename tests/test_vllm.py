@@ -281,9 +281,19 @@ def _failed_reloads(
         "is_paused"
     ]  # no sample from a mixed state
     # the InferenceService module (what the weight publisher calls) raises the same way
-    svc = InferenceService(dict(cfg, service=dict(cfg["service"], inference_service=dict(
-        cfg["service"]["inference_service"], base_url=server.base_url, api_key=server.api_key))),
-        model_dir, str(tmp_path))  # fmt: skip
+    svc = InferenceService(
+        dict(
+            cfg,
+            service=dict(
+                cfg["service"],
+                inference_service=dict(
+                    cfg["service"]["inference_service"], base_url=server.base_url, api_key=server.api_key
+                ),
+            ),
+        ),
+        model_dir,
+        str(tmp_path),
+    )
     svc.wait_ready()
     with pytest.raises(WeightSyncError, match="server left paused"):
         svc.reload_weights(str(tmp_path / "missing"), 9)
@@ -348,10 +358,14 @@ def test_whole_run_with_vllm_learns(cfg: dict[str, Any], tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = run_train(
-        [f"run_dir={run_dir}", "seed=7", "service.inference_service.backend=vllm",
-         "train_worker.total_train_steps=20"],
+        [
+            f"run_dir={run_dir}",
+            "seed=7",
+            "service.inference_service.backend=vllm",
+            "train_worker.total_train_steps=20",
+        ],
         timeout=1200,
-    )  # fmt: skip
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

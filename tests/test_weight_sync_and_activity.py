@@ -152,9 +152,12 @@ def test_error_reporter_severities_and_errors_since() -> None:
     assert reporter.get_health_status()["status"] == "healthy"
     reporter.report_error("m", "w", "careful", ErrorSeverity.WARNING)
     assert reporter.get_health_status() | {} == {
-        "status": "warning", "message": "1 warning(s) in the last 300s", "recent_error_count": 1,
-        "error_level_count": 0, "warning_level_count": 1,
-    }  # fmt: skip
+        "status": "warning",
+        "message": "1 warning(s) in the last 300s",
+        "recent_error_count": 1,
+        "error_level_count": 0,
+        "warning_level_count": 1,
+    }
     new, seen = reporter.errors_since(0)
     assert [e.message for e in new] == ["careful"] and seen == 1
     for i in range(4):

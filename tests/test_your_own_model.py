@@ -161,11 +161,16 @@ def test_long_variable_length_responses_train_and_are_counted(
     args = issue_command(chatml_model_dir, inputs["train"], inputs["val"], inputs["reward"], run_dir)
     args = [a for a in args if not a.startswith(("rollout_worker.max_response_length", "train_worker.total"))]
     proc = run_train(
-        [*args, "rollout_worker.max_response_length=384", "train_worker.total_train_steps=2",
-         "validate.eval.validate_freq=0", "logger.backend=[]"],
+        [
+            *args,
+            "rollout_worker.max_response_length=384",
+            "train_worker.total_train_steps=2",
+            "validate.eval.validate_freq=0",
+            "logger.backend=[]",
+        ],
         cwd=inputs["dir"],
         timeout=900,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "train/reward_mean" in r]
