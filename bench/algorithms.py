@@ -33,8 +33,16 @@ TARGET = 0.9
 def train_teacher(max_steps: int) -> tuple[str, str]:
     """A finished default run (GRPO, seed 0): (its run dir, its last checkpoint's model)."""
     run_dir = tempfile.mkdtemp(prefix="bench_teacher_")
-    cmd = [sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "seed=0", "logger.backend=[]",
-           f"train_worker.total_train_steps={max_steps}", "resume.mode=disable"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        f"run_dir={run_dir}",
+        "seed=0",
+        "logger.backend=[]",
+        f"train_worker.total_train_steps={max_steps}",
+        "resume.mode=disable",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the teacher run failed:\n{proc.stderr[-3000:]}")
@@ -42,8 +50,13 @@ def train_teacher(max_steps: int) -> tuple[str, str]:
 
 
 def measure(preset: str, seed: int, max_steps: int, teacher: str | None) -> dict:
-    overrides = [f"algorithm={preset}", f"seed={seed}", f"train_worker.total_train_steps={max_steps}",
-                 "validate.eval.validate_freq=1", "train_worker.save_freq=0"]  # fmt: skip
+    overrides = [
+        f"algorithm={preset}",
+        f"seed={seed}",
+        f"train_worker.total_train_steps={max_steps}",
+        "validate.eval.validate_freq=1",
+        "train_worker.save_freq=0",
+    ]
     if preset == "opd":
         overrides.append(f"algorithm.teacher_model_path={teacher}")
     independent: dict[str, float] = {}
@@ -51,8 +64,9 @@ def measure(preset: str, seed: int, max_steps: int, teacher: str | None) -> dict
     def evaluate_last_checkpoint(run_dir: str) -> None:
         proc = subprocess.run(
             [sys.executable, os.path.join(REPO, "scripts", "independent_eval.py"), run_dir],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"independent evaluation of {preset} seed {seed} failed:\n{proc.stderr[-3000:]}")
         independent["accuracy"] = json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]

@@ -174,7 +174,15 @@ class Baseline:
         """Seconds of ``dd bs=16M conv=fsync`` writing ``nbytes`` (rounded up to 16 MiB)."""
         src = "/dev/zero" if kind == "zeros" else self.random_src
         count = -(-nbytes // BS)
-        cmd = ["dd", f"if={src}", f"of={self.files[kind]}", f"bs={BS}", f"count={count}", "conv=fsync", "status=none"]  # fmt: skip
+        cmd = [
+            "dd",
+            f"if={src}",
+            f"of={self.files[kind]}",
+            f"bs={BS}",
+            f"count={count}",
+            "conv=fsync",
+            "status=none",
+        ]
         return timed(lambda: subprocess.run(cmd, check=True)) * nbytes / (count * BS)
 
     def read(self, kind: str, drop_caches: bool) -> float:
@@ -251,8 +259,13 @@ def run(work: str, gb: float, repeat: int, drop_caches: bool, requeue_runs: int)
             worker.set_train_step(2 * i + 1)
             (path,) = bracketed(
                 ckpt_bytes,
-                [("checkpoint: TrainWorker.save_checkpoint (model + optimizer + state.h5)", worker.save_checkpoint)],
-            )  # fmt: skip
+                [
+                    (
+                        "checkpoint: TrainWorker.save_checkpoint (model + optimizer + state.h5)",
+                        worker.save_checkpoint,
+                    )
+                ],
+            )
             # cold reads of the step 2i+2 checkpoint, between cold dd reads of both dd files
             before = [dd.read(kind, drop_caches) for kind in ("zeros", "random")]
             drop_cache(export, drop_caches)
@@ -325,10 +338,21 @@ def measure_requeue() -> Requeue | None:
 
     os.makedirs("outputs", exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="bench-requeue-", dir="outputs")
-    args = [sys.executable, "-m", "launch.train", "launcher=slurm", f"run_dir={os.path.abspath(run_dir)}",
-            "train_worker.total_train_steps=500", "service.inference_service.backend=fake",
-            "service.inference_service.fake_latency_ms=100", "data.batch_size=8", "validate.validate_before_train=false",
-            "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launcher=slurm",
+        f"run_dir={os.path.abspath(run_dir)}",
+        "train_worker.total_train_steps=500",
+        "service.inference_service.backend=fake",
+        "service.inference_service.fake_latency_ms=100",
+        "data.batch_size=8",
+        "validate.validate_before_train=false",
+        "validate.validate_at_end=false",
+        "validate.eval.validate_freq=0",
+        "logger.backend=[]",
+    ]
     subprocess.run(args, check=True, capture_output=True, text=True)
     job = json.loads(Path(run_dir, "launcher.json").read_text())["job_id"]
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -381,7 +405,9 @@ def measure_requeue() -> Requeue | None:
 def print_table(
     rows: dict[str, list[Sample]], repeat: int, drop_caches: bool, requeues: list[Requeue] | None
 ) -> None:
-    print("| path | GB | seconds | GB/s | dd zeros GB/s | ratio vs dd zeros | dd random GB/s | ratio vs dd random | goal |")  # fmt: skip
+    print(
+        "| path | GB | seconds | GB/s | dd zeros GB/s | ratio vs dd zeros | dd random GB/s | ratio vs dd random | goal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, samples in rows.items():
         b = statistics.median(x[0] for x in samples)

@@ -43,8 +43,13 @@ def random_baseline(overrides: list[str]) -> float:
 
 
 def run(seed: int, steps: int, validate_freq: int, extra: list[str]) -> dict:
-    overrides = ["task=frozenlake", f"seed={seed}", f"train_worker.total_train_steps={steps}",
-                 f"validate.eval.validate_freq={validate_freq}", *extra]  # fmt: skip
+    overrides = [
+        "task=frozenlake",
+        f"seed={seed}",
+        f"train_worker.total_train_steps={steps}",
+        f"validate.eval.validate_freq={validate_freq}",
+        *extra,
+    ]
     baseline = random_baseline(overrides)
     rows, t0, wall = timed_train_run(overrides, f"frozenlake_{seed}")
     val = [r for r in rows if "val/is_correct" in r]
@@ -71,14 +76,18 @@ def main() -> None:
     args = p.parse_args()
     results = [run(s, args.steps, args.validate_freq, args.overrides) for s in args.seeds]
     print(f"\ntask=frozenlake steps={args.steps} (greedy success on the held-out maps)")
-    print(f"{'seed':>4} {'random':>7} {'start':>6} {'end':>6} {'best':>6} {'+0.2 at step':>13} "
-          f"{'time to +0.2':>13} {'/ 600 s':>8} {'wall':>7}")  # fmt: skip
+    print(
+        f"{'seed':>4} {'random':>7} {'start':>6} {'end':>6} {'best':>6} {'+0.2 at step':>13} "
+        f"{'time to +0.2':>13} {'/ 600 s':>8} {'wall':>7}"
+    )
     for r in results:
         step = "never" if r["goal_step"] is None else str(r["goal_step"])
         secs = "-" if r["goal_s"] is None else f"{r['goal_s']:.0f} s"
         ratio = "-" if r["goal_s"] is None else f"{r['goal_s'] / BUDGET_S:.2f}"
-        print(f"{r['seed']:>4} {r['baseline']:7.3f} {r['start']:6.3f} {r['end']:6.3f} {r['best']:6.3f} {step:>13} "
-              f"{secs:>13} {ratio:>8} {r['wall']:6.0f}s")  # fmt: skip
+        print(
+            f"{r['seed']:>4} {r['baseline']:7.3f} {r['start']:6.3f} {r['end']:6.3f} {r['best']:6.3f} {step:>13} "
+            f"{secs:>13} {ratio:>8} {r['wall']:6.0f}s"
+        )
     print("\ncurves (step: success @ seconds since process start)")
     for r in results:
         print(f"seed {r['seed']}: " + ", ".join(f"{s}: {v:.3f} @ {t:.0f}s" for s, v, t in r["curve"]))

@@ -25,8 +25,16 @@ def timed_train_run(
     run dir: (its metrics.jsonl rows, the start time, wall seconds). ``inspect_run_dir`` sees the
     finished run dir, which is then removed; a failed run ends the bench naming ``name``."""
     run_dir = tempfile.mkdtemp(prefix=f"bench_{name}_")
-    args = [*launcher, sys.executable, "-m", "launch.train", f"run_dir={run_dir}", "logger.backend=[]",
-            "resume.mode=disable", *overrides]  # fmt: skip
+    args = [
+        *launcher,
+        sys.executable,
+        "-m",
+        "launch.train",
+        f"run_dir={run_dir}",
+        "logger.backend=[]",
+        "resume.mode=disable",
+        *overrides,
+    ]
     t0 = time.time()
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     wall = time.time() - t0

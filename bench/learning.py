@@ -27,10 +27,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_nexrl(run_dir: str, seed: int, target: float, max_steps: int, extra: list[str]) -> dict:
     t_start = time.time()
     cmd = [
-        sys.executable, "-m", "launch.train", f"run_dir={run_dir}", f"seed={seed}",
-        f"train_worker.total_train_steps={max_steps}", "validate.eval.validate_freq=1", "train_worker.save_freq=0",
-        "logger.backend=[]", "resume.mode=disable", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "launch.train",
+        f"run_dir={run_dir}",
+        f"seed={seed}",
+        f"train_worker.total_train_steps={max_steps}",
+        "validate.eval.validate_freq=1",
+        "train_worker.save_freq=0",
+        "logger.backend=[]",
+        "resume.mode=disable",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"nexrl_hpc run failed:\n{proc.stderr[-3000:]}")
@@ -52,10 +60,23 @@ def run_nexrl(run_dir: str, seed: int, target: float, max_steps: int, extra: lis
 
 def run_trl(run_dir: str, seed: int, target: float, max_steps: int) -> dict:
     cmd = [
-        sys.executable, os.path.join(REPO, "bench", "trl_baseline.py"), "--model", os.path.join(run_dir, "base_model"),
-        "--train", os.path.join(run_dir, "data", "train.jsonl"), "--val", os.path.join(run_dir, "data", "validation.jsonl"),
-        "--seed", str(seed), "--target", str(target), "--max-steps", str(max_steps), "--out-dir", os.path.join(run_dir, "trl"),
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(REPO, "bench", "trl_baseline.py"),
+        "--model",
+        os.path.join(run_dir, "base_model"),
+        "--train",
+        os.path.join(run_dir, "data", "train.jsonl"),
+        "--val",
+        os.path.join(run_dir, "data", "validation.jsonl"),
+        "--seed",
+        str(seed),
+        "--target",
+        str(target),
+        "--max-steps",
+        str(max_steps),
+        "--out-dir",
+        os.path.join(run_dir, "trl"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"TRL run failed:\n{proc.stderr[-3000:]}")

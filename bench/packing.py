@@ -43,10 +43,14 @@ from nexrl_hpc.trainer.worker import TrainWorker  # noqa: E402
 from nexrl_hpc.types import Batch, Trajectory  # noqa: E402
 
 MODEL = [
-    "model.tiny.hidden_size=256", "model.tiny.intermediate_size=688", "model.tiny.num_hidden_layers=4",
-    "model.tiny.num_attention_heads=8", "model.tiny.num_key_value_heads=4", "model.tiny.tie_word_embeddings=true",
+    "model.tiny.hidden_size=256",
+    "model.tiny.intermediate_size=688",
+    "model.tiny.num_hidden_layers=4",
+    "model.tiny.num_attention_heads=8",
+    "model.tiny.num_key_value_heads=4",
+    "model.tiny.tie_word_embeddings=true",
     "model.tiny.max_position_embeddings=1024",
-]  # fmt: skip
+]
 
 
 def compose(overrides: list[str]) -> RLTrainConfig:
@@ -116,11 +120,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     common = [
-        *MODEL, f"data.batch_size={args.rows}", "data.rollout_repeat_n=1",
-        f"service.train_service.actor.ppo_mini_batch_size={args.rows}", "service.train_service.actor.grad_clip=1.0e9",
-        "service.train_service.actor.optim.lr=1.0e-6", "service.train_service.num_threads=2",
+        *MODEL,
+        f"data.batch_size={args.rows}",
+        "data.rollout_repeat_n=1",
+        f"service.train_service.actor.ppo_mini_batch_size={args.rows}",
+        "service.train_service.actor.grad_clip=1.0e9",
+        "service.train_service.actor.optim.lr=1.0e-6",
+        "service.train_service.num_threads=2",
         "service.train_service.actor.share_prompt=false",  # padded and packed as named (the default); the third shares
-    ]  # fmt: skip
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialize_base_model(compose(common)["model"], os.path.join(tmp, "model"))
         padded = trainer(model_dir, [*common, "service.train_service.actor.ppo_micro_batch_size=8"])
@@ -142,7 +150,7 @@ def main() -> None:
             engines[name] = trainer(
                 model_dir,
                 [*common, *layouts[name], f"service.train_service.actor.ppo_max_token_len_per_gpu={budget}"],
-            )  # fmt: skip
+            )
         auto_shares = (
             "auto" in engines and engines["auto"].plan_batch("update_actor", batch)[0]["shared_prompts"]
         )

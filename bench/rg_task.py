@@ -25,10 +25,15 @@ RISE = 0.4
 
 def run(seed: int, steps: int, validate_freq: int, extra: list[str]) -> dict:
     rows, t0, wall = timed_train_run(
-        ["task=rg_aiw", f"seed={seed}", f"train_worker.total_train_steps={steps}",
-         f"validate.eval.validate_freq={validate_freq}", *extra],
+        [
+            "task=rg_aiw",
+            f"seed={seed}",
+            f"train_worker.total_train_steps={steps}",
+            f"validate.eval.validate_freq={validate_freq}",
+            *extra,
+        ],
         f"rg_aiw_seed{seed}",
-    )  # fmt: skip
+    )
     curve = [(r["step"], r["time"] - t0, r["val/reward"]) for r in rows if "val/reward" in r]
     start = curve[0][2]
     reached = next((c for c in curve if c[2] - start >= RISE), None)
@@ -64,14 +69,18 @@ def main() -> None:
         points = "  ".join(f"{s}:{v:.2f}@{t:.0f}s" for s, t, v in r["curve"])
         print(f"seed {seed} curve (step:val_reward@time)  {points}", flush=True)
     print(f"\ntask=rg_aiw steps={steps} (validation reward, greedy, held-out questions)")
-    print(f"{'seed':>4} {'start':>6} {'end':>6} {'best':>6} {'+0.4 at step':>13} {'time to +0.4':>13} "
-          f"{'/ 600 s':>8} {'wall':>7}")  # fmt: skip
+    print(
+        f"{'seed':>4} {'start':>6} {'end':>6} {'best':>6} {'+0.4 at step':>13} {'time to +0.4':>13} "
+        f"{'/ 600 s':>8} {'wall':>7}"
+    )
     for r in results:
         step = "never" if r["goal_step"] is None else str(r["goal_step"])
         secs = "-" if r["goal_s"] is None else f"{r['goal_s']:.0f} s"
         ratio = "-" if r["goal_s"] is None else f"{r['goal_s'] / BUDGET_S:.2f}"
-        print(f"{r['seed']:>4} {r['start']:6.3f} {r['end']:6.3f} {r['best']:6.3f} {step:>13} {secs:>13} "
-              f"{ratio:>8} {r['wall']:6.0f}s")  # fmt: skip
+        print(
+            f"{r['seed']:>4} {r['start']:6.3f} {r['end']:6.3f} {r['best']:6.3f} {step:>13} {secs:>13} "
+            f"{ratio:>8} {r['wall']:6.0f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -77,11 +77,23 @@ def make_pool() -> Any:
 def trajectory(i: int) -> dict[str, Any]:
     """The shape of a default-task trajectory (token ids, logprobs, scores, bookkeeping)."""
     return {
-        "uid": f"train-{i}", "epoch": 0, "group_id": f"train-{i}@0", "sample_index": i % 8, "prompt": "m372=",
-        "answer": "7", "model_tag": "default", "response": "7", "finish_reason": "stop",
-        "prompt_ids": [1, 14, 7, 11, 6, 15], "response_ids": [11, 2], "behaviour_log_probs": [-2.31, -0.11],
-        "loss_mask": [1, 1], "weight_version": 3, "scores": {"reward": 1.0, "accuracy": 1.0}, "reward": 1.0,
-    }  # fmt: skip
+        "uid": f"train-{i}",
+        "epoch": 0,
+        "group_id": f"train-{i}@0",
+        "sample_index": i % 8,
+        "prompt": "m372=",
+        "answer": "7",
+        "model_tag": "default",
+        "response": "7",
+        "finish_reason": "stop",
+        "prompt_ids": [1, 14, 7, 11, 6, 15],
+        "response_ids": [11, 2],
+        "behaviour_log_probs": [-2.31, -0.11],
+        "loss_mask": [1, 1],
+        "weight_version": 3,
+        "scores": {"reward": 1.0, "accuracy": 1.0},
+        "reward": 1.0,
+    }
 
 
 def wire_limits() -> WireLimits:
@@ -96,9 +108,17 @@ def serve(conn: Any) -> None:
     registry.add("trajectory_pool", make_pool())
     configure_gc_like_a_run()
     endpoint = RpcEndpoint(
-        1, "127.0.0.1", key, 1 << 30, 8, 60.0, registry.lookup, direct_sockets_per_peer=4, long_poll_threads=2,
+        1,
+        "127.0.0.1",
+        key,
+        1 << 30,
+        8,
+        60.0,
+        registry.lookup,
+        direct_sockets_per_peer=4,
+        long_poll_threads=2,
         limits=wire_limits(),
-    )  # fmt: skip
+    )
     conn.send((endpoint.address, endpoint.lane_address))
     address, lane = conn.recv()
     endpoint.connect({0: address}, {0: lane})

@@ -33,14 +33,30 @@ def run(ranks: int, latency_ms: float, concurrency: int, waves: int, steps: int)
     run_dir = tempfile.mkdtemp(prefix=f"nexrl_scale_{ranks}_")
     per_step = ranks * concurrency * waves  # trajectories
     cmd = [
-        "mpirun", "-n", str(ranks + 1), sys.executable, "-m", "launch.train", "launch_mode=mpi", f"run_dir={run_dir}",
-        "service.inference_service.backend=fake", f"service.inference_service.fake_latency_ms={latency_ms}",
-        "service.train_service.backend=noop", f"data.batch_size={per_step // 8}", "data.rollout_repeat_n=8",
-        f"rollout_worker.max_concurrency={concurrency}", f"rollout_worker.fetch_size={concurrency}",
-        f"train_worker.total_train_steps={steps}", "train_worker.save_freq=0", "validate.validate_before_train=false",
-        "validate.validate_at_end=false", "validate.eval.validate_freq=0", "logger.backend=[]",
-        "runtime_monitor.health_check.check_interval=5.0", "runtime_monitor.health_check.timeout=30.0",
-    ]  # fmt: skip
+        "mpirun",
+        "-n",
+        str(ranks + 1),
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launch_mode=mpi",
+        f"run_dir={run_dir}",
+        "service.inference_service.backend=fake",
+        f"service.inference_service.fake_latency_ms={latency_ms}",
+        "service.train_service.backend=noop",
+        f"data.batch_size={per_step // 8}",
+        "data.rollout_repeat_n=8",
+        f"rollout_worker.max_concurrency={concurrency}",
+        f"rollout_worker.fetch_size={concurrency}",
+        f"train_worker.total_train_steps={steps}",
+        "train_worker.save_freq=0",
+        "validate.validate_before_train=false",
+        "validate.validate_at_end=false",
+        "validate.eval.validate_freq=0",
+        "logger.backend=[]",
+        "runtime_monitor.health_check.check_interval=5.0",
+        "runtime_monitor.health_check.timeout=30.0",
+    ]
     out_path = os.path.join(run_dir, "mpirun.out")  # mpirun's own report of a failed rank goes here
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.PIPE, text=True)

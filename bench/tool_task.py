@@ -24,8 +24,13 @@ GOAL = 0.7
 
 
 def run(mode: str, seed: int, steps: int, validate_freq: int, extra: list[str]) -> dict:
-    overrides = ["task=tool_lookup", f"seed={seed}", f"train_worker.total_train_steps={steps}",
-                 f"validate.eval.validate_freq={validate_freq}", *extra]  # fmt: skip
+    overrides = [
+        "task=tool_lookup",
+        f"seed={seed}",
+        f"train_worker.total_train_steps={steps}",
+        f"validate.eval.validate_freq={validate_freq}",
+        *extra,
+    ]
     launcher: list[str] = []
     if mode == "mpi":
         if shutil.which("mpirun") is None:
@@ -55,14 +60,18 @@ def main() -> None:
     args = p.parse_args()
     results = [run(m, args.seed, args.steps, args.validate_freq, args.overrides) for m in args.modes]
     print(f"\ntask=tool_lookup seed={args.seed} steps={args.steps} (validation reward, greedy, 128 tables)")
-    print(f"{'mode':6} {'start':>6} {'end':>6} {'correct':>8} {'>=0.7 at step':>14} {'time to 0.7':>12} "
-          f"{'/ 600 s':>8} {'wall':>7}")  # fmt: skip
+    print(
+        f"{'mode':6} {'start':>6} {'end':>6} {'correct':>8} {'>=0.7 at step':>14} {'time to 0.7':>12} "
+        f"{'/ 600 s':>8} {'wall':>7}"
+    )
     for r in results:
         step = "never" if r["goal_step"] is None else str(r["goal_step"])
         secs = "-" if r["goal_s"] is None else f"{r['goal_s']:.0f} s"
         ratio = "-" if r["goal_s"] is None else f"{r['goal_s'] / BUDGET_S:.2f}"
-        print(f"{r['mode']:6} {r['start']:6.3f} {r['end']:6.3f} {r['end_correct']:8.3f} {step:>14} {secs:>12} "
-              f"{ratio:>8} {r['wall']:6.0f}s")  # fmt: skip
+        print(
+            f"{r['mode']:6} {r['start']:6.3f} {r['end']:6.3f} {r['end_correct']:8.3f} {step:>14} {secs:>12} "
+            f"{ratio:>8} {r['wall']:6.0f}s"
+        )
 
 
 if __name__ == "__main__":
