@@ -86,7 +86,7 @@ class TrainWorker(NexRLModule):
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPoolRef | None = None
-        self._weight_sync_controller: RolloutSchedulerRef | None = None
+        self._scheduler: RolloutSchedulerRef | None = None
         self._dataloader: DataLoaderRef | None = None
 
     # --- setup ----------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ class TrainWorker(NexRLModule):
         dataloader: DataLoaderRef | None = None,
     ) -> None:
         self._train_batch_pool = train_batch_pool
-        self._weight_sync_controller = weight_sync_controller
+        self._scheduler = weight_sync_controller
         self._dataloader = dataloader
 
     def train_service_config(self) -> dict[str, Any]:
@@ -207,10 +207,10 @@ class TrainWorker(NexRLModule):
         t0 = time.monotonic()
         consumed = list(batch.metadata.get("task_keys", []))  # trained or dropped below
         kept, stale_metrics = self._staleness.apply(batch, step)
-        assert self._weight_sync_controller is not None
+        assert self._scheduler is not None
         if kept is None:
             self._release_tasks(consumed)
-            execute(self._weight_sync_controller.trainer_dropped_batch, self._model_tag)
+            execute(self._scheduler.trainer_dropped_batch, self._model_tag)
             logger.warning(
                 "a batch of %d trajectories was over the staleness bound (%d) and dropped: no step trained",
                 len(batch),
@@ -281,12 +281,10 @@ class TrainWorker(NexRLModule):
     def _finish_step(self, started: _StartedStep, ahead: bool) -> None:
         """Wait for the update (and its export), then the step's line, checkpoint and announcement.
         ``ahead``: the next step's batch is already with the trainer."""
-        assert self._activity_tracker is not None and self._weight_sync_controller is not None
+        assert self._activity_tracker is not None and self._scheduler is not None
         batch, metrics = started.batch, started.metrics
         # answered while the update finishes: the validations the trainer's waits may overlap
-        validations = execute_async(
-            self._weight_sync_controller.validation_intervals, self._timeline.wall_since()
-        )
+        validations = execute_async(self._scheduler.validation_intervals, self._timeline.wall_since())
         t1 = time.monotonic()
         result = started.update.result()
         actor = result["meta_info"]["metrics"]
@@ -346,8 +344,8 @@ class TrainWorker(NexRLModule):
         releases the next batch. Sync mode waits (the next batch needs these weights); the async
         modes hand it to the announcement thread once the previous announcement has ended (a daemon
         thread: one stuck behind a validation that never ends must not hold the process's exit)."""
-        assert self._weight_sync_controller is not None
-        notify = self._weight_sync_controller.train_worker_notify_weight_update
+        assert self._scheduler is not None
+        notify = self._scheduler.train_worker_notify_weight_update
         if not self._async:
             execute(notify, self._module_name, self._model_tag, step)
             return
@@ -367,8 +365,8 @@ class TrainWorker(NexRLModule):
         while True:
             step, announced = self._announcements.get()
             try:
-                assert self._weight_sync_controller is not None
-                notify = self._weight_sync_controller.train_worker_notify_weight_update
+                assert self._scheduler is not None
+                notify = self._scheduler.train_worker_notify_weight_update
                 announced.set_result(execute(notify, self._module_name, self._model_tag, step))
             except BaseException as exc:  # handed to the trainer thread, raised at its next wait
                 announced.set_exception(exc)
