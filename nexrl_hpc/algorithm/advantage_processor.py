@@ -140,7 +140,8 @@ def release_groups(batch: Batch[list[Any]], keys: list[str]) -> list[Any]:
 def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> dict[str, float]:
     """Each numeric ``scores`` entry (per-episode numbers a rollout worker attached: accuracy,
     turns, tool calls, termination reasons) averaged over the trajectories that carry it; the
-    reward runner's failure counts (``reward/errors``, ``reward/timeouts``) summed, unprefixed."""
+    counts (the reward runner's ``reward/errors``, ``reward/timeouts``, the rollout worker's
+    ``rollout/undecodable_tokens``) summed, unprefixed."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     totals: dict[str, float] = {}
@@ -148,7 +149,7 @@ def score_means(scores: list[dict[str, float] | None] | None, prefix: str) -> di
         for key, value in (row or {}).items():
             if key == "reward" or not isinstance(value, (int, float)):
                 continue  # reward has its own metrics
-            if key.startswith("reward/"):
+            if key.startswith(("reward/", "rollout/")):
                 totals[key] = totals.get(key, 0.0) + float(value)
                 continue
             sums[key] = sums.get(key, 0.0) + float(value)

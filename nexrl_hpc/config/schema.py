@@ -261,9 +261,11 @@ class InferenceServiceConfig(TypedDict):
     model: str
     base_url: str | None
     api_key: str | None
-    max_retries: Annotated[int, Ge(0)]
+    max_retries: Annotated[int, Ge(0)]  # unreachable or timed out; the server's own error: never
     retry_backoff_s: Annotated[float, Ge(0.0)]
-    request_timeout_s: Annotated[float, Gt(0.0)]
+    request_timeout_s: Annotated[float, Gt(0.0)]  # the base of every request's timeout
+    # each token a request may generate (max_tokens x prompts x n) adds this to its timeout
+    request_timeout_per_token_s: Annotated[float, Ge(0.0)]
     freeze_for_weight_sync: bool
     weight_sync_poll_s: Annotated[
         float, Gt(0.0)

@@ -4,8 +4,15 @@ It asks for what training needs in each engine's own request fields (an ``Engine
 ``nexrl_hpc.inference.adapters``, picked by ``service.inference_service.backend``) and returns the
 engine's token ids and behaviour log-probs (text is never re-tokenised). Concurrent
 async calls with the same sampling parameters are coalesced into one completion request
-with a list of prompts, which is what makes hundreds of in-flight rollouts cheap. Failed calls are
-retried with exponential backoff; after ``max_retries`` the error names the server URL.
+with a list of prompts, which is what makes hundreds of in-flight rollouts cheap.
+
+A failed call is one of three (``nexrl_hpc.inference.errors``): the server could not be reached
+(refused, reset, or a gateway's 502/503/504/429) or did not answer within the request's timeout —
+both retried with exponential backoff, then named with the server URL — or the server answered
+with its own error (any other HTTP 4xx/5xx), raised at once with the server's message: a retry
+would only generate again. A request's timeout grows with the work it asks for:
+``request_timeout_s + request_timeout_per_token_s x max_tokens x prompts x n``, so a long
+generation is not abandoned and submitted again.
 """
 
 from __future__ import annotations
@@ -22,23 +29,33 @@ import openai
 from nexrl_hpc.config.schema import InferenceServiceConfig
 from nexrl_hpc.core.execute import aexecute, execute
 from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
-from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
+from nexrl_hpc.inference.errors import (
+    InferenceServerError,
+    InferenceServiceError,
+    InferenceTimeoutError,
+    InferenceUnreachableError,
+    MissingTokenIdsError,
+)
 from nexrl_hpc.inference.version import RolloutVersionLookup
 from nexrl_hpc.types import RolloutServiceStatus
 
 if TYPE_CHECKING:
     from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
-__all__ = ["InferenceServiceError", "LLMServiceClient", "MissingTokenIdsError"]
+__all__ = [
+    "InferenceServerError",
+    "InferenceServiceError",
+    "InferenceTimeoutError",
+    "InferenceUnreachableError",
+    "LLMServiceClient",
+    "MissingTokenIdsError",
+]
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = (
-    openai.APIConnectionError,
-    openai.APITimeoutError,
-    openai.InternalServerError,
-    openai.RateLimitError,
-)
+# answers that say "not now" rather than "this request failed": a proxy or gateway in front of the
+# server, or a server that is starting or overloaded; retried like a refused connection
+_UNAVAILABLE_STATUS = frozenset({429, 502, 503, 504})
 
 
 @dataclass
@@ -78,6 +95,7 @@ class LLMServiceClient:
         self._max_retries = config["max_retries"]
         self._backoff = config["retry_backoff_s"]
         self._timeout = config["request_timeout_s"]
+        self._timeout_per_token = config["request_timeout_per_token_s"]
         self._freeze_for_weight_sync = config["freeze_for_weight_sync"]
         self._coalesce_wait_s = config["coalesce_wait_ms"] / 1000.0
         self._coalesce_max_wait_s = config["coalesce_max_wait_ms"] / 1000.0
@@ -101,7 +119,8 @@ class LLMServiceClient:
         self._wait_for_weight_sync()
         version = self._rollout_version()
         path, body = self._adapter.completion_request(self._model, [prompt], kwargs)
-        payload = self._with_retries(lambda: self._post_sync(path, body))
+        timeout = self._request_timeout(1, kwargs)
+        payload = self._with_retries(lambda: self._post_sync(path, body, timeout), timeout)
         choices = self._adapter.completion_choices(payload, 1, kwargs.get("n", 1))
         return self._completion_result(prompt, choices[0], version, kwargs)
 
@@ -110,7 +129,8 @@ class LLMServiceClient:
         self._wait_for_weight_sync()
         version = self._rollout_version()
         path, body = self._adapter.chat_request(self._model, messages, kwargs)
-        payload = self._with_retries(lambda: self._post_sync(path, body))
+        timeout = self._request_timeout(1, kwargs)
+        payload = self._with_retries(lambda: self._post_sync(path, body, timeout), timeout)
         return self._chat_result(messages, self._adapter.chat_choice(payload), version, kwargs)
 
     # --- async API ------------------------------------------------------------------------------
@@ -147,7 +167,8 @@ class LLMServiceClient:
         await self._await_weight_sync()
         version = await self._version_lookup.read()
         path, body = self._adapter.chat_request(self._model, messages, kwargs)
-        payload = await self._with_retries_async(lambda: self._post_async(path, body))
+        timeout = self._request_timeout(1, kwargs)
+        payload = await self._with_retries_async(lambda: self._post_async(path, body, timeout), timeout)
         return self._chat_result(messages, self._adapter.chat_choice(payload), version, kwargs)
 
     def _flush(self, key: Any, bucket: _Bucket) -> None:
@@ -163,7 +184,8 @@ class LLMServiceClient:
             await self._await_weight_sync()
             version = await self._version_lookup.read()
             path, body = self._adapter.completion_request(self._model, prompts, kwargs)
-            payload = await self._with_retries_async(lambda: self._post_async(path, body))
+            timeout = self._request_timeout(len(prompts), kwargs)
+            payload = await self._with_retries_async(lambda: self._post_async(path, body, timeout), timeout)
             n = kwargs.get("n", 1)
             choices = self._adapter.completion_choices(payload, len(prompts), n)
             for i, (prompt, future) in enumerate(bucket.items):
@@ -219,25 +241,40 @@ class LLMServiceClient:
         return result
 
     # --- transport ------------------------------------------------------------------------------
-    def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
-        return json.loads(self._client.post(f"/{path}", body=body, cast_to=bytes))
+    def _request_timeout(self, num_prompts: int, kwargs: dict[str, Any]) -> float:
+        """Seconds one request may take: the base plus a share per token it may generate."""
+        max_tokens = kwargs.get("max_tokens") or kwargs.get("max_completion_tokens") or 0
+        rows = num_prompts * int(kwargs.get("n") or 1)
+        return self._timeout + self._timeout_per_token * int(max_tokens) * rows
 
-    async def _post_async(self, path: str, body: dict[str, Any]) -> Any:
+    def _post_sync(self, path: str, body: dict[str, Any], timeout: float) -> Any:
+        raw = self._client.post(f"/{path}", body=body, cast_to=bytes, options={"timeout": timeout})
+        return json.loads(raw)
+
+    async def _post_async(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         if self._aclient is None:
             self._aclient = openai.AsyncOpenAI(
                 base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
             )
-        return json.loads(await self._aclient.post(f"/{path}", body=body, cast_to=bytes))
+        raw = await self._aclient.post(f"/{path}", body=body, cast_to=bytes, options={"timeout": timeout})
+        return json.loads(raw)
 
-    def _retry_delay(self, exc: Exception, attempt: int) -> float:
+    def _retry_delay(self, exc: Exception, attempt: int, timeout: float) -> float:
         """Seconds to wait before the next attempt; raises when the call must not (or may no longer) be retried."""
-        if isinstance(exc, openai.APIStatusError) and not isinstance(exc, _RETRYABLE):
-            raise InferenceServiceError(f"{self._base_url} rejected the request: {exc}") from exc
-        if not isinstance(exc, _RETRYABLE):
+        if isinstance(exc, openai.APIStatusError) and exc.status_code not in _UNAVAILABLE_STATUS:
+            raise server_error(self._base_url, exc) from exc
+        if not isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
             raise exc
         if attempt >= self._max_retries:
-            raise InferenceServiceError(
-                f"inference service at {self._base_url} unreachable after {self._max_retries + 1} attempts: {exc}"
+            attempts = self._max_retries + 1
+            if isinstance(exc, openai.APITimeoutError):
+                raise InferenceTimeoutError(
+                    f"inference service at {self._base_url} did not answer within {timeout:.0f}s, "
+                    f"{attempts} attempts (service.inference_service.request_timeout_s + "
+                    "request_timeout_per_token_s x tokens asked)"
+                ) from exc
+            raise InferenceUnreachableError(
+                f"inference service at {self._base_url} unreachable after {attempts} attempts: {exc}"
             ) from exc
         delay = self._backoff * (2**attempt)
         logger.warning(
@@ -250,22 +287,22 @@ class LLMServiceClient:
         )
         return delay
 
-    def _with_retries(self, call: Any) -> dict[str, Any]:
+    def _with_retries(self, call: Any, timeout: float) -> dict[str, Any]:
         attempt = 0
         while True:
             try:
                 return call()
             except Exception as exc:
-                time.sleep(self._retry_delay(exc, attempt))
+                time.sleep(self._retry_delay(exc, attempt, timeout))
                 attempt += 1
 
-    async def _with_retries_async(self, call: Any) -> dict[str, Any]:
+    async def _with_retries_async(self, call: Any, timeout: float) -> dict[str, Any]:
         attempt = 0
         while True:
             try:
                 return await call()
             except Exception as exc:
-                await asyncio.sleep(self._retry_delay(exc, attempt))
+                await asyncio.sleep(self._retry_delay(exc, attempt, timeout))
                 attempt += 1
 
     # --- held while the weights reload (the scheduler says when) ---------------------------------
@@ -299,3 +336,24 @@ class LLMServiceClient:
             await self._aclient.close()
             self._aclient = None
         self._client.close()
+
+
+def server_message(exc: openai.APIStatusError) -> str:
+    """What the server said: the ``message`` of an OpenAI-style error body (vLLM's, ours), FastAPI's
+    ``detail``, or the body's text."""
+    body = exc.body
+    if isinstance(body, dict):
+        for key in ("message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    text = body if isinstance(body, str) else exc.response.text
+    return text.strip() or exc.message
+
+
+def server_error(base_url: str, exc: openai.APIStatusError) -> InferenceServerError:
+    """The server's own error, its message first: a 4xx "rejected the request", a 5xx "failed"."""
+    message = server_message(exc)
+    verb = "rejected the request" if exc.status_code < 500 else "failed the request"
+    return InferenceServerError(
+        f"{base_url} {verb} (HTTP {exc.status_code}): {message}", exc.status_code, message
+    )

@@ -67,7 +67,7 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: int | str | None = None
 
 
-def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
+def error_response(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": err_type, "code": status}}
     )
@@ -86,7 +86,11 @@ class OpenAIApi:
         self.served_model_name = served_model_name
         self.limits = limits
         self.tokenizer = engine.tokenizer
-        self.id_to_token = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's token; "" for an id the tokenizer has no token for (a model's embedding padded
+        past its tokenizer, as Qwen's: such ids are sampled, and decode to nothing)."""
+        return [token or "" for token in self.tokenizer.convert_ids_to_tokens(token_ids)]
 
     def over_limits(self, n: int, num_prompts: int) -> str | None:
         """Why a request asks for too much (a 400), or None."""
@@ -166,7 +170,7 @@ class OpenAIApi:
             "stop_reason": None,
         }
         if req.logprobs is not None:
-            toks = [self.id_to_token[t] for t in out.token_ids]
+            toks = self.token_strings(out.token_ids)
             choice["logprobs"] = {
                 "tokens": toks,
                 "token_logprobs": out.logprobs,
@@ -182,14 +186,14 @@ class OpenAIApi:
 
     async def completions(self, req: CompletionRequest) -> Response:
         if req.stream:
-            return _error(400, "stream=true is not supported by this server")
+            return error_response(400, "stream=true is not supported by this server")
         prompt = req.prompt
         many = bool(prompt) and not isinstance(prompt, str) and not isinstance(prompt[0], int)
         if problem := self.over_limits(req.n, len(prompt) if many else 1):
-            return _error(400, problem)
+            return error_response(400, problem)
         prompt_ids = self._completion_prompt_ids(prompt)
         if not prompt_ids:
-            return _error(400, "prompt is empty")
+            return error_response(400, "prompt is empty")
         params = SamplingParams(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -200,7 +204,7 @@ class OpenAIApi:
         try:
             outputs = await self.run(prompt_ids, params)
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         texts = self.tokenizer.batch_decode([o.token_ids for o in outputs], skip_special_tokens=True)
         choices = [
             self._completion_choice(req, index, out, text)
@@ -228,7 +232,7 @@ class OpenAIApi:
             "stop_reason": None,
         }
         if req.logprobs:
-            toks = self.tokenizer.convert_ids_to_tokens(out.token_ids)
+            toks = self.token_strings(out.token_ids)
             choice["logprobs"] = {
                 "content": [
                     {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
@@ -243,15 +247,15 @@ class OpenAIApi:
 
     async def chat_completions(self, req: ChatCompletionRequest) -> Response:
         if req.stream:
-            return _error(400, "stream=true is not supported by this server")
+            return error_response(400, "stream=true is not supported by this server")
         if not self.tokenizer.chat_template:
-            return _error(400, "the model's tokenizer has no chat template; use /v1/completions")
+            return error_response(400, "the model's tokenizer has no chat template; use /v1/completions")
         if problem := self.over_limits(req.n, 1):
-            return _error(400, problem)
+            return error_response(400, problem)
         try:
             prompt = self._chat_prompt(req)
         except Exception as exc:
-            return _error(400, f"could not apply the chat template: {exc}")
+            return error_response(400, f"could not apply the chat template: {exc}")
         max_tokens = req.max_completion_tokens or req.max_tokens or (self.engine.max_model_len - len(prompt))
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -263,7 +267,7 @@ class OpenAIApi:
         try:
             outputs = await self.run([list(prompt)], params)
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         choices = [self._chat_choice(req, index, out) for index, out in enumerate(outputs)]
         payload = self.envelope("chatcmpl", "chat.completion", choices, len(prompt), outputs)
         if req.return_token_ids:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,6 +43,7 @@ from nexrl_hpc.inference.openai_api import (
     OpenAIApi,
     RequestLimits,
     UpdateWeightsRequest,
+    error_response,
 )
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, SPEC_FROM_STDIN, read_spec
 from nexrl_hpc.runtime.gc_tuning import GcSettings, freeze_imports, settle_after_setup
@@ -120,6 +121,13 @@ def create_app(
     app = FastAPI(title="nexrl_hpc local inference", lifespan=lifespan)
     api = OpenAIApi(engine, served_model_name, limits)
     app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        """A request the server failed: a 500 whose message is the error (the client shows it;
+        Starlette also logs the traceback to the server's log)."""
+        return error_response(500, f"{type(exc).__name__}: {exc}", "InternalServerError")
+
+    app.add_exception_handler(Exception, failed)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

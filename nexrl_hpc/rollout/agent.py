@@ -32,7 +32,7 @@ from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configu
 from nexrl_hpc.rewards.guard import GuardedReward
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS
-from nexrl_hpc.rollout.base import BaseRolloutWorker
+from nexrl_hpc.rollout.base import UNDECODABLE_TOKENS, BaseRolloutWorker
 from nexrl_hpc.types import PutStatus, Trajectory
 
 KEY = "rollout_worker.agent"
@@ -190,6 +190,7 @@ class AgentRolloutWorker(BaseRolloutWorker):
         trajectory = self.episode_to_trajectory(task, episode, self._model_tag)
         if trajectory is None:
             return PutStatus.FAIL
+        trajectory["scores"][UNDECODABLE_TOKENS] = self._undecodable_tokens(trajectory["response_ids"])
         return await self._aput_trajectory(trajectory)
 
     @staticmethod

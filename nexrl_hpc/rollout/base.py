@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# a trajectory's score entry: sampled ids without a token, summed per step (the step's metric)
+UNDECODABLE_TOKENS = "rollout/undecodable_tokens"
 _IS_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar("nexrl_is_validate", default=False)
 # when the task's step started and its generation ended (wall clock): the trajectory's rollout_times
 _STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("nexrl_step_started", default=0.0)
@@ -90,6 +92,7 @@ class BaseRolloutWorker(NexRLModule):
         self._validator: TrajectoryDestination | None = None
         self._step_is_async = inspect.iscoroutinefunction(self.step)
         self._tokenizer: Any = None  # the run's tokenizer, loaded when a prompt first needs its chat template
+        self._known_ids: frozenset[int] | None = None  # the ids the run's tokenizer has a token for
         self.num_completed = 0
         self.num_failed = 0
         self._inflight = 0
@@ -308,6 +311,17 @@ class BaseRolloutWorker(NexRLModule):
         return engine_prompt(
             self._tokenizer, prompt, data["apply_chat_template"], data["add_generation_prompt"]
         )
+
+    def _undecodable_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the run's tokenizer has no token for: a model's embedding padded
+        past its tokenizer (every Qwen: 151,936 rows, ~151,665 tokens) lets the engine sample them;
+        they decode to nothing and train like any other token (``rollout/undecodable_tokens``)."""
+        if self._known_ids is None:
+            if self._tokenizer is None:
+                self._tokenizer = load_run_tokenizer(self._config["model"])
+            self._known_ids = frozenset(self._tokenizer.get_vocab().values())
+        known = self._known_ids
+        return sum(1 for t in token_ids if t not in known)
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(self._val_sampling if _IS_VALIDATE.get() else self._train_sampling)

@@ -3,7 +3,8 @@
 The reward runs on the RewardRunner's threads, not on the worker's event loop: a slow scorer
 (math-verify, a sandbox) does not hold up the requests of the other steps in flight, and a reward
 that raises, returns no number or runs past ``reward_timeout_s`` scores 0 and is counted
-(``reward/errors``, ``reward/timeouts`` in every trajectory's scores). Responses that come back
+(``reward/errors``, ``reward/timeouts`` in every trajectory's scores, with the sampled ids the
+tokenizer has no token for: ``rollout/undecodable_tokens``). Responses that come back
 together (one coalesced completion request) are scored as one submission and their scores come
 back to the loop together: per-response hand-offs cost more than the default task's reward.
 """
@@ -17,7 +18,7 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.bridge import FutureBridge
 from nexrl_hpc.rewards.loader import load_reward
 from nexrl_hpc.rewards.runner import RewardRunner
-from nexrl_hpc.rollout.base import BaseRolloutWorker
+from nexrl_hpc.rollout.base import UNDECODABLE_TOKENS, BaseRolloutWorker
 from nexrl_hpc.types import PutStatus
 
 
@@ -54,6 +55,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         self._mark_generated()
         scores = await self._score(task, result["response"])
+        scores = {**scores, UNDECODABLE_TOKENS: self._undecodable_tokens(result["response_ids"])}
         return await self._aput_trajectory(self.make_trajectory(task, result, scores))
 
     async def _score(self, task: dict[str, Any], response: str) -> dict[str, float]:
