@@ -78,6 +78,19 @@ def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_chatml_model_dir(str(tmp_path_factory.mktemp("chatml") / "qwen2_tied"), CHATML_TEXTS, 512)
 
 
+# the same model with its embedding padded past the tokenizer, as Qwen's is (151,936 rows for ~151,665
+# tokens), a third of it: the random weights sample ids without a token at every step
+PADDED_MODEL_VOCAB = 768
+
+
+@pytest.fixture(scope="session")
+def chatml_padded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from nexrl_hpc.models.chatml import build_chatml_model_dir
+
+    out = str(tmp_path_factory.mktemp("chatml_padded") / "qwen2_padded")
+    return build_chatml_model_dir(out, CHATML_TEXTS, 512, model_vocab_size=PADDED_MODEL_VOCAB)
+
+
 def run_train(
     args: list[str], timeout: float = 600, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

@@ -269,7 +269,7 @@ class LLMServiceClient:
             attempts = self._max_retries + 1
             if isinstance(exc, openai.APITimeoutError):
                 raise InferenceTimeoutError(
-                    f"inference service at {self._base_url} did not answer within {timeout:.0f}s, "
+                    f"inference service at {self._base_url} did not answer within {timeout:g}s, "
                     f"{attempts} attempts (service.inference_service.request_timeout_s + "
                     "request_timeout_per_token_s x tokens asked)"
                 ) from exc

@@ -88,12 +88,18 @@ def build_qwen2_model(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
     seed: int = 0,
+    model_vocab_size: int | None = None,
 ) -> Qwen2ForCausalLM:
     """A random-init Qwen2 causal LM sized to ``tokenizer`` (GQA when kv heads < heads).
 
-    head_dim is hidden_size / num_attention_heads: vLLM's CPU attention needs at least 32."""
+    head_dim is hidden_size / num_attention_heads: vLLM's CPU attention needs at least 32.
+    ``model_vocab_size``: the embedding's rows when more than the tokenizer's ids, padded as every
+    Qwen model is (151,936 rows for ~151,665 tokens); the ids past the tokenizer have no token."""
+    vocab_size = len(tokenizer) if model_vocab_size is None else model_vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"model_vocab_size={vocab_size} is below the tokenizer's {len(tokenizer)} ids")
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
