@@ -22,9 +22,10 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from nexrl_hpc.algorithm.advantage_processor import score_means
+from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.inference.engine import HFEngine
 from nexrl_hpc.inference.server import RequestLimits, create_app
-from tests.conftest import PADDED_MODEL_VOCAB, run_train
+from tests.conftest import PADDED_MODEL_VOCAB, compose_config, run_train
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,30 @@ def test_undecodable_counts_are_summed_per_step() -> None:
         {"reward": 0.0, "rollout/undecodable_tokens": 2},
     ]
     assert score_means(scores, "train/") == {"rollout/undecodable_tokens": 5}
+
+
+def test_a_teacher_must_score_the_ids_a_padded_student_samples(
+    chatml_padded_model_dir: str, chatml_model_dir: str
+) -> None:
+    """On-policy distillation: the teacher gathers its log-prob of every sampled id; a teacher with
+    the student's tokenizer but no padding would index past its output layer."""
+    overrides = ["algorithm=opd", f"model.path={chatml_padded_model_dir}"]
+    with pytest.raises(ConfigError) as err:
+        compose_config([*overrides, f"algorithm.teacher_model_path={chatml_model_dir}"])
+    rows = len(AutoTokenizer.from_pretrained(chatml_model_dir))
+    assert (
+        f"its output layer has {rows} rows (config.json vocab_size) but the student's has "
+        f"{PADDED_MODEL_VOCAB}: the student samples ids up to {PADDED_MODEL_VOCAB - 1}"
+    ) in str(err.value)
+    compose_config([*overrides, f"algorithm.teacher_model_path={chatml_padded_model_dir}"])  # padded alike
+    # the unpadded student with the padded teacher: a bigger output layer is fine
+    compose_config(
+        [
+            "algorithm=opd",
+            f"model.path={chatml_model_dir}",
+            f"algorithm.teacher_model_path={chatml_padded_model_dir}",
+        ]
+    )
 
 
 @pytest.mark.e2e

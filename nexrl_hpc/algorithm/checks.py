@@ -148,9 +148,10 @@ def _teacher_vocabulary_problem(cfg: Mapping, teacher_path: str) -> str:
     except Exception:  # the model checks report why it does not load
         return ""
     vocab_size = int(AutoConfig.from_pretrained(teacher_path).vocab_size)
-    why = vocabulary_mismatch(student, load_tokenizer(teacher_path), vocab_size)
+    path = g_safe(cfg, "model.path")
+    student_rows = int(AutoConfig.from_pretrained(path).vocab_size) if path else None  # tiny: the tokenizer's
+    why = vocabulary_mismatch(student, load_tokenizer(teacher_path), vocab_size, student_rows)
     if not why:
         return ""
-    path = g_safe(cfg, "model.path")
     named = f"model.path {path!r}" if path else "the tiny model of model.tiny"
     return f"{why} (student: {named})"

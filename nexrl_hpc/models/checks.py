@@ -46,10 +46,14 @@ def model_dir_problem(path: str) -> str:
     return ""
 
 
-def vocabulary_mismatch(student: Any, teacher: Any, teacher_vocab_size: int) -> str:
+def vocabulary_mismatch(
+    student: Any, teacher: Any, teacher_vocab_size: int, student_vocab_size: int | None = None
+) -> str:
     """Why a teacher cannot score the student's token ids ("" when it can): both tokenizers must map
-    the same strings to the same ids, and the teacher's output layer must cover every id (a bigger,
-    padded embedding is fine: same-family models of different sizes often pad differently)."""
+    the same strings to the same ids, and the teacher's output layer must cover every id the student
+    can sample: its tokenizer's, and those of its embedding's padding (``student_vocab_size``, its
+    config.json vocab_size; a padded student samples ids without a token). A bigger, padded
+    teacher is fine: same-family models of different sizes often pad differently."""
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
     if s_vocab != t_vocab:
         s_ids = {i: tok for tok, i in s_vocab.items()}
@@ -63,6 +67,12 @@ def vocabulary_mismatch(student: Any, teacher: Any, teacher_vocab_size: int) -> 
         return (
             f"its output layer has {teacher_vocab_size} rows (config.json vocab_size) but the tokenizer "
             f"has {len(s_vocab)} ids"
+        )
+    if student_vocab_size is not None and teacher_vocab_size < student_vocab_size:
+        return (
+            f"its output layer has {teacher_vocab_size} rows (config.json vocab_size) but the student's "
+            f"has {student_vocab_size}: the student samples ids up to {student_vocab_size - 1}, past its "
+            f"tokenizer's {len(s_vocab)}, and the teacher must score them"
         )
     return ""
 
