@@ -1,4 +1,4 @@
-"""``python -m launch.status <run_dir> [--plot] [--json]``: where a run stands.
+"""``python -m launch.status <run_dir> [--plot] [--samples] [--json]``: where a run stands.
 
 State (running / finished / failed / preempted, and pending / cancelled / timeout from Slurm), with
 the exit code and the reason; step out of the total, a reward sparkline, the last validation's
@@ -6,8 +6,9 @@ metrics (whatever the task calls them), the last checkpoint, the plots. It only 
 wrote (``status.json``, ``metrics.jsonl``, ``config.yaml``, the checkpoint folder, ``plots/``;
 nexrl_hpc/tracking owns them) and, for launcher=slurm runs (``launcher.json``), asks sacct: a job
 Slurm ended before the run could record why still shows as failed, cancelled or timed out.
-``--plot`` redraws ``<run_dir>/plots/`` from metrics.jsonl first. Exit code 0; 1 when ``--plot``
-failed; 2 when the directory holds no run.
+``--plot`` redraws ``<run_dir>/plots/`` from metrics.jsonl first; ``--samples`` adds the last step's
+decoded samples (``<run_dir>/samples/``: prompt, response, reward, advantage). Exit code 0; 1 when
+``--plot`` failed; 2 when the directory holds no run.
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     flags = {a for a in args if a.startswith("-")}
     paths = [a for a in args if not a.startswith("-")]
-    if len(paths) != 1 or flags - {"--plot", "--json"}:
-        print("usage: python -m launch.status <run_dir> [--plot] [--json]", file=sys.stderr)
+    if len(paths) != 1 or flags - {"--plot", "--samples", "--json"}:
+        print("usage: python -m launch.status <run_dir> [--plot] [--samples] [--json]", file=sys.stderr)
         return 2
     run_dir = paths[0]
     if not os.path.isdir(run_dir) or not any(
@@ -177,14 +178,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: drawing the plots failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             code = 1
     status = run_status(run_dir)
+    if "--samples" in flags:
+        from nexrl_hpc.tracking.samples import last_samples
+
+        found = last_samples(run_dir)
+        status["samples"] = {"step": found[0], "rows": found[1]} if found else None
     if "--json" in flags:
-        print(json.dumps(status, indent=1))
+        print(json.dumps(status, indent=1, ensure_ascii=False))
         return code
     lines = format_status(status)
     width = max(len(label) for label, _ in lines)
     for label, text in lines:
         print(f"{label:<{width}}  {text}")
+    if "--samples" in flags:
+        print("\n".join(format_samples(status["samples"])))
     return code
+
+
+def format_samples(samples: dict[str, Any] | None) -> list[str]:
+    """The last step's samples for a person: a header per row, then its prompt and response."""
+    if not samples:
+        return ["", "samples: none (logger.samples_per_step=0, or no step trained yet)"]
+    lines = ["", f"samples of step {samples['step']} ({len(samples['rows'])} rows)"]
+    for row in samples["rows"]:
+        lines.append(
+            f"--- row {row['row']}  uid {row['uid']}  group {row['group']}  reward {row['reward']:.4f}"
+            f"  advantage {row['advantage']:+.4f}  {row['response_length']} response tokens"
+            + (f" ({row['undecodable_tokens']} without a token)" if row.get("undecodable_tokens") else "")
+        )
+        lines += ["prompt:", *_indented(row["prompt"]), "response:", *_indented(row["response"])]
+    return lines
+
+
+def _indented(text: str) -> list[str]:
+    return ["    " + line for line in (text.splitlines() or [""])]
 
 
 if __name__ == "__main__":

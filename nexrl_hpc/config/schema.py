@@ -319,6 +319,7 @@ class LoggerConfig(TypedDict):
     backend: list[Literal["console", "wandb"]]
     wandb: WandbConfig
     dump_rollouts: bool
+    samples_per_step: Annotated[int, Ge(0)]  # rows of each step decoded into samples/ and the loggers
     plots: PlotsConfig
 
 

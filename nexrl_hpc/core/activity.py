@@ -241,6 +241,11 @@ class ActivityTracker:
                 kwargs["data"] = {**data, **self._gauges}
         self.experiment_logger.post(backend, **kwargs)
 
+    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A step's decoded samples to the loggers (TensorBoard text, wandb table)."""
+        if self.experiment_logger is not None:
+            self.experiment_logger.post_samples(step, rows)
+
     def __nexrl_handle_ref__(self) -> str:
         return "activity_tracker"
 
@@ -308,3 +313,6 @@ class ActivityTrackerProxy:
 
     def experiment_logger_post(self, backend: str = "all", **kwargs: Any) -> None:
         execute(self._central.experiment_logger_post, backend, **kwargs)
+
+    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        execute(self._central.experiment_logger_samples, step, rows)

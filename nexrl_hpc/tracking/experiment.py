@@ -1,8 +1,9 @@
 """Metrics to ``metrics.jsonl`` and TensorBoard (always), wandb (when configured), a console progress bar;
-PNG curves in ``plots/`` (drawn by a subprocess, tracking/plots.py).
+PNG curves in ``plots/`` (drawn by a subprocess, tracking/plots.py); each step's decoded samples
+(tracking/samples.py) as TensorBoard text and a wandb table.
 
-On resume the jsonl is truncated to the resumed step and TensorBoard purges later events, so a
-step never appears twice.
+On resume the jsonl is truncated to the resumed step, TensorBoard purges later events and later
+steps' samples are removed, so a step never appears twice.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.tracking.plots import PlotRefresher
+from nexrl_hpc.tracking.samples import samples_markdown, truncate_samples
 
 logger = logging.getLogger(__name__)
+
+SAMPLES = "samples"  # the TensorBoard text tag and wandb key of each step's decoded samples
 
 
 def _clean(value: Any) -> Any:
@@ -86,6 +90,7 @@ class ExperimentLogger:
         self._config = config
         backends = set(config["logger"]["backend"])
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        truncate_samples(run_dir, resume_step or 0)  # a fresh run's samples/ holds only its own steps
         if resume_step is not None:
             truncate_metrics(self.metrics_path, resume_step)
         elif os.path.exists(self.metrics_path):
@@ -151,6 +156,12 @@ class ExperimentLogger:
             if backend != "jsonl":
                 self._sink.put((backend, dict(data), step))
 
+    def post_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A step's decoded samples (tracking/samples.py) to TensorBoard's text tab (tag ``samples``)
+        and, with wandb, a ``samples`` table; written by the sink thread, after what was posted before."""
+        if rows:
+            self._sink.put((SAMPLES, {"rows": [dict(r) for r in rows]}, int(step)))
+
     def _drain_sink(self) -> None:
         """The metrics-sink thread: TensorBoard, wandb and the console, in the order posted."""
         while (item := self._sink.get()) is not None:
@@ -161,6 +172,9 @@ class ExperimentLogger:
                 logger.exception("logging step %d to %s failed", step, backend)
 
     def _write_sinks(self, backend: str, data: dict[str, Any], step: int) -> None:
+        if backend == SAMPLES:
+            self._write_samples(data["rows"], step)
+            return
         if backend in ("all", "tensorboard"):
             for key, value in data.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -169,6 +183,15 @@ class ExperimentLogger:
             self._wandb.log({k: v for k, v in data.items() if isinstance(v, (int, float))}, step=step)
         if self._console is not None and backend in ("all", "console"):
             self._console.update(data, step)
+
+    def _write_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        self._tb.add_text(SAMPLES, samples_markdown(rows), step)
+        if self._wandb is not None:
+            import wandb
+
+            columns: list[str | int] = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[row.get(str(c)) for c in columns] for row in rows])
+            self._wandb.log({SAMPLES: table}, step=step)
 
     def refresh_plots(self, final: bool = False) -> None:
         """Redraw ``plots/`` in the background (after a validation; ``final``: at the end)."""

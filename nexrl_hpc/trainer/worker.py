@@ -31,7 +31,9 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.errors import ErrorSeverity
 from nexrl_hpc.core.execute import execute, execute_async, quick
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
+from nexrl_hpc.tracking.samples import decode_samples, write_samples
 from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
@@ -73,6 +75,8 @@ class TrainWorker(NexRLModule):
         )
         self._staleness = StalenessBound.from_config(weight)
         self._dump_rollouts = config["logger"]["dump_rollouts"]
+        self._samples_per_step = config["logger"]["samples_per_step"]
+        self._sample_tokenizer: Any = None  # the run's tokenizer, loaded at the first samples
         self._run_dir = config["run_dir"]
         keep = 1 if tw["remove_previous_ckpt"] else tw["max_ckpt_to_keep"]
         self._checkpoints = CheckpointManager(tw["checkpoint_path"], keep)
@@ -302,6 +306,8 @@ class TrainWorker(NexRLModule):
             )
         if self._dump_rollouts:
             dump_rollouts(self._run_dir, step, batch)
+        if self._samples_per_step:
+            self._write_samples(step, batch)
         metrics.update(actor)
         metrics.update(throughput(metrics, batch))  # per second of timing/step_s: set at the line
         metrics["train/loss"] = actor["actor/loss"]
@@ -338,6 +344,15 @@ class TrainWorker(NexRLModule):
             t5, wall = time.monotonic(), time.time()
             self._announce(step)
             timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
+
+    def _write_samples(self, step: int, batch: Batch) -> None:
+        """``samples/step_<step>.jsonl`` and the loggers: a few rows decoded (tracking/samples.py)."""
+        assert self._activity_tracker is not None
+        if self._sample_tokenizer is None:
+            self._sample_tokenizer = load_run_tokenizer(self._config["model"])
+        rows = decode_samples(batch, step, self._sample_tokenizer, self._samples_per_step)
+        write_samples(self._run_dir, step, rows)
+        self._activity_tracker.experiment_logger_samples(step, rows)
 
     def _announce(self, step: int) -> None:
         """Tell the weight sync controller that version ``step`` is exported: it publishes it and
