@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from launch import status as status_cli
-from nexrl_hpc.tracking.plots import PlotRefresher, validation_keys
+from nexrl_hpc.tracking.plots import PlotRefresher, reward_band, validation_keys, write_plots
 from nexrl_hpc.tracking.run_status import RunStatus, describe, read_status
 from nexrl_hpc.tracking.timing import TIMING_PARTS, StepTimeline, merge, rollout_intervals, split_wait
 from tests.test_weight_sync_and_activity import make_wsc
@@ -290,7 +290,8 @@ def test_plots_are_drawn_from_metrics_and_listed_by_status(
     ]
     rows += [{"step": 5, "val/is_correct": 0.4, "val/reward/errors": 0.0, "val/num_samples": 8}]
     write_run(run_dir, rows, total=5)
-    assert validation_keys(rows) == ["val/is_correct"]  # counters and all-zero metrics left out
+    # counters left out; a metric that stayed 0 is drawn, after those that moved
+    assert validation_keys(rows) == ["val/is_correct", "val/reward/errors"]
     code, out = cli(run_dir, capsys, "--plot")
     assert code == 0
     names = {"reward", "loss", "grad_norm", "entropy", "logprob_mismatch", "validation", "step_time"}
@@ -298,6 +299,67 @@ def test_plots_are_drawn_from_metrics_and_listed_by_status(
     for name in names:
         assert (run_dir / "plots" / f"{name}.png").read_bytes()[:8] == PNG
     assert "plots            " in out and "step_time.png" in out
+
+
+def test_validation_is_drawn_when_every_validation_metric_is_0(tmp_path: Path) -> None:
+    """A policy that never gets a validation answer right is the plot a user most needs to see."""
+    run_dir = tmp_path / "run"
+    rows = [train_row(s, 0.0) for s in (1, 2)]
+    rows += [{"step": s, "val/accuracy": 0.0, "val/reward": 0.0, "val/num_samples": 8} for s in (0, 2)]
+    write_run(run_dir, rows)
+    assert validation_keys(rows) == ["val/accuracy", "val/reward"]
+    figures = drawn_figures(run_dir)
+    axes = figures["validation"].axes
+    assert [ax.get_title() for ax in axes] == ["val/accuracy", "val/reward"]
+    assert [list(ax.lines[0].get_xdata()) for ax in axes] == [[0, 2], [0, 2]]
+    assert [list(ax.lines[0].get_ydata()) for ax in axes] == [[0.0, 0.0], [0.0, 0.0]]
+    assert (run_dir / "plots" / "validation.png").read_bytes()[:8] == PNG
+
+
+def test_the_reward_band_stays_within_the_rewards_each_step_observed(tmp_path: Path) -> None:
+    """mean ± std of 0/1 rewards runs past 0 and 1; the band is clipped to the step's min..max."""
+    run_dir = tmp_path / "run"
+    spread = [(0.1, 0.3, 0.0, 1.0), (0.5, 0.5, 0.0, 1.0), (0.9, 0.3, 0.0, 1.0), (0.5, 0.1, 0.25, 0.75)]
+    rows = [
+        {
+            **train_row(s, mean),
+            "train/reward_std": std,
+            "train/reward_min": low,
+            "train/reward_max": high,
+            "train/zero_std_group_frac": 0.25 * (s - 1),
+        }
+        for s, (mean, std, low, high) in enumerate(spread, start=1)
+    ]
+    rows.append(train_row(5, 0.5))  # no std logged: no band at that step
+    write_run(run_dir, rows)
+    steps, lows, highs = reward_band(rows)
+    assert steps == [1, 2, 3, 4]
+    assert lows == pytest.approx([0.0, 0.0, 0.6, 0.4]) and highs == pytest.approx([0.4, 1.0, 1.0, 0.6])
+    figures = drawn_figures(run_dir)
+    (band,) = figures["reward"].axes[0].collections  # the data behind the drawn band
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(0.0) and ys.max() == pytest.approx(1.0)
+    zero_std = figures["zero_std_group_frac"].axes[0]
+    assert list(zero_std.lines[0].get_ydata()) == [0.0, 0.25, 0.5, 0.75]
+    assert zero_std.get_ylim() == (-0.02, 1.02)
+    assert (run_dir / "plots" / "zero_std_group_frac.png").read_bytes()[:8] == PNG
+
+
+def drawn_figures(run_dir: Path) -> dict[str, Any]:
+    """``write_plots``' figures by name, kept as they were drawn (the PNGs are written too)."""
+    from matplotlib.backends import backend_agg
+
+    figures: dict[str, Any] = {}
+    print_png = backend_agg.FigureCanvasAgg.print_png
+
+    def keep(canvas: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        figures[Path(path).name.split(".tmp-")[0]] = canvas.figure
+        print_png(canvas, path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend_agg.FigureCanvasAgg, "print_png", keep)
+        write_plots(str(run_dir))
+    return figures
 
 
 def test_a_failing_drawing_is_logged_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

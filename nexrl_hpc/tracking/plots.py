@@ -37,7 +37,11 @@ PLOTS_DIR = "plots"
 DRAWING_LOG = "drawing.log"  # the last drawing's stderr: an "error: ..." last line when it failed
 # name -> (title, metric keys drawn as lines): the first key bold, the others thin
 LINE_PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "reward": ("train reward (batch mean, band: ± std)", ("train/reward_mean",)),
+    "reward": ("train reward (batch mean, band: ± std within the batch's min..max)", ("train/reward_mean",)),
+    "zero_std_group_frac": (
+        "groups whose rewards are all equal (no advantage: nothing to learn)",
+        ("train/zero_std_group_frac",),
+    ),
     "loss": ("loss", ("train/loss",)),
     "grad_norm": ("gradient norm", ("train/grad_norm",)),
     "entropy": ("policy entropy (per token)", ("actor/entropy",)),
@@ -85,15 +89,35 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def validation_keys(rows: list[dict[str, Any]]) -> list[str]:
-    """The validation metrics worth a panel: every ``val/*`` the run logged (whatever the task
-    names them) but counters, and those that were 0 at every validation."""
+    """The validation metrics, one panel each: every ``val/*`` the run logged (whatever the task
+    names them) but counters, zeros included (an accuracy of 0 at every validation is news, not
+    noise). Order: ``VAL_FIRST``, then those that moved off 0, then those that stayed 0 (the
+    panels are capped at ``MAX_VAL_PANELS``: the ones left out are those)."""
     found: dict[str, bool] = {}
     for r in rows:
         for k, v in r.items():
             if k.startswith("val/") and k not in VAL_SKIP and isinstance(v, (int, float)):
                 found[k] = found.get(k, False) or v != 0
-    keys = sorted(k for k, nonzero in found.items() if nonzero)
-    return sorted(keys, key=lambda k: VAL_FIRST.index(k) if k in VAL_FIRST else len(VAL_FIRST))
+    return sorted(
+        found,
+        key=lambda k: (VAL_FIRST.index(k) if k in VAL_FIRST else len(VAL_FIRST), not found[k], k),
+    )
+
+
+def reward_band(train: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]]:
+    """The reward plot's band per step: mean ± std, clipped to the rewards that step observed
+    (``train/reward_min`` .. ``train/reward_max``), so the band never claims a reward no sample got
+    (below 0 or above 1 for 0/1 rewards). Steps without a std: none."""
+    std = dict(zip(*_series(train, "train/reward_std")))
+    low = dict(zip(*_series(train, "train/reward_min")))
+    high = dict(zip(*_series(train, "train/reward_max")))
+    steps, lows, highs = [], [], []
+    for x, y in zip(*_series(train, "train/reward_mean")):
+        if x in std:
+            steps.append(x)
+            lows.append(max(y - std[x], low.get(x, -math.inf)))
+            highs.append(min(y + std[x], high.get(x, math.inf)))
+    return steps, lows, highs
 
 
 def write_plots(run_dir: str) -> list[str]:
@@ -138,15 +162,11 @@ def _line_plots(train: list[dict[str, Any]], save: Callable[[Figure, str], None]
         for i, (key, xs, ys) in enumerate(series):
             if xs:
                 ax.plot(xs, ys, label=key, linewidth=1.6 if i == 0 else 0.8, alpha=1.0 if i == 0 else 0.6)
-        std = dict(zip(*_series(train, "train/reward_std"))) if name == "reward" else {}
-        if std:
-            xs, ys = series[0][1], series[0][2]
-            ax.fill_between(
-                xs,
-                [y - std.get(x, 0.0) for x, y in zip(xs, ys)],
-                [y + std.get(x, 0.0) for x, y in zip(xs, ys)],
-                alpha=0.2,
-            )
+        band = reward_band(train) if name == "reward" else ([], [], [])
+        if band[0]:
+            ax.fill_between(*band, alpha=0.2)
+        if name == "zero_std_group_frac":
+            ax.set_ylim(-0.02, 1.02)  # a fraction: its whole range, so 0.3 does not look like 1
         if name == "logprob_mismatch" and all(y > 0 for _, _, ys in series for y in ys):
             ax.set_yscale("log")
         _finish(ax, title, legend=len(keys) > 1)
