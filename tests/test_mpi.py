@@ -30,6 +30,7 @@ from nexrl_hpc.launcher.preflight import preflight
 from tests.conftest import CONFIG_DIR, REPO
 from tests.test_hostile_wire import flood_lane, flood_zmq, idle_connections, still_open
 from tests.test_rpc import attack, attack_lane
+from tests.test_samples import assert_samples_match_dumps, read_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -144,6 +145,7 @@ def test_mpi_agent_episodes_run_on_the_rollout_ranks(tmp_path: Path) -> None:
                 "task.params.val_size=32",
                 "validate.validate_before_train=false",
                 "logger.backend=[]",
+                "logger.dump_rollouts=true",
             ],
         ),
         cwd=REPO,
@@ -162,6 +164,10 @@ def test_mpi_agent_episodes_run_on_the_rollout_ranks(tmp_path: Path) -> None:
     assert val["val/num_samples"] == 32 and val["val/num_turns"] >= 1.9
     ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
     assert [r["group"] for r in ranks] == ["driver", "trainer", "rollout", "rollout"]
+    # the decoded samples, written where the train worker runs: the tool's turns are in the response
+    assert_samples_match_dumps(run_dir, [1, 2, 3, 4], per_step=4)
+    samples = [row for step in (1, 2, 3, 4) for row in read_rows(run_dir, step)]
+    assert any(row["loss_tokens"] < row["response_length"] for row in samples)
 
 
 def failure_run_args(run_dir: Path, policy: str, steps: int) -> list[str]:
