@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--samples" in flags:
         from nexrl_hpc.tracking.samples import last_samples
 
-        found = last_samples(run_dir)
-        status["samples"] = {"step": found[0], "rows": found[1]} if found else None
+        for key, validation in (("samples", False), ("validation_samples", True)):
+            found = last_samples(run_dir, validation)
+            status[key] = {"step": found[0], "rows": found[1]} if found else None
     if "--json" in flags:
         print(json.dumps(status, indent=1, ensure_ascii=False))
         return code
@@ -191,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, text in lines:
         print(f"{label:<{width}}  {text}")
     if "--samples" in flags:
-        print("\n".join(format_samples(status["samples"])))
+        print("\n".join(format_samples(status["samples"], status["validation_samples"])))
     return code
 
 
-def format_samples(samples: dict[str, Any] | None) -> list[str]:
-    """The last step's samples for a person: a header per row, then its prompt and response."""
+def format_samples(samples: dict[str, Any] | None, validation: dict[str, Any] | None = None) -> list[str]:
+    """The last step's samples (then the last validation's) for a person: a header per row, then
+    its prompt and response."""
     if not samples:
         return ["", "samples: none (logger.samples_per_step=0, or no step trained yet)"]
     lines = ["", f"samples of step {samples['step']} ({len(samples['rows'])} rows)"]
@@ -207,6 +209,13 @@ def format_samples(samples: dict[str, Any] | None) -> list[str]:
             + (f" ({row['undecodable_tokens']} without a token)" if row.get("undecodable_tokens") else "")
         )
         lines += ["prompt:", *_indented(row["prompt"]), "response:", *_indented(row["response"])]
+    if validation:
+        lines += ["", f"validation samples of step {validation['step']} ({len(validation['rows'])} rows)"]
+        for row in validation["rows"]:
+            lines.append(
+                f"--- uid {row['uid']}  reward {row['reward']:.4f}  {row['response_length']} response tokens"
+            )
+            lines += ["prompt:", *_indented(row["prompt"]), "response:", *_indented(row["response"])]
     return lines
 
 

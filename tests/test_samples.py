@@ -18,12 +18,15 @@ import torch
 from launch import status as status_cli
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer
-from nexrl_hpc.tracking.experiment import SAMPLES, ExperimentLogger
+from nexrl_hpc.rewards.match import prefix_match
+from nexrl_hpc.tracking.experiment import SAMPLES, VALIDATION_SAMPLES, ExperimentLogger
 from nexrl_hpc.tracking.samples import (
+    VALIDATION,
     decode_samples,
     last_samples,
     sample_rows,
     samples_markdown,
+    validation_samples,
     write_samples,
 )
 from nexrl_hpc.types import Batch
@@ -122,10 +125,27 @@ def test_decoding_a_padded_multi_turn_batch_with_an_id_without_a_token() -> None
     assert decode_samples(packed, 7, tokenizer, count=0) == []
 
 
+def test_validation_samples_pick_by_uid_and_show_chat_prompts_as_lines() -> None:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    trajectories = [
+        {"uid": f"v-{i}", "prompt": chat if i == 0 else f"q{i}", "response": f"a{i}", "reward": i / 4}
+        | {"response_ids": [7] * i, "scores": {"accuracy": 1.0, "note": "text"}}
+        for i in (3, 0, 2, 1)  # in the order they arrived
+    ]
+    rows = validation_samples(trajectories, 5, count=2)
+    assert [(r["uid"], r["prompt"], r["response"], r["reward"]) for r in rows] == [
+        ("v-0", "system: be brief\nuser: 2+2?", "a0", 0.0),
+        ("v-2", "q2", "a2", 0.5),
+    ]
+    assert rows[1]["response_length"] == 2 and rows[1]["scores"] == {"accuracy": 1.0} and rows[1]["step"] == 5
+
+
 def test_a_response_holding_backticks_stays_inside_its_code_block() -> None:
     row = {"row": 0, "uid": "u", "group": 0, "reward": 1.0, "advantage": 0.5, "response_length": 3}
     text = samples_markdown([{**row, "prompt": "p", "response": "```python\nx\n```"}])
     assert "````\n```python\nx\n```\n````" in text
+    validation_row = {"uid": "v", "reward": 0.0, "response_length": 1, "prompt": "p", "response": "r"}
+    assert samples_markdown([validation_row]).startswith("uid `v`: reward 0, 1 response tokens")
 
 
 # --- the loggers ----------------------------------------------------------------------------------
@@ -168,8 +188,15 @@ def test_samples_go_to_tensorboard_text_and_a_wandb_table(
 def test_a_resumed_run_drops_the_samples_of_the_steps_it_redoes(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
         write_samples(str(tmp_path), step, [{"step": step}])
+    write_samples(str(tmp_path), 2, [{"step": 2}], prefix=VALIDATION)
+    write_samples(str(tmp_path), 4, [{"step": 4}], prefix=VALIDATION)
     ExperimentLogger(compose_config(["logger.backend=[]"]), str(tmp_path), 2).close()
-    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == [
+        "step_1.jsonl",
+        "step_2.jsonl",
+        "validation_step_2.jsonl",
+    ]
+    assert last_samples(str(tmp_path), validation=True) == (2, [{"step": 2}])
     assert last_samples(str(tmp_path)) == (2, [{"step": 2}])
     ExperimentLogger(compose_config(["logger.backend=[]"]), str(tmp_path), None).close()  # a fresh run
     assert last_samples(str(tmp_path)) is None
@@ -183,14 +210,32 @@ def test_a_run_writes_decoded_samples_and_status_prints_the_last_steps(
 
     run_dir = tmp_path / "run"
     args = [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=3", "logger.dump_rollouts=true"]
-    proc = run_train([*args, "logger.samples_per_step=3", *FAST], timeout=600)
+    no_validation_but_at_end = [a for a in FAST if not a.startswith("validate.validate_at_end")]
+    proc = run_train([*args, "logger.samples_per_step=3", *no_validation_but_at_end], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [f"step_{s}.jsonl" for s in (1, 2, 3)]
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [
+        *(f"step_{s}.jsonl" for s in (1, 2, 3)),
+        "validation_step_3.jsonl",
+    ]
     assert_samples_match_dumps(run_dir, [1, 2, 3], per_step=3)
+    # the validation's: the dataset's prompt, the engine's answer, the task's reward of it
+    validation = [
+        json.loads(line) for line in (run_dir / "data" / "validation.jsonl").read_text().splitlines()
+    ]
+    val_rows = [
+        json.loads(line)
+        for line in (run_dir / "samples" / "validation_step_3.jsonl").read_text().splitlines()
+    ]
+    assert len(val_rows) == 3 and len({r["uid"] for r in val_rows}) == 3
+    for r in val_rows:
+        task = validation[int(r["uid"].removeprefix("validation-"))]
+        assert r["step"] == 3 and r["prompt"] == task["prompt"]
+        assert r["reward"] == r["scores"]["accuracy"] == prefix_match(task, r["response"])["reward"]
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     texts = events.Tensors(f"{SAMPLES}/text_summary")
     assert [t.step for t in texts] == [1, 2, 3]
+    assert [t.step for t in events.Tensors(f"{VALIDATION_SAMPLES}/text_summary")] == [3]
     last = read_rows(run_dir, 3)
     shown = texts[-1].tensor_proto.string_val[0].decode()
     assert all(f"**row {r['row']}** uid `{r['uid']}`" in shown for r in last)
@@ -201,8 +246,12 @@ def test_a_run_writes_decoded_samples_and_status_prints_the_last_steps(
     for r in last:
         header = f"--- row {r['row']}  uid {r['uid']}  group {r['group']}  reward {r['reward']:.4f}"
         assert header in out and f"    {r['prompt']}\nresponse:\n    {r['response']}" in out
+    assert "validation samples of step 3 (3 rows)" in out
+    assert all(f"--- uid {r['uid']}  reward {r['reward']:.4f}" in out for r in val_rows)
     assert status_cli.main([str(run_dir), "--samples", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["samples"] == {"step": 3, "rows": last}
+    shown_json = json.loads(capsys.readouterr().out)
+    assert shown_json["samples"] == {"step": 3, "rows": last}
+    assert shown_json["validation_samples"] == {"step": 3, "rows": val_rows}
 
 
 def test_samples_per_step_0_writes_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

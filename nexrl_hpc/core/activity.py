@@ -241,10 +241,10 @@ class ActivityTracker:
                 kwargs["data"] = {**data, **self._gauges}
         self.experiment_logger.post(backend, **kwargs)
 
-    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """A step's decoded samples to the loggers (TensorBoard text, wandb table)."""
+    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]], tag: str = "samples") -> None:
+        """A step's decoded samples to the loggers (TensorBoard text, wandb table) under ``tag``."""
         if self.experiment_logger is not None:
-            self.experiment_logger.post_samples(step, rows)
+            self.experiment_logger.post_samples(step, rows, tag)
 
     def __nexrl_handle_ref__(self) -> str:
         return "activity_tracker"
@@ -314,5 +314,5 @@ class ActivityTrackerProxy:
     def experiment_logger_post(self, backend: str = "all", **kwargs: Any) -> None:
         execute(self._central.experiment_logger_post, backend, **kwargs)
 
-    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        execute(self._central.experiment_logger_samples, step, rows)
+    def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]], tag: str = "samples") -> None:
+        execute(self._central.experiment_logger_samples, step, rows, tag)

@@ -26,6 +26,7 @@ from nexrl_hpc.tracking.samples import samples_markdown, truncate_samples
 logger = logging.getLogger(__name__)
 
 SAMPLES = "samples"  # the TensorBoard text tag and wandb key of each step's decoded samples
+VALIDATION_SAMPLES = "validation_samples"  # ... and of each validation's
 
 
 def _clean(value: Any) -> Any:
@@ -156,11 +157,12 @@ class ExperimentLogger:
             if backend != "jsonl":
                 self._sink.put((backend, dict(data), step))
 
-    def post_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """A step's decoded samples (tracking/samples.py) to TensorBoard's text tab (tag ``samples``)
-        and, with wandb, a ``samples`` table; written by the sink thread, after what was posted before."""
+    def post_samples(self, step: int, rows: list[dict[str, Any]], tag: str = SAMPLES) -> None:
+        """A step's decoded samples (tracking/samples.py) to TensorBoard's text tab and, with wandb,
+        a table, both under ``tag`` (``samples``; a validation's: ``validation_samples``); written by
+        the sink thread, after what was posted before."""
         if rows:
-            self._sink.put((SAMPLES, {"rows": [dict(r) for r in rows]}, int(step)))
+            self._sink.put((SAMPLES, {"tag": tag, "rows": [dict(r) for r in rows]}, int(step)))
 
     def _drain_sink(self) -> None:
         """The metrics-sink thread: TensorBoard, wandb and the console, in the order posted."""
@@ -173,7 +175,7 @@ class ExperimentLogger:
 
     def _write_sinks(self, backend: str, data: dict[str, Any], step: int) -> None:
         if backend == SAMPLES:
-            self._write_samples(data["rows"], step)
+            self._write_samples(data["tag"], data["rows"], step)
             return
         if backend in ("all", "tensorboard"):
             for key, value in data.items():
@@ -184,14 +186,14 @@ class ExperimentLogger:
         if self._console is not None and backend in ("all", "console"):
             self._console.update(data, step)
 
-    def _write_samples(self, rows: list[dict[str, Any]], step: int) -> None:
-        self._tb.add_text(SAMPLES, samples_markdown(rows), step)
+    def _write_samples(self, tag: str, rows: list[dict[str, Any]], step: int) -> None:
+        self._tb.add_text(tag, samples_markdown(rows), step)
         if self._wandb is not None:
             import wandb
 
             columns: list[str | int] = list(rows[0])
             table = wandb.Table(columns=columns, data=[[row.get(str(c)) for c in columns] for row in rows])
-            self._wandb.log({SAMPLES: table}, step=step)
+            self._wandb.log({tag: table}, step=step)
 
     def refresh_plots(self, final: bool = False) -> None:
         """Redraw ``plots/`` in the background (after a validation; ``final``: at the end)."""

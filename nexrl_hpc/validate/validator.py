@@ -1,4 +1,5 @@
-"""Validator: collects validation trajectories and reports the mean of each score as ``val/<score>``."""
+"""Validator: collects validation trajectories and reports the mean of each score as ``val/<score>``
+(and a few of the answers: ``samples/validation_step_<N>.jsonl``, tracking/samples.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.tracking.samples import VALIDATION, validation_samples, write_samples
 from nexrl_hpc.types import PutStatus, Trajectory
 
 if TYPE_CHECKING:
@@ -19,6 +21,7 @@ class Validator(NexRLModule):
     def __init__(self, config: RLTrainConfig):
         super().__init__()
         self._config = config
+        self._samples_per_step = config["logger"]["samples_per_step"]
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._trajectories: list[Trajectory] = []
@@ -90,6 +93,11 @@ class Validator(NexRLModule):
             if step is None:
                 step = self._activity_tracker.get_training_step()
             self._activity_tracker.experiment_logger_post("all", data=metrics, step=step)
+            if self._samples_per_step:  # a few of the validation's answers, as the training steps'
+                with self._lock:
+                    rows = validation_samples(self._trajectories, step, self._samples_per_step)
+                write_samples(self._config["run_dir"], step, rows, VALIDATION)
+                self._activity_tracker.experiment_logger_samples(step, rows, "validation_samples")
         return metrics
 
     def clear(self) -> None:
