@@ -127,6 +127,7 @@ def run_loop(
             f"train_worker.total_train_steps={steps}",
             f"train_worker.save_freq={save_freq}",
             "train_worker.max_ckpt_to_keep=null",
+            "logger.samples_per_step=0",  # the batches hold only what the trainer reads
         ]
     )
     events: list[str] = []
