@@ -290,8 +290,7 @@ def test_plots_are_drawn_from_metrics_and_listed_by_status(
     ]
     rows += [{"step": 5, "val/is_correct": 0.4, "val/reward/errors": 0.0, "val/num_samples": 8}]
     write_run(run_dir, rows, total=5)
-    # counters left out; a metric that stayed 0 is drawn, after those that moved
-    assert validation_keys(rows) == ["val/is_correct", "val/reward/errors"]
+    assert validation_keys(rows) == ["val/is_correct"]  # counters and failure rates that stayed 0 left out
     code, out = cli(run_dir, capsys, "--plot")
     assert code == 0
     names = {"reward", "loss", "grad_norm", "entropy", "logprob_mismatch", "validation", "step_time"}
@@ -305,9 +304,19 @@ def test_validation_is_drawn_when_every_validation_metric_is_0(tmp_path: Path) -
     """A policy that never gets a validation answer right is the plot a user most needs to see."""
     run_dir = tmp_path / "run"
     rows = [train_row(s, 0.0) for s in (1, 2)]
-    rows += [{"step": s, "val/accuracy": 0.0, "val/reward": 0.0, "val/num_samples": 8} for s in (0, 2)]
+    rows += [
+        {"step": s, "val/accuracy": 0.0, "val/reward": 0.0, "val/reward/errors": 0.0, "val/num_samples": 8}
+        for s in (0, 2)
+    ]
     write_run(run_dir, rows)
     assert validation_keys(rows) == ["val/accuracy", "val/reward"]
+    failing = [{**rows[-1], "val/reward/timeouts": 0.25, "val/format": 0.5}]  # moved off 0 first
+    assert validation_keys(rows + failing) == [
+        "val/accuracy",
+        "val/reward",
+        "val/format",
+        "val/reward/timeouts",
+    ]
     figures = drawn_figures(run_dir)
     axes = figures["validation"].axes
     assert [ax.get_title() for ax in axes] == ["val/accuracy", "val/reward"]

@@ -60,6 +60,7 @@ LINE_PLOTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 VAL_FIRST = ("val/accuracy", "val/reward", "val/is_correct")  # drawn first when present
 VAL_SKIP = {"val/num_samples", "val/filtered_long_prompts"}
+VAL_FAILURES = "val/reward/"  # the reward runner's errors and timeouts: drawn when one happened
 MAX_VAL_PANELS = 12
 
 
@@ -89,17 +90,19 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def validation_keys(rows: list[dict[str, Any]]) -> list[str]:
-    """The validation metrics, one panel each: every ``val/*`` the run logged (whatever the task
-    names them) but counters, zeros included (an accuracy of 0 at every validation is news, not
-    noise). Order: ``VAL_FIRST``, then those that moved off 0, then those that stayed 0 (the
-    panels are capped at ``MAX_VAL_PANELS``: the ones left out are those)."""
+    """The validation metrics, one panel each: every score the run logged as ``val/*`` (whatever
+    the task names them), zeros included (an accuracy of 0 at every validation is news, not noise);
+    counters left out, and the reward runner's failure rates (``val/reward/errors``, ...) unless
+    one was not 0. Order: ``VAL_FIRST``, then those that moved off 0, then those that stayed 0
+    (the panels are capped at ``MAX_VAL_PANELS``: the ones left out are those)."""
     found: dict[str, bool] = {}
     for r in rows:
         for k, v in r.items():
             if k.startswith("val/") and k not in VAL_SKIP and isinstance(v, (int, float)):
                 found[k] = found.get(k, False) or v != 0
+    keys = [k for k, moved in found.items() if moved or not k.startswith(VAL_FAILURES)]
     return sorted(
-        found,
+        keys,
         key=lambda k: (VAL_FIRST.index(k) if k in VAL_FIRST else len(VAL_FIRST), not found[k], k),
     )
 
