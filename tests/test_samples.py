@@ -19,9 +19,11 @@ from launch import status as status_cli
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer
 from nexrl_hpc.rewards.match import prefix_match
-from nexrl_hpc.tracking.experiment import SAMPLES, VALIDATION_SAMPLES, ExperimentLogger
+from nexrl_hpc.tracking.experiment import ExperimentLogger
 from nexrl_hpc.tracking.samples import (
+    SAMPLES,
     VALIDATION,
+    VALIDATION_SAMPLES,
     decode_samples,
     last_samples,
     sample_rows,

@@ -21,12 +21,11 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.tracking.plots import PlotRefresher
-from nexrl_hpc.tracking.samples import samples_markdown, truncate_samples
+from nexrl_hpc.tracking.samples import SAMPLES, samples_markdown, truncate_samples
 
 logger = logging.getLogger(__name__)
 
-SAMPLES = "samples"  # the TensorBoard text tag and wandb key of each step's decoded samples
-VALIDATION_SAMPLES = "validation_samples"  # ... and of each validation's
+_SAMPLES_ITEM = "samples"  # a sink item that carries samples (TensorBoard text, wandb table), not metrics
 
 
 def _clean(value: Any) -> Any:
@@ -162,7 +161,7 @@ class ExperimentLogger:
         a table, both under ``tag`` (``samples``; a validation's: ``validation_samples``); written by
         the sink thread, after what was posted before."""
         if rows:
-            self._sink.put((SAMPLES, {"tag": tag, "rows": [dict(r) for r in rows]}, int(step)))
+            self._sink.put((_SAMPLES_ITEM, {"tag": tag, "rows": [dict(r) for r in rows]}, int(step)))
 
     def _drain_sink(self) -> None:
         """The metrics-sink thread: TensorBoard, wandb and the console, in the order posted."""
@@ -174,7 +173,7 @@ class ExperimentLogger:
                 logger.exception("logging step %d to %s failed", step, backend)
 
     def _write_sinks(self, backend: str, data: dict[str, Any], step: int) -> None:
-        if backend == SAMPLES:
+        if backend == _SAMPLES_ITEM:
             self._write_samples(data["tag"], data["rows"], step)
             return
         if backend in ("all", "tensorboard"):

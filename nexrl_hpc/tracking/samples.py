@@ -28,6 +28,8 @@ import torch
 from nexrl_hpc.types import Batch
 
 SAMPLES_DIR = "samples"
+SAMPLES = "samples"  # the TensorBoard text tag and wandb key of each step's samples
+VALIDATION_SAMPLES = "validation_samples"  # ... and of each validation's
 VALIDATION = "validation_"  # the file prefix of a validation's samples: samples/validation_step_<N>.jsonl
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 _VALIDATION_FILE = re.compile(r"^validation_step_(\d+)\.jsonl$")

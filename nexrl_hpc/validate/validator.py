@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
-from nexrl_hpc.tracking.samples import VALIDATION, validation_samples, write_samples
+from nexrl_hpc.tracking.samples import VALIDATION, VALIDATION_SAMPLES, validation_samples, write_samples
 from nexrl_hpc.types import PutStatus, Trajectory
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Validator(NexRLModule):
                 with self._lock:
                     rows = validation_samples(self._trajectories, step, self._samples_per_step)
                 write_samples(self._config["run_dir"], step, rows, VALIDATION)
-                self._activity_tracker.experiment_logger_samples(step, rows, "validation_samples")
+                self._activity_tracker.experiment_logger_samples(step, rows, VALIDATION_SAMPLES)
         return metrics
 
     def clear(self) -> None:
