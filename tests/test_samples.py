@@ -205,6 +205,7 @@ def test_a_resumed_run_drops_the_samples_of_the_steps_it_redoes(tmp_path: Path) 
 
 
 # --- a run ----------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_a_run_writes_decoded_samples_and_status_prints_the_last_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -256,6 +257,7 @@ def test_a_run_writes_decoded_samples_and_status_prints_the_last_steps(
     assert shown_json["validation_samples"] == {"step": 3, "rows": val_rows}
 
 
+@pytest.mark.e2e
 def test_samples_per_step_0_writes_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     args = [f"run_dir={run_dir}", "train_worker.total_train_steps=1", "logger.samples_per_step=0", *FAST]
