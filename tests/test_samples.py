@@ -47,13 +47,15 @@ def read_rows(run_dir: Path, step: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def assert_samples_match_dumps(run_dir: Path, steps: list[int], per_step: int) -> None:
+def assert_samples_match_dumps(
+    run_dir: Path, steps: list[int], per_step: int, model_dir: str | None = None
+) -> None:
     """Every step's samples are rows of its dump (rollouts/step_N.h5, logger.dump_rollouts=true),
-    their text ``tokenizer.decode`` of the dumped ids (the run's saved tokenizer, loaded apart),
-    their reward and advantage the dump's."""
+    their text ``tokenizer.decode`` of the dumped ids (the run's tokenizer, loaded apart: its
+    ``model_dir``, by default the built model's ``base_model/``), their reward and advantage the dump's."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "base_model"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir or str(run_dir / "base_model"))
     for step in steps:
         rows = read_rows(run_dir, step)
         with h5py.File(run_dir / "rollouts" / f"step_{step}.h5") as f:
@@ -271,3 +273,44 @@ def test_samples_per_step_0_writes_none(tmp_path: Path, capsys: pytest.CaptureFi
 def test_a_negative_samples_per_step_is_refused_naming_the_key(tmp_path: Path) -> None:
     proc = run_train([f"run_dir={tmp_path / 'run'}", "logger.samples_per_step=-1"], timeout=120)
     assert proc.returncode == 2 and "logger.samples_per_step" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_ids_past_a_padded_vocabulary_are_left_out_of_the_text_and_counted(
+    chatml_padded_model_dir: str, tmp_path: Path
+) -> None:
+    """A Qwen2 model whose embedding is larger than its tokenizer, random weights: padded ids are
+    sampled often. Every row is a sample here: their counts add up to the step's
+    ``rollout/undecodable_tokens``, and the text is what ``tokenizer.decode`` makes of the ids."""
+    rows = [
+        {"prompt": [{"role": "user", "content": f"what is {i} + 1?"}], "answer": str(i + 1)} for i in range(8)
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [
+            f"model.path={chatml_padded_model_dir}",
+            "data.type=jsonl",
+            f"data.data_files=[{data}]",
+            f"validate.data.data_files=[{data}]",
+            "rollout_worker.reward_fn=nexrl_hpc.rewards.match:prefix_match",
+            "rollout_worker.max_prompt_length=64",
+            "rollout_worker.max_response_length=8",
+            "data.batch_size=2",
+            "data.rollout_repeat_n=4",
+            "train_worker.total_train_steps=2",
+            "logger.dump_rollouts=true",
+            "logger.samples_per_step=8",
+            f"run_dir={run_dir}",
+            "seed=3",
+            *FAST,
+        ],
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert_samples_match_dumps(run_dir, [1, 2], per_step=8, model_dir=chatml_padded_model_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    counted = {r["step"]: r["rollout/undecodable_tokens"] for r in metrics if "train/reward_mean" in r}
+    shown = {step: sum(r["undecodable_tokens"] for r in read_rows(run_dir, step)) for step in (1, 2)}
+    assert shown == counted and sum(shown.values()) > 0
