@@ -84,6 +84,14 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def master_dtype(engine: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the trainer loads the weights in: fp32 masters whatever the compute dtype, which the
+    forward passes take through autocast (single) or FSDP2's ``param_dtype`` all-gathers; so an
+    update far below a bf16 ulp (lr 1e-6) still moves the weights, and AdamW's state is fp32 too.
+    DeepSpeed casts the module to bf16 itself and keeps the fp32 masters in its optimizer."""
+    return compute_dtype if engine == "deepspeed" else torch.float32
+
+
 def lr_factor(step: int, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
     """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
     if warmup > 0 and step < warmup:
@@ -150,12 +158,12 @@ class PolicyTrainer(TrainBackend):
         if cfg["device"] == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("service.train_service.device=cuda but no CUDA device is visible")
         self.device = torch.device(cfg["device"])
-        dtype = getattr(torch, cfg["dtype"])
+        compute_dtype = getattr(torch, cfg["dtype"])
         if self._base_model_dir is None:
             raise ValueError("initialize_worker: no model_path in the config and no base model given")
         self.model = load_model(
             self._base_model_dir,
-            dtype=dtype,
+            dtype=master_dtype(cfg["engine"], compute_dtype),
             device=self.device,
             attn_implementation=cfg["attn_implementation"],
         )
@@ -163,7 +171,8 @@ class PolicyTrainer(TrainBackend):
         if cfg["gradient_checkpointing"]:
             enable_activation_checkpointing(self.model)
         if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
-            self.ref_model = copy.deepcopy(self.model).eval()
+            # in the compute dtype: it is never updated, so it needs no fp32 master
+            self.ref_model = copy.deepcopy(self.model).to(compute_dtype).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.parallel = create_parallel_strategy(cfg["engine"], cfg, self.device, self._world_size)
@@ -189,6 +198,15 @@ class PolicyTrainer(TrainBackend):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
         )
+
+    def _compute(self) -> torch.autocast:
+        """Forward passes in ``service.train_service.dtype`` over fp32 master weights (autocast: the
+        matmuls in bf16, reductions and the residual stream in fp32). Off in fp32, and under
+        DeepSpeed, which holds the module in bf16 itself (its optimizer keeps the fp32 masters)."""
+        cfg = self._require_cfg()
+        dtype = getattr(torch, cfg["dtype"])
+        enabled = dtype != torch.float32 and cfg["engine"] != "deepspeed"
+        return torch.autocast(device_type=self.device.type, dtype=dtype, enabled=enabled)
 
     def _require_parallel(self, loading: bool = False) -> ParallelStrategy:
         if self.parallel is None:
@@ -239,13 +257,19 @@ class PolicyTrainer(TrainBackend):
         shared prompts (the plan's choice under ``actor.share_prompt``) or padded."""
         part = micro.tensors
         actor = self._require_cfg()["actor"]
-        if actor["packing"] or micro.shared_prompts:
-            return packed_response_log_probs_and_entropy(
-                self.model, part, with_entropy, entropy_grad, micro.bins, share_prompt=micro.shared_prompts
-            )
-        if not with_entropy:
-            return response_log_probs(self.model, part), None
-        return response_log_probs_and_entropy(self.model, part, entropy_grad=entropy_grad)
+        with self._compute():
+            if actor["packing"] or micro.shared_prompts:
+                return packed_response_log_probs_and_entropy(
+                    self.model,
+                    part,
+                    with_entropy,
+                    entropy_grad,
+                    micro.bins,
+                    share_prompt=micro.shared_prompts,
+                )
+            if not with_entropy:
+                return response_log_probs(self.model, part), None
+            return response_log_probs_and_entropy(self.model, part, entropy_grad=entropy_grad)
 
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +373,7 @@ class PolicyTrainer(TrainBackend):
             mismatch = float(diff.max()) if diff.numel() else 0.0
         ref_log_prob = None
         if self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._compute():
                 ref_log_prob = response_log_probs(self.ref_model, part)
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
