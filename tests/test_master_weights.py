@@ -25,6 +25,7 @@ FP32 = ["service.train_service.dtype=float32"]
 def _assert_fp32_masters(result: dict, label: str, compute: str) -> None:
     print(f"{label}: {100 * result['changed_frac']:.1f} % of the weights changed in 3 steps at lr 1e-6")
     assert result["changed_frac"] >= 0.99, (label, result)
+    assert result["masters_changed_frac"] >= 0.99, (label, result)
     assert result["param_dtypes"] == ["torch.float32"], (label, result)
     assert result["optimizer_dtypes"] == ["torch.float32"], (label, result)
     assert result["compute_dtypes"] == [compute], (label, result)
@@ -45,11 +46,35 @@ def test_fsdp2_on_two_ranks_bf16_moves_the_weights_as_fp32_does(tiny_model_dir: 
     module = ["-m", "tests.helpers.master_weights"]
     for i, (name, overrides) in enumerate(cases.items()):
         module += [*(["::"] if i else []), tiny_model_dir, str(tmp_path / name), "fsdp", *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module])
     for name in cases:
         ranks = [json.loads((tmp_path / name / f"rank_{r}.json").read_text()) for r in range(2)]
         _assert_fp32_masters(ranks[0], f"fsdp x2, {name}", compute[name])
         assert ranks[1]["param_dtypes"] == ranks[1]["optimizer_dtypes"] == ["torch.float32"], ranks[1]
+
+
+@pytest.mark.e2e
+def test_deepspeed_bf16_keeps_fp32_masters_in_its_optimizer(tiny_model_dir: str, tmp_path: Path) -> None:
+    """DeepSpeed holds the module in bf16 (what it computes and exports) and the fp32 masters in its
+    optimizer, at every ZeRO stage: the masters and AdamW's state are fp32 and the masters all move."""
+    pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
+    module = ["-m", "tests.helpers.master_weights"]
+    for stage in range(4):
+        out = str(tmp_path / f"zero{stage}")
+        stage_key = f"service.train_service.deepspeed.zero_stage={stage}"
+        module += [*(["::"] if stage else []), tiny_model_dir, out, "deepspeed", *BF16, stage_key]
+    _run([sys.executable, *module])
+    for stage in range(4):
+        result = json.loads((tmp_path / f"zero{stage}" / "rank_0.json").read_text())
+        print(
+            f"deepspeed zero{stage}, bf16: {100 * result['masters_changed_frac']:.1f} % of the fp32 masters changed"
+        )
+        assert result["masters_changed_frac"] >= 0.99, (stage, result)
+        assert result["master_dtypes"] == result["optimizer_dtypes"] == ["torch.float32"], (stage, result)
+        assert result["param_dtypes"] == result["compute_dtypes"] == ["torch.bfloat16"], (stage, result)
+
+
+def _run(cmd: list[str]) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -41,6 +41,7 @@ def measure(model_dir: str, engine_name: str, overrides: list[str], world_size: 
     par = eng.parallel
     assert par is not None and eng.optimizer is not None
     before = {k: v.clone() for k, v in par.full_state_dict(eng.model).items()}  # may be the live tensors
+    masters_before = [m.clone() for m in _masters(eng)]
     compute_dtypes: set[str] = set()  # what the linear layers compute in (old-policy log-probs)
     hooks = [
         m.register_forward_hook(lambda _m, _i, out: compute_dtypes.add(str(out.dtype)))
@@ -55,15 +56,31 @@ def measure(model_dir: str, engine_name: str, overrides: list[str], world_size: 
     after = par.full_state_dict(eng.model)
     changed = sum(int((before[k] != after[k]).sum()) for k in before if before[k].is_floating_point())
     total = sum(before[k].numel() for k in before if before[k].is_floating_point())
+    masters = _masters(eng)
+    masters_changed = sum(int((a != b).sum()) for a, b in zip(masters_before, masters))
     optimizer_tensors = [
         t for state in eng.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
     ]
     return {
         "changed_frac": changed / total if total else None,
+        "masters_changed_frac": masters_changed / sum(m.numel() for m in masters),
+        "master_dtypes": sorted({str(m.dtype) for m in masters}),
         "compute_dtypes": sorted(compute_dtypes),
         "param_dtypes": sorted({str(p.dtype) for p in eng.model.parameters() if p.requires_grad}),
         "optimizer_dtypes": sorted({str(t.dtype) for t in optimizer_tensors if t.dim() > 0}),
     }
+
+
+def _masters(eng: Any) -> list[torch.Tensor]:
+    """What the optimizer updates, on this rank: the parameters (FSDP2: their local shards), or
+    DeepSpeed's fp32 copies (in the client optimizer's groups; ZeRO-3 puts them there only while
+    it steps)."""
+    engine = getattr(eng.parallel, "engine", None)
+    zero3_flat = getattr(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat", None)
+    if zero3_flat:
+        return [t.detach() for t in zero3_flat]
+    params = [p for group in eng.optimizer.param_groups for p in group["params"]]
+    return [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
 
 
 def main() -> None:
