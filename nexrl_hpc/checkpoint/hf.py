@@ -1,8 +1,9 @@
 """Write HF-layout model directories (config + safetensors + tokenizer) atomically.
 
 What transformers, vLLM and SGLang load: ``config.json``, ``model.safetensors`` (or shards with
-``model.safetensors.index.json`` above ``max_shard_bytes``), tokenizer files. Shared tensors (tied
-embeddings) are written out as separate copies so a reloading engine never keeps a stale lm_head.
+``model.safetensors.index.json`` above ``max_shard_bytes``), tokenizer files. Tensors that share
+memory under two names are written as two copies (safetensors stores no aliases); the trainer
+leaves a tied head out unless an engine needs it (``trainer_io.without_tied_entries``).
 """
 
 from __future__ import annotations

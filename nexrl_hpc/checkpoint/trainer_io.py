@@ -57,12 +57,15 @@ class TrainerCheckpointIO:
         self.base_model_dir = base_model_dir
         self.max_shard_bytes = max_shard_bytes
 
-    def write_model(self, path: str, fsync: bool) -> None:
-        """Gather the full weights to rank 0, which writes the HF-layout directory."""
+    def write_model(self, path: str, fsync: bool, tied_head: bool = False) -> None:
+        """Gather the full weights to rank 0, which writes the HF-layout directory: a tied weight
+        once, under the name it shares (as ``save_pretrained`` writes it), or also under its own
+        name with ``tied_head`` (for an inference engine that reloads it only from there)."""
         par = self.par
         state = par.full_state_dict(self.model)
         if par.rank == 0:
-            state = with_tied_entries(state, par.unwrap(self.model))
+            hf_model = par.unwrap(self.model)
+            state = with_tied_entries(state, hf_model) if tied_head else without_tied_entries(state, hf_model)
             # a durable copy is a checkpoint's: its weight files' digests go into COMPLETE
             write_hf_model_dir(
                 state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync, sidecars=fsync
@@ -208,14 +211,22 @@ def tied_weight_names(model: torch.nn.Module) -> dict[str, str]:
     return {str(name): source for name in tied or ()} if source else {}
 
 
+def without_tied_entries(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` with every tied weight only under the name it shares (no ``lm_head.weight`` beside
+    the embedding): what ``save_pretrained`` writes, and what transformers, vLLM, SGLang, the local
+    engine and a resumed trainer re-tie on load (``config.json`` says tied)."""
+    tied = tied_weight_names(model)
+    return {k: v for k, v in state.items() if k not in tied or tied[k] not in state}
+
+
 def with_tied_entries(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tied weight under its own name too (``lm_head.weight`` beside the embedding).
 
-    Why: vLLM's in-place reload (``reload_weights``) re-materialises each module on its own, so
-    after the first reload a tied head no longer shares the embedding's memory and takes its
-    values only from an ``lm_head.weight`` entry. Without one it serves a head that is neither
-    the old nor the new policy (measured on vLLM 0.32). ``config.json`` still says tied, so
-    transformers loads the directory as the user's tied model."""
+    Why: vLLM's in-place reload (``reload_weights``) refreshes a tied head only from an
+    ``lm_head.weight`` entry: without one its CPU platform keeps the head's packed GEMM weights
+    and serves a head that is neither the old nor the new policy (measured on vLLM 0.32). So the
+    weight exports a vLLM server reloads carry it; checkpoints do not. ``config.json`` still says
+    tied, so transformers loads the directory as the user's tied model."""
     out = dict(state)
     for name, source in tied_weight_names(model).items():
         if name not in out and source in out:

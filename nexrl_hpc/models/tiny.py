@@ -22,6 +22,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from nexrl_hpc.checkpoint.hf import write_safetensors
+from nexrl_hpc.checkpoint.trainer_io import without_tied_entries
 from nexrl_hpc.config.schema import ModelConfig, TinyModelConfig
 from nexrl_hpc.models.run_tokenizer import build_tiny_tokenizer, load_tokenizer
 
@@ -94,7 +95,8 @@ def save_model_dir(model: PreTrainedModel, out_dir: str) -> None:
     model.config.save_pretrained(out_dir)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
-    write_safetensors(model.state_dict(), out_dir, max_shard_bytes=sys.maxsize)  # one file: never sharded
+    state = without_tied_entries(model.state_dict(), model)  # a tied head once, as save_pretrained writes it
+    write_safetensors(state, out_dir, max_shard_bytes=sys.maxsize)  # one file: never sharded
 
 
 def stop_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:

@@ -398,7 +398,8 @@ class PolicyTrainer(TrainBackend):
         )
 
     def export_weights(self, path: str) -> None:
-        self._checkpoint_io(self._require_parallel()).write_model(path, fsync=False)
+        io = self._checkpoint_io(self._require_parallel())
+        io.write_model(path, fsync=False, tied_head=self._require_cfg()["export_tied_head"])
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self._checkpoint_io(self._require_parallel()).save(local_path, global_step, save_weight_only)

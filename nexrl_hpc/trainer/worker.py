@@ -39,6 +39,7 @@ from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
+from nexrl_hpc.weight_sync.transport import reload_needs_tied_head
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.interfaces import DataLoaderRef
@@ -419,6 +420,7 @@ def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
         "dist_backend": ts["dist_backend"],
         "num_threads": ts["num_threads"],
         "export_max_shard_mb": ts["export_max_shard_mb"],
+        "export_tied_head": reload_needs_tied_head(config["service"]["inference_service"]["backend"]),
         "attn_implementation": config["model"]["attn_implementation"],
         "gradient_checkpointing": config["model"]["gradient_checkpointing"],
         "total_training_steps": config["train_worker"]["total_train_steps"],

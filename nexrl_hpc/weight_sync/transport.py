@@ -175,6 +175,14 @@ class NoopTransport(WeightTransport):
         return None
 
 
+def reload_needs_tied_head(backend: str) -> bool:
+    """Whether the weight exports for ``backend`` must hold a tied model's head under its own name
+    (``lm_head.weight`` beside the embedding it shares): vLLM's in-place reload refreshes the head
+    only from that entry (``checkpoint.trainer_io.with_tied_entries``). The local engine and SGLang
+    re-tie the head to the embedding, so their exports, like checkpoints, hold it once."""
+    return backend == "vllm"
+
+
 def create_weight_transport(backend: str, timeout_s: float, vllm_pause_mode: str) -> WeightTransport:
     if backend == "local":
         return DiskReloadTransport(timeout_s)
