@@ -27,7 +27,7 @@ from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages
 from nexrl_hpc.config.imports import load_object
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.models.tiny import load_model, load_tokenizer, materialize_base_model, stop_token_ids
-from nexrl_hpc.rewards.loader import load_reward
+from nexrl_hpc.rewards.combined import load_rewards
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.trainer.worker import train_service_config
 from nexrl_hpc.types import Batch, Trajectory
@@ -86,7 +86,12 @@ def reference_step(config: RLTrainConfig, model_dir: str | None = None) -> Refer
     rows = rows[: data["batch_size"]]
 
     # 3. Sample a group of rollout_repeat_n responses per prompt and score each with the task's reward.
-    reward = load_reward(rollout["reward_fn"], "rollout_worker.reward_fn")
+    reward = load_rewards(
+        rollout["reward_fn"],
+        rollout["reward_weights"],
+        "rollout_worker.reward_fn",
+        "rollout_worker.reward_weights",
+    )
     stop_ids = stop_token_ids(model_dir, tokenizer)
     trajectories: list[Trajectory] = []
     for index, row in enumerate(rows):

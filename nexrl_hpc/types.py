@@ -80,6 +80,7 @@ class Trajectory(TaskFields, RolloutFields, total=False):
     token_rewards: list[float]
     step_spans: list[list[int]]  # [start, end) of turn k's completion in response_ids
     rollout_times: list[float]  # wall clock: [started, generated, scored] (the step-time breakdown)
+    reward_error: str | None  # the reward call failed: the run's first reward error (function, traceback)
 
 
 class BatchMetadata(TypedDict, total=False):

@@ -2,7 +2,12 @@
 
 Every estimator of ``algorithm.adv_estimator`` (``core_algos.ADVANTAGE_ESTIMATORS``: GRPO, RLOO,
 REINFORCE++, ...) or the per-turn returns of multi-turn rollouts, DAPO's overlong shaping, the batch's
-metrics; each sequence's advantage is broadcast over its trained tokens."""
+metrics; each sequence's advantage is broadcast over its trained tokens.
+
+Samples whose reward returned None (``reward/skipped``: TRL's "skip this sample") are left out of
+the advantage's statistics and train nothing. A batch whose reward calls failed for more than
+``rollout_worker.max_reward_error_frac`` of its samples stops the run (``RewardErrorRateExceeded``,
+with the first failure's traceback): a reward that cannot score is a broken run, not a zero reward."""
 
 from __future__ import annotations
 
@@ -15,8 +20,14 @@ from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages, stepwise_grpo_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.data.loader import task_key
+from nexrl_hpc.rewards.loader import SKIPPED
+from nexrl_hpc.rewards.runner import ERRORS
 from nexrl_hpc.tracking.timing import rollout_intervals
 from nexrl_hpc.types import Batch
+
+
+class RewardErrorRateExceeded(RuntimeError):
+    """Too many of a training batch's reward calls failed: the run stops with the first error."""
 
 
 class AdvantageProcessor(BaseAlgorithmProcessor):
@@ -34,10 +45,13 @@ class AdvantageProcessor(BaseAlgorithmProcessor):
         self._pad_token_id = pad_token_id
         self._overlong = algo["overlong"]
         self._max_response_length = config["rollout_worker"]["max_response_length"]
+        self._max_reward_error_frac = config["rollout_worker"]["max_reward_error_frac"]
 
     def compute(self, batch: Batch[list[Any]]) -> Batch[torch.Tensor]:
         """The training batch for ``batch`` of trajectories (exposed for tests and benchmarks)."""
+        check_reward_errors(batch, self._max_reward_error_frac)
         rewards = torch.tensor([float(r) for r in batch.values["reward"]], dtype=torch.float32)
+        scored = ~skipped_rows(batch)
         groups = group_index(release_groups(batch, self._group_keys))
         tensors = pack_trajectories(batch, self._pad_token_id)
         mask = tensors["response_mask"]
@@ -64,12 +78,12 @@ class AdvantageProcessor(BaseAlgorithmProcessor):
             tensors["advantages"] = token_adv * mask
             adv = (token_adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # per-row mean, for metrics
         else:
-            adv, adv_stats = outcome_advantages(
-                self._estimator, rewards, groups, mask, self._norm_by_std, self._epsilon
-            )
+            adv, adv_stats = self._outcome_advantages(rewards, groups, mask, scored)
             tensors["advantages"] = adv[:, None] * mask
-        if self._overlong["filter"] and bool(cut_off.any()):  # cut-off responses train nothing
-            tensors["response_mask"] = mask = mask * (~cut_off)[:, None].to(mask.dtype)
+        trains_nothing = cut_off if self._overlong["filter"] else torch.zeros_like(cut_off)
+        trains_nothing = trains_nothing | ~scored  # cut-off (overlong filter) and skipped responses
+        if bool(trains_nothing.any()):
+            tensors["response_mask"] = mask = mask * (~trains_nothing)[:, None].to(mask.dtype)
             tensors["advantages"] = tensors["advantages"] * mask
         tensors["rewards"] = task_rewards  # as scored (the advantages saw the overlong penalty too)
         tensors["group_index"] = groups  # rows whose advantages were computed together
@@ -77,11 +91,12 @@ class AdvantageProcessor(BaseAlgorithmProcessor):
             v if v is not None else -1 for v in batch.values.get("weight_version", [None] * len(batch))
         ]
         tensors["weight_version"] = torch.tensor(versions, dtype=torch.long)
+        shown = task_rewards[scored] if bool(scored.any()) else task_rewards  # skipped rewards are no score
         metrics = {
-            "train/reward_mean": float(task_rewards.mean()),
-            "train/reward_std": float(task_rewards.std()) if len(task_rewards) > 1 else 0.0,
-            "train/reward_max": float(task_rewards.max()),
-            "train/reward_min": float(task_rewards.min()),
+            "train/reward_mean": float(shown.mean()),
+            "train/reward_std": float(shown.std()) if len(shown) > 1 else 0.0,
+            "train/reward_max": float(shown.max()),
+            "train/reward_min": float(shown.min()),
             "train/advantage_mean": float(adv.mean()),
             "train/advantage_abs_mean": float(adv.abs().mean()),
             "train/response_length_mean": float(resp_len.float().mean()),
@@ -113,6 +128,49 @@ class AdvantageProcessor(BaseAlgorithmProcessor):
 
     def _fit(self, batch: Batch[list[Any]]) -> None:
         self._put_batch(self.compute(batch))
+
+    def _outcome_advantages(
+        self, rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The estimator's advantages over the scored rows only (skipped rows: 0, in no statistic)."""
+        if bool(scored.all()):
+            return outcome_advantages(
+                self._estimator, rewards, groups, mask, self._norm_by_std, self._epsilon
+            )
+        adv = torch.zeros(rewards.shape, dtype=torch.float32)
+        if not bool(scored.any()):
+            return adv, {"zero_std_group_frac": 0.0}
+        kept, stats = outcome_advantages(
+            self._estimator,
+            rewards[scored],
+            group_index(groups[scored].tolist()),
+            mask[scored],
+            self._norm_by_std,
+            self._epsilon,
+        )
+        adv[scored] = kept.to(torch.float32)
+        return adv, stats
+
+
+def skipped_rows(batch: Batch[list[Any]]) -> torch.Tensor:
+    """Rows whose reward returned None (``reward/skipped``): they train nothing."""
+    scores = batch.values.get("scores") or [None] * len(batch)
+    return torch.tensor([bool((row or {}).get(SKIPPED)) for row in scores], dtype=torch.bool)
+
+
+def check_reward_errors(batch: Batch[list[Any]], max_frac: float) -> None:
+    """Raise ``RewardErrorRateExceeded`` when more than ``max_frac`` of the batch's samples have a
+    failed reward call (``reward/errors``), with the first failure's traceback the worker attached."""
+    scores = batch.values.get("scores") or [None] * len(batch)
+    failed = sum(bool((row or {}).get(ERRORS)) for row in scores)
+    if not failed or failed <= max_frac * len(batch):
+        return
+    first = next((e for e in batch.values.get("reward_error") or [] if e), None)
+    raise RewardErrorRateExceeded(
+        f"the reward function failed for {failed} of the {len(batch)} samples of a training batch "
+        f"(more than rollout_worker.max_reward_error_frac={max_frac}); the first error: "
+        f"{first or 'not recorded (see the reward warnings in train.log)'}"
+    )
 
 
 def overlong_penalty(

@@ -128,9 +128,15 @@ class RolloutWorkerConfig(TypedDict):
     top_p: Annotated[float, Gt(0.0), Le(1.0)]
     max_prompt_length: Annotated[int, Ge(1)]
     max_response_length: Annotated[int, Ge(1)]
-    reward_fn: str  # "module:function" or "file.py:function" (nexrl_hpc.rewards.loader: accepted signatures)
+    # "module:function" or "file.py:function" (nexrl_hpc.rewards.loader: accepted signatures), or a list
+    # of them (TRL's reward_funcs; type=single_turn), summed with reward_weights
+    reward_fn: str | list[str]
+    reward_weights: list[float] | None  # one per reward_fn entry (TRL's reward_weights); null: 1 each
     reward_timeout_s: Annotated[float, Gt(0.0)]  # a longer reward call scores 0 (reward/timeouts)
     reward_threads: Annotated[int, Ge(1)]  # threads scoring responses off the worker's event loop
+    # a training batch whose reward calls failed (raised, returned no reward) for more than this
+    # fraction of its samples stops the run (exit 1, the first error's traceback); 1: never
+    max_reward_error_frac: Annotated[float, Ge(0.0), Le(1.0)]
     val_kwargs: ValKwargs
     agent: AgentRolloutConfig
     sandbox: SandboxConfig

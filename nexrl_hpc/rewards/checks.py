@@ -1,17 +1,51 @@
 """The reward functions' config checks: each configured reward function imports and has a known
-calling convention (``rewards.loader.reward_problems``)."""
+calling convention (``rewards.loader.reward_problems``); a list of them (with ``reward_weights`` of
+its length) is for the single-turn worker."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nexrl_hpc.config.validate import ConfigProblem, g_safe
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, g_safe
 from nexrl_hpc.rewards.loader import reward_problems
+
+KEY = "rollout_worker.reward_fn"
+WEIGHTS_KEY = "rollout_worker.reward_weights"
 
 
 def reward_config_problems(cfg: Mapping) -> list[ConfigProblem]:
-    """The rollout's reward function, and the task's when it names another one."""
-    problems = reward_problems(cfg, "rollout_worker.reward_fn")
-    if g_safe(cfg, "task.reward_fn") != g_safe(cfg, "rollout_worker.reward_fn"):
+    """The rollout's reward function(s), and the task's when it names another one."""
+    spec = g_safe(cfg, KEY)
+    if isinstance(spec, str) or spec is None:
+        problems = reward_problems(cfg, KEY)
+        weights = g_safe(cfg, WEIGHTS_KEY)
+        if isinstance(spec, str) and isinstance(weights, list) and len(weights) != 1:
+            problems.append(
+                ConfigProblem(WEIGHTS_KEY, f"{len(weights)} weight(s) for 1 reward function in {KEY}")
+            )
+    else:
+        problems = _reward_list_problems(cfg, spec)
+    if g_safe(cfg, "task.reward_fn") != spec:
         problems += reward_problems(cfg, "task.reward_fn")
     return problems
+
+
+def _reward_list_problems(cfg: Mapping, spec: object) -> list[ConfigProblem]:
+    from nexrl_hpc.rewards.combined import load_rewards
+
+    if not isinstance(spec, list) or not all(isinstance(s, str) for s in spec):
+        return []  # the schema check names it
+    if g_safe(cfg, "rollout_worker.type") != "single_turn":
+        return [
+            ConfigProblem(
+                KEY,
+                f"a list of reward functions needs rollout_worker.type=single_turn "
+                f"(not {g_safe(cfg, 'rollout_worker.type')}): name one function",
+            )
+        ]
+    weights = g_safe(cfg, WEIGHTS_KEY)
+    try:
+        load_rewards(spec, weights if isinstance(weights, list) else None, KEY, WEIGHTS_KEY)
+    except ConfigError as exc:
+        return list(exc.problems)
+    return []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nexrl_hpc.rewards.loader import Reward
@@ -34,7 +34,7 @@ class GuardedReward:
     """``fn(task_info, action) -> RewardOutput`` that never raises and never waits past the timeout."""
 
     def __init__(self, reward: Reward, timeout_s: float, num_threads: int) -> None:
-        self.reward = _KeepsOutput(reward.fn, reward.spec, reward.convention, reward.passes_extra_info)
+        self.reward = _KeepsOutput(**{f.name: getattr(reward, f.name) for f in fields(reward)})
         self.timeout_s = timeout_s
         self.num_threads = num_threads
         self._runner: RewardRunner | None = None

@@ -1,10 +1,16 @@
 """One reward API: load ``rollout_worker.reward_fn`` once, detect its calling convention, score to a dict.
 
-Three conventions are accepted, told apart once at load time by ``inspect.signature``:
+Four conventions are accepted, told apart once at load time by ``inspect.signature``:
 
+- ``trl``: TRL's batched ``reward_func(completions, **kwargs) -> list[float | None]`` (found by the
+  parameter names ``completions``, ``prompts`` or ``completion_ids``), called once for many
+  responses with the dataset's columns as keyword lists (``rewards.batched``); ``None`` skips a sample;
 - ``verl``: ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` (found by
   the parameter names ``solution_str`` and ``ground_truth``), called with keywords from the task's
-  ``data_source``, ``answer`` and ``extra_info``; returns a number/bool or a dict with ``score``;
+  ``data_source``, ``answer`` and ``extra_info`` (``data_source`` and ``extra_info`` only when it
+  takes them: verl's per-dataset scorers, ``gsm8k.compute_score(solution_str, ground_truth,
+  method='strict', format_score=0.0, score=1.0)``, take neither); returns a number/bool or a dict
+  with ``score``;
 - ``agent``: ``fn(task_info, action) -> RewardOutput`` (the parameter names ``task_info`` and
   ``action``), called with those keywords;
 - ``task``: ``fn(task, response)`` (any two positional parameters), returns a number/bool or a
@@ -20,19 +26,35 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, import_configured
+from nexrl_hpc.rewards.batched import TRL_FIXED, call_batched
 from nexrl_hpc.rewards.types import RewardFunction, RewardOutput
 
-Convention = Literal["verl", "agent", "task"]
+Convention = Literal["verl", "agent", "task", "trl"]
 
 ACCEPTED = (
-    "(data_source, solution_str, ground_truth, extra_info=None) [verl's compute_score], "
+    "(completions, **kwargs) -> list[float | None] [TRL's reward functions], "
+    "(data_source, solution_str, ground_truth, extra_info=None) [verl's compute_score; "
+    "data_source and extra_info optional], "
     "(task_info, action) -> RewardOutput, or (task, response) -> float | dict with 'reward'"
 )
+SKIPPED = "reward/skipped"
+"""Score key: 1 when the reward returned None for the sample (TRL: skip it); the sample trains nothing."""
+
+
+@dataclass(frozen=True)
+class Detected:
+    """How a reward function is called: its convention and the optional arguments it takes."""
+
+    convention: Convention
+    passes_extra_info: bool = False
+    passes_data_source: bool = True
+    keywords: frozenset[str] | None = None  # trl: the keywords it takes (None: **kwargs, any)
 
 
 def _params(sig: inspect.Signature) -> tuple[set[str], bool]:
@@ -41,30 +63,41 @@ def _params(sig: inspect.Signature) -> tuple[set[str], bool]:
     return names, has_kwargs
 
 
-def detect_convention(fn: Callable[..., Any]) -> tuple[Convention, bool] | None:
-    """(convention, passes extra_info) for ``fn``, or None when it fits none of them."""
+def detect_convention(fn: Callable[..., Any]) -> Detected | None:
+    """How ``fn`` is called, or None when it fits no accepted signature."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: trust the two-argument form
-        return "task", False
+        return Detected("task")
     names, has_kwargs = _params(sig)
+    if names & set(TRL_FIXED):
+        return (
+            None
+            if _positional_only(sig)
+            else Detected("trl", keywords=None if has_kwargs else frozenset(names))
+        )
     if {"solution_str", "ground_truth"} <= names:
+        with_source = "data_source" in names or has_kwargs
         try:
-            sig.bind(data_source=None, solution_str="", ground_truth=None)
+            sig.bind(solution_str="", ground_truth=None, **({"data_source": None} if with_source else {}))
         except TypeError:
             return None
-        return "verl", "extra_info" in names or has_kwargs
+        return Detected("verl", "extra_info" in names or has_kwargs, with_source)
     if {"task_info", "action"} <= names:
         try:
             sig.bind(task_info={}, action="")
         except TypeError:
             return None
-        return "agent", False
+        return Detected("agent")
     try:
         sig.bind({}, "")
     except TypeError:
         return None
-    return "task", False
+    return Detected("task")
+
+
+def _positional_only(sig: inspect.Signature) -> bool:
+    return any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in sig.parameters.values())
 
 
 def _as_float(value: Any) -> float | None:
@@ -88,6 +121,21 @@ def _finite_numbers(entries: Mapping[str, Any], skip: set[str]) -> dict[str, flo
         if key not in skip and number is not None and math.isfinite(number):
             out[str(key)] = number
     return out
+
+
+def scores_of(value: Any, none_skips: bool) -> dict[str, float]:
+    """``to_scores``; with ``none_skips`` (TRL's functions) a None is a skipped sample."""
+    if none_skips and value is None:
+        return {"reward": 0.0, SKIPPED: 1.0}
+    return to_scores(value)
+
+
+def _outcome(score: Callable[..., dict[str, float]], *args: Any) -> Outcome:
+    """``score(*args)``, or the failure it raised."""
+    try:
+        return score(*args)
+    except Exception as exc:
+        return RewardFailure.now(exc)
 
 
 def to_scores(value: Any) -> dict[str, float]:
@@ -117,22 +165,51 @@ def to_scores(value: Any) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class RewardFailure:
+    """One sample the reward could not score: the error's one-line message and its traceback."""
+
+    message: str
+    traceback: str = ""
+
+    @staticmethod
+    def now(exc: BaseException) -> RewardFailure:
+        """The exception being handled, as a failure."""
+        return RewardFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+Outcome = dict[str, float] | RewardFailure
+
+
+@dataclass(frozen=True)
 class Reward:
-    """A loaded reward function: ``reward(task, response) -> {"reward": float, ...}`` whatever its convention."""
+    """A loaded reward function: ``reward(task, response) -> {"reward": float, ...}`` whatever its
+    convention; ``score_batch`` scores many responses (one call for a TRL function)."""
 
     fn: Callable[..., Any]
     spec: str
     convention: Convention
     passes_extra_info: bool = False
+    passes_data_source: bool = True
+    keywords: frozenset[str] | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Called once for many responses (TRL's form)."""
+        return self.convention == "trl"
+
+    @property
+    def name(self) -> str:
+        """The function's own name (TRL's ``reward_func.__name__``): metric names, messages."""
+        return str(getattr(self.fn, "__name__", type(self.fn).__name__))
 
     def raw(self, task: Mapping[str, Any], response: Any) -> Any:
         """What the function itself returns for ``task`` and ``response`` (called its own way)."""
+        if self.convention == "trl":
+            return self.raw_batch([task], [response])[0]
         if self.convention == "verl":
-            kwargs: dict[str, Any] = {
-                "data_source": task.get("data_source"),
-                "solution_str": response,
-                "ground_truth": task.get("answer"),
-            }
+            kwargs: dict[str, Any] = {"solution_str": response, "ground_truth": task.get("answer")}
+            if self.passes_data_source:
+                kwargs["data_source"] = task.get("data_source")
             if self.passes_extra_info:
                 kwargs["extra_info"] = task.get("extra_info")
             return self.fn(**kwargs)
@@ -140,8 +217,21 @@ class Reward:
             return self.fn(task_info=task, action=response)
         return self.fn(task, response)
 
+    def raw_batch(self, tasks: Sequence[Mapping[str, Any]], responses: Sequence[Any]) -> list[Any]:
+        """One value per response; a TRL function is called once (its list is checked for length)."""
+        if self.convention != "trl":
+            return [self.raw(task, response) for task, response in zip(tasks, responses)]
+        return call_batched(self.fn, self.keywords, tasks, responses)
+
     def __call__(self, task: Mapping[str, Any], response: str) -> dict[str, float]:
-        return to_scores(self.raw(task, response))
+        return scores_of(self.raw(task, response), self.batched)
+
+    def score_batch(self, tasks: Sequence[Mapping[str, Any]], responses: Sequence[Any]) -> list[Outcome]:
+        """Each response's scores, or its failure; raises only when a TRL call itself fails (then no
+        response of the batch has a score)."""
+        if not self.batched:
+            return [_outcome(self, task, response) for task, response in zip(tasks, responses)]
+        return [_outcome(scores_of, value, True) for value in self.raw_batch(tasks, responses)]
 
     def as_reward_output_fn(self) -> RewardFunction:
         """This reward in the agent stack's form ``fn(task_info, action) -> RewardOutput``: a
@@ -183,7 +273,9 @@ def as_reward(fn: Callable[..., Any], key: str, spec: str | None = None) -> Rewa
         raise ConfigError(
             [ConfigProblem(key, f"{name!r} has the signature {shown}; a reward function takes {ACCEPTED}")]
         )
-    return Reward(fn, name, found[0], found[1])
+    return Reward(
+        fn, name, found.convention, found.passes_extra_info, found.passes_data_source, found.keywords
+    )
 
 
 def load_reward(spec: str, key: str) -> Reward:

@@ -15,9 +15,13 @@ a thread that scores its items in turn, each item with its own deadline; when an
 the rest of its chunk goes back to the queue for the other threads. One hand-off per item cost
 many times the default task's reward itself.
 
+A batched reward (TRL's form, or a set of functions one of which is) is called once per
+submission: the submission is one job, with one deadline, and its failure fails every response in it.
+
 Every failure is a score of 0 with a count: ``reward/errors`` (raised, or returned no reward) and
-``reward/timeouts``, both present in every score dict so per-step sums are counts. A warning names
-the function and the exception, at most once per ``WARN_EVERY_S`` per kind.
+``reward/timeouts``, both present in every score dict so per-step sums are counts, as is
+``reward/skipped`` (a TRL function returned None). A warning names the function and the exception,
+at most once per ``WARN_EVERY_S`` per kind; ``first_error`` keeps the first failure's traceback.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nexrl_hpc.rewards.loader import Reward
+from nexrl_hpc.rewards.loader import SKIPPED, Outcome, Reward, RewardFailure
+
+if TYPE_CHECKING:
+    from nexrl_hpc.rewards.combined import RewardSet
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +54,10 @@ TIMEOUTS = "reward/timeouts"
 
 @dataclass
 class _Job:
-    task: Any
-    response: str
-    future: Future
+    """One call of the reward: one (task, response), or a batched reward's whole submission."""
+
+    items: list[tuple[Any, Any]]
+    futures: list[Future]
     deadline: float = 0.0
 
 
@@ -71,8 +79,11 @@ class RewardRunner:
     """``submit(task, response) -> Future[dict]``: the score dict, always with ``reward/errors`` and
     ``reward/timeouts`` (0 or 1). Call ``close`` when done (it does not wait for hung calls)."""
 
-    def __init__(self, reward: Reward, timeout_s: float, num_threads: int, name: str = "reward") -> None:
+    def __init__(
+        self, reward: Reward | RewardSet, timeout_s: float, num_threads: int, name: str = "reward"
+    ) -> None:
         self.reward = reward
+        self.first_error: str | None = None  # "<spec>: <traceback>" of the first failure
         self.timeout_s = timeout_s
         self.num_threads = num_threads
         self.name = name
@@ -99,7 +110,10 @@ class RewardRunner:
     def submit_many(self, pairs: Sequence[tuple[Any, str]]) -> list[Future]:
         """A future per ``(task, response)``, in order; the pairs go to the threads as one chunk per
         live thread."""
-        jobs = [_Job(task, response, Future()) for task, response in pairs]
+        if self.reward.batched:
+            jobs = [_Job(list(pairs), [Future() for _ in pairs])] if pairs else []
+        else:
+            jobs = [_Job([pair], [Future()]) for pair in pairs]
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the reward runner is closed")
@@ -112,12 +126,14 @@ class RewardRunner:
         if saturated:  # every thread hung: do not queue behind them
             for job in jobs:
                 self._resolve_failure(
-                    job.future,
+                    job.futures,
                     TIMEOUTS,
-                    f"{len(self._abandoned)} calls are still running past {self.timeout_s} s; not called "
-                    "until one returns",
+                    RewardFailure(
+                        f"{len(self._abandoned)} calls are still running past {self.timeout_s} s; not called "
+                        "until one returns"
+                    ),
                 )
-        return [job.future for job in jobs]
+        return [future for job in jobs for future in job.futures]
 
     def score(self, task: Any, response: str) -> dict[str, float]:
         """``submit`` and wait (for callers on a thread of their own, e.g. an environment's step)."""
@@ -161,18 +177,14 @@ class RewardRunner:
             if not worker.rest:
                 return "done"
             job = worker.rest.popleft()
-            if not job.future.set_running_or_notify_cancel():
+            if not any([f.set_running_or_notify_cancel() for f in job.futures]):
                 return "scored"
             job.deadline = time.monotonic() + self.timeout_s
             worker.job = job
             heapq.heappush(self._deadlines, (job.deadline, next(self._order), worker))
             if len(self._deadlines) == 1:  # a later deadline than those queued needs no wake-up
                 self._wake.notify()
-        try:
-            scores: dict[str, float] | None = self.reward(job.task, job.response)
-            failure = ""
-        except Exception as exc:
-            scores, failure = None, f"{type(exc).__name__}: {exc}"
+        outcomes = self._call(job)
         with self._lock:
             timed_out = worker.abandoned  # then the watchdog answered for this call
             worker.job = None
@@ -184,11 +196,23 @@ class RewardRunner:
                 self._live.append(worker)
         if timed_out:
             return "done"  # the watchdog requeued the rest of the chunk
-        if scores is None:
-            self._resolve_failure(job.future, ERRORS, failure)
-        else:
-            job.future.set_result({**scores, ERRORS: 0.0, TIMEOUTS: 0.0})
+        for future, outcome in zip(job.futures, outcomes):
+            if isinstance(outcome, RewardFailure):
+                self._resolve_failure([future], ERRORS, outcome)
+            else:
+                _set(future, {SKIPPED: 0.0, **outcome, ERRORS: 0.0, TIMEOUTS: 0.0})
         return "scored"
+
+    def _call(self, job: _Job) -> list[Outcome]:
+        """The job's outcomes: one call of the reward (a batched one over all of the job's items)."""
+        try:
+            if self.reward.batched:
+                tasks, responses = zip(*job.items)
+                return self.reward.score_batch(tasks, responses)
+            ((task, response),) = job.items
+            return [self.reward(task, response)]
+        except Exception as exc:
+            return [RewardFailure.now(exc)] * len(job.items)
 
     def _watch(self) -> None:
         """Answer calls past their deadline with a timeout and replace their threads."""
@@ -218,9 +242,9 @@ class RewardRunner:
                     self._wake.wait(wait)
             for job in expired:
                 self._resolve_failure(
-                    job.future,
+                    job.futures,
                     TIMEOUTS,
-                    f"still running after rollout_worker.reward_timeout_s={self.timeout_s}",
+                    RewardFailure(f"still running after rollout_worker.reward_timeout_s={self.timeout_s}"),
                 )
             if expired:
                 self._drain_if_saturated()
@@ -236,16 +260,19 @@ class RewardRunner:
             except queue.Empty:
                 return
             for job in chunk or ():
-                if job.future.set_running_or_notify_cancel():
-                    self._resolve_failure(job.future, TIMEOUTS, "every reward thread is hung")
+                if any([f.set_running_or_notify_cancel() for f in job.futures]):
+                    self._resolve_failure(job.futures, TIMEOUTS, RewardFailure("every reward thread is hung"))
 
     # --- failures ----------------------------------------------------------------------------------
-    def _resolve_failure(self, future: Future, kind: str, message: str) -> None:
+    def _resolve_failure(self, futures: list[Future], kind: str, failure: RewardFailure) -> None:
+        message = failure.message
         with self._lock:
             if kind == ERRORS:
-                self.num_errors += 1
+                self.num_errors += len(futures)
             else:
-                self.num_timeouts += 1
+                self.num_timeouts += len(futures)
+            if self.first_error is None:
+                self.first_error = f"{self.reward.spec}: {failure.traceback or failure.message}"
             now = time.monotonic()
             due = now - self._warnings.last.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S
             suppressed = self._warnings.suppressed.get(kind, 0)
@@ -260,9 +287,20 @@ class RewardRunner:
             logger.warning(
                 "reward function %s %s; scored 0: %s%s", self.reward.spec, what, message[:500], more
             )
-        try:
-            future.set_result(
-                {"reward": 0.0, ERRORS: float(kind == ERRORS), TIMEOUTS: float(kind == TIMEOUTS)}
+        for future in futures:
+            _set(
+                future,
+                {
+                    "reward": 0.0,
+                    SKIPPED: 0.0,
+                    ERRORS: float(kind == ERRORS),
+                    TIMEOUTS: float(kind == TIMEOUTS),
+                },
             )
-        except InvalidStateError:
-            pass  # the caller cancelled the call meanwhile
+
+
+def _set(future: Future, scores: dict[str, float]) -> None:
+    try:
+        future.set_result(scores)
+    except InvalidStateError:
+        pass  # the caller cancelled the call meanwhile

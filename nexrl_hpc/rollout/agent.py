@@ -86,7 +86,8 @@ def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str
         reward = load_reward(reward_spec, f"{KEY}.env_args.reward_fn")
         env_args["reward_fn"] = GuardedReward(reward, rw["reward_timeout_s"], rw["reward_threads"])
     elif reward_spec is None and _accepts(env_cls.__init__, "reward_fn"):
-        reward = load_reward(rw["reward_fn"], "rollout_worker.reward_fn")
+        # one function: the config check refuses a list of them for an agent rollout
+        reward = load_reward(str(rw["reward_fn"]), "rollout_worker.reward_fn")
         env_args["reward_fn"] = GuardedReward(reward, rw["reward_timeout_s"], rw["reward_threads"])
     workflow_args: dict[str, Any] = {
         "agent_cls": agent_cls,

@@ -50,7 +50,8 @@ def runs_model_code(rw: RolloutWorkerConfig) -> bool:
     """Whether the configured reward or tools run model-written code (the shipped code reward, the
     python tool): such a run checks the sandbox's isolation at start-up."""
     agent = rw["agent"]
-    rewards = [rw["reward_fn"], str(agent["env_args"].get("reward_fn") or "")]
+    specs = rw["reward_fn"]
+    rewards = [*([specs] if isinstance(specs, str) else specs), str(agent["env_args"].get("reward_fn") or "")]
     tools = [*agent["tools"], *(str(v) for v in agent["tool_map"].values())]
     return any("nexrl_hpc.agents.rewards.code" in r for r in rewards) or (
         rw["type"] == "agent" and any(t == "python" or t.endswith(":PythonTool") for t in tools)

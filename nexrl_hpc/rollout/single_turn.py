@@ -6,7 +6,11 @@ that raises, returns no number or runs past ``reward_timeout_s`` scores 0 and is
 (``reward/errors``, ``reward/timeouts`` in every trajectory's scores, with the sampled ids the
 tokenizer has no token for: ``rollout/undecodable_tokens``). Responses that come back
 together (one coalesced completion request) are scored as one submission and their scores come
-back to the loop together: per-response hand-offs cost more than the default task's reward.
+back to the loop together: per-response hand-offs cost more than the default task's reward. A
+batched reward (TRL's ``reward_func(completions, **kwargs)``) is called once for such a batch, with
+each response's token ids (``completion_ids``). A trajectory whose reward call failed carries the
+run's first reward error (``reward_error``: the function and its traceback), so the algorithm
+processor can stop a run whose reward fails for most samples with the cause.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.bridge import FutureBridge
-from nexrl_hpc.rewards.loader import load_reward
-from nexrl_hpc.rewards.runner import RewardRunner
+from nexrl_hpc.rewards.batched import COMPLETION_IDS
+from nexrl_hpc.rewards.checks import KEY, WEIGHTS_KEY
+from nexrl_hpc.rewards.combined import load_rewards
+from nexrl_hpc.rewards.runner import ERRORS, RewardRunner
 from nexrl_hpc.rollout.base import UNDECODABLE_TOKENS, BaseRolloutWorker
 from nexrl_hpc.types import PutStatus
 
@@ -26,7 +32,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     def __init__(self, config: RLTrainConfig):
         super().__init__(config)
         rw = config["rollout_worker"]
-        self._reward = load_reward(rw["reward_fn"], "rollout_worker.reward_fn")
+        self._reward = load_rewards(rw["reward_fn"], rw["reward_weights"], KEY, WEIGHTS_KEY)
         self._reward_timeout_s = rw["reward_timeout_s"]
         self._reward_threads = rw["reward_threads"]
         self._rewards: RewardRunner | None = None
@@ -54,9 +60,13 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
         assert self._llm_client is not None  # run() made it
         result = await self._llm_client.acompletion(prompt, **self._sampling_kwargs())
         self._mark_generated()
-        scores = await self._score(task, result["response"])
+        scored_task = {**task, COMPLETION_IDS: result["response_ids"]} if self._reward.batched else task
+        scores = await self._score(scored_task, result["response"])
         scores = {**scores, UNDECODABLE_TOKENS: self._undecodable_tokens(result["response_ids"])}
-        return await self._aput_trajectory(self.make_trajectory(task, result, scores))
+        trajectory = self.make_trajectory(task, result, scores)
+        if scores.get(ERRORS) and self._rewards is not None:
+            trajectory["reward_error"] = self._rewards.first_error
+        return await self._aput_trajectory(trajectory)
 
     async def _score(self, task: dict[str, Any], response: str) -> dict[str, float]:
         """The reward's score dict; responses scored in the same turn of the loop go out together."""
