@@ -10,6 +10,9 @@ import sys
 from types import ModuleType
 from typing import Any
 
+FILE_MODULE_PREFIX = "nexrl_file_"
+"""The module name of a ``file.py:name`` import starts with this (then the file's stem and a hash)."""
+
 
 def _import_file(path: str) -> ModuleType:
     """Import a ``.py`` file by path (relative to the current directory, or absolute), once per file.
@@ -19,7 +22,7 @@ def _import_file(path: str) -> ModuleType:
     """
     full = os.path.abspath(path)
     stem = os.path.splitext(os.path.basename(full))[0]
-    name = f"nexrl_file_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:12]}"
+    name = f"{FILE_MODULE_PREFIX}{stem}_{hashlib.sha1(full.encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     if not os.path.isfile(full):

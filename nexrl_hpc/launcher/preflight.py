@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config import register_resolvers
+from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem, moved_key_hint
 
 HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -148,7 +149,15 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         from nexrl_hpc.config.hardware import local_device_problems
 
         problems += local_device_problems(config)
-    return problems
+    return problems + reward_call_check(config)
+
+
+def reward_call_check(config: RLTrainConfig) -> list[ConfigProblem]:
+    """The reward called once on the first training row (a dummy response): a function that cannot
+    take the run's arguments is refused in seconds, named by its own name and module."""
+    from nexrl_hpc.rewards.probe import reward_call_problems
+
+    return reward_call_problems(config)
 
 
 def _sweep_points(overrides: list[Override]) -> list[list[Override]]:

@@ -24,6 +24,10 @@ COMPLETION_IDS = "completion_ids"
 _NOT_COLUMNS = {"prompt", "completion", COMPLETION_IDS}
 
 
+class RewardContractError(ValueError):
+    """A batched reward function's result is not one value per completion."""
+
+
 def is_conversational(prompt: Any) -> bool:
     """A prompt of chat messages (TRL's conversational form)."""
     return (
@@ -74,7 +78,7 @@ def call_batched(
         kwargs = {k: v for k, v in kwargs.items() if k in keywords}
     values = fn(**kwargs)
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
-        raise ValueError(
+        raise RewardContractError(
             f"returned {type(values).__name__} {str(values)[:80]!r}; a batched reward function "
             "returns a list with one reward (or None) per completion"
         )
