@@ -123,7 +123,9 @@ def train(
     ``overrides`` are command-line overrides (``["model.path=/m", "data.batch_size=8"]``).
     ``train_dataset`` / ``val_dataset``: file paths (read as ``data.type``, jsonl unless overridden)
     or rows (mappings with the configured prompt/answer keys). ``reward_fn``: any accepted reward
-    signature (verl's ``compute_score``, ``(task, response)``, a RewardOutput function).
+    signature (TRL's ``reward_func(completions, **kwargs)``, verl's ``compute_score``,
+    ``(task, response)``, a RewardOutput function), or a list of them (TRL's ``reward_funcs``;
+    weights: the ``rollout_worker.reward_weights`` override).
     ``workflow``: an agent workflow class (sets ``rollout_worker.type=agent``). Raises
     ``ConfigError`` for a bad config, before anything runs.
     """
@@ -144,7 +146,10 @@ def train(
         if train_dataset is None and not data_type_given:
             args.append("validate.data.type=jsonl")
         args.append("validate.data.data_files=[" + ",".join(_quoted(f) for f in files) + "]")
-    if reward_fn is not None:
+    if isinstance(reward_fn, (list, tuple)):  # several (TRL's reward_funcs): weights in reward_weights
+        specs = [_quoted(object_spec(fn, f"reward_fn_{i}")) for i, fn in enumerate(reward_fn)]
+        args.append(f"rollout_worker.reward_fn=[{','.join(specs)}]")
+    elif reward_fn is not None:
         args.append(f"rollout_worker.reward_fn={_quoted(object_spec(reward_fn, 'reward_fn'))}")
     if workflow is not None:
         args.append("rollout_worker.type=agent")

@@ -68,6 +68,7 @@ def test_raising_and_hanging_rewards_score_zero_and_are_counted(tmp_path: Path) 
             f"run_dir={run_dir}",
             f"rollout_worker.reward_fn={reward_file}:compute_score",
             "rollout_worker.reward_timeout_s=0.5",
+            "rollout_worker.max_reward_error_frac=1.0",  # counted, never stopping the run
             "rollout_worker.temperature=1.5",  # a spread of first digits: some raise, some hang
             *SMALL,
         ]
