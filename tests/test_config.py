@@ -124,7 +124,9 @@ def test_reward_fn_that_does_not_import_or_has_wrong_signature() -> None:
     assert probs["rollout_worker.reward_fn"].startswith(
         "cannot import reward function 'nexrl_hpc.tasks.rewards:nothere': AttributeError"
     )
-    preflight(CONFIG_DIR, "rl_train", ["rollout_worker.reward_fn=os.path:join"])  # takes 2 args: accepted
+    # two arguments pass the signature check; the pre-flight call on the first row shows it cannot take them
+    with pytest.raises(ConfigError, match=r"join \(module posixpath\) cannot take the arguments it gets"):
+        preflight(CONFIG_DIR, "rl_train", ["rollout_worker.reward_fn=os.path:join"])
     probs = problems_of(["rollout_worker.reward_fn=os:getcwd"])
     assert "'os:getcwd' has the signature (); a reward function takes" in probs["rollout_worker.reward_fn"]
 
