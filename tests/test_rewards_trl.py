@@ -24,6 +24,7 @@ from nexrl_hpc.rewards.loader import SKIPPED, as_reward, load_reward
 from nexrl_hpc.rewards.probe import reward_call_problems
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS, RewardRunner
 from nexrl_hpc.types import Batch, Trajectory
+from nexrl_hpc.validate.validator import Validator
 from tests.conftest import compose_config
 
 KEY, WEIGHTS = "rollout_worker.reward_fn", "rollout_worker.reward_weights"
@@ -272,3 +273,15 @@ def test_a_batch_whose_rewards_mostly_fail_raises_with_the_first_traceback() -> 
     assert "rollout_worker.max_reward_error_frac=0.5" in str(info.value) and tb in str(info.value)
     check_reward_errors(batch, 0.75)  # 3/4 is not more than 0.75
     check_reward_errors(Batch.from_trajectories([trajectory("g", 1.0, {})] * 4), 0.0)
+
+
+def test_validation_averages_the_reward_over_the_samples_that_were_scored() -> None:
+    validator = Validator(compose_config([]))
+    validator.put_trajectories(
+        [trajectory("a", 1.0, {}), trajectory("b", 0.0, {SKIPPED: 1.0}), trajectory("c", 0.5, {})]
+    )
+    metrics = validator.compute_metrics()
+    assert metrics["val/reward"] == pytest.approx(0.75) and metrics["val/reward/skipped"] == pytest.approx(
+        1 / 3
+    )
+    assert metrics["val/num_samples"] == 3

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.rewards.loader import SKIPPED
 from nexrl_hpc.tracking.samples import VALIDATION, VALIDATION_SAMPLES, validation_samples, write_samples
 from nexrl_hpc.types import PutStatus, Trajectory
 
@@ -75,7 +76,11 @@ class Validator(NexRLModule):
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         for traj in trajectories:
-            for key, value in (traj.get("scores") or {"reward": traj.get("reward", 0.0)}).items():
+            scores = traj.get("scores") or {"reward": traj.get("reward", 0.0)}
+            skipped = bool(scores.get(SKIPPED))  # the reward returned None: no score to average
+            for key, value in scores.items():
+                if skipped and key == "reward":
+                    continue
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     sums[key] = sums.get(key, 0.0) + float(value)
                     counts[key] = counts.get(key, 0) + 1
