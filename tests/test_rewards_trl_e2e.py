@@ -98,7 +98,13 @@ from tests.helpers.user_rewards import compute_score, reward_len, always_raises
 
 rows = json.loads(open(sys.argv[2]).read())
 choice = sys.argv[3]
-reward = {"accuracy": accuracy_reward, "plain": [reward_len, compute_score], "raises": always_raises}[choice]
+from trl.rewards import think_format_reward
+
+reward = {
+    "trl": [accuracy_reward, think_format_reward],
+    "plain": [reward_len, compute_score],
+    "raises": always_raises,
+}[choice]
 overrides = ["model.path=" + sys.argv[1], *json.loads(sys.argv[5])]
 if choice == "plain":
     overrides.append("rollout_worker.reward_weights=[0.1,1.0]")
@@ -136,19 +142,39 @@ def run_api(
     return proc, run_dir
 
 
-def test_accuracy_reward_through_the_api_skips_samples_without_a_gold_answer(
-    chatml_model_dir: str, tmp_path: Path
-) -> None:
+def test_trls_rewards_through_the_api(chatml_model_dir: str, tmp_path: Path) -> None:
     rows = chat_rows(32, unparseable_every=2)
-    proc, run_dir = run_api(
-        "accuracy", rows, ["data.answer_key=solution", *SMALL], chatml_model_dir, tmp_path
-    )
+    proc, run_dir = run_api("trl", rows, ["data.answer_key=solution", *SMALL], chatml_model_dir, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"exit_code": 0}
-    rows = train_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert sum(r["reward/skipped"] for r in rows) > 0  # TRL's None: counted, trained on by nobody
-    assert all(r["reward/errors"] == 0 for r in rows)
+    steps = train_rows(run_dir)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert (r["reward/errors"], r["reward/skipped"]) == (0, 0)  # think_format_reward scores every one
+        assert 0.0 <= r["train/rewards/accuracy_reward"] <= 1.0  # over the rows with a gold answer
+        assert 0.0 <= r["train/rewards/think_format_reward"] <= 1.0
+
+
+def test_accuracy_reward_skips_samples_without_a_gold_answer(chatml_model_dir: str, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "train.jsonl", chat_rows(32, unparseable_every=2))
+    run_dir = tmp_path / "skips"
+    proc = run_train(
+        [
+            f"run_dir={run_dir}",
+            f"model.path={chatml_model_dir}",
+            "data.type=jsonl",
+            f"data.data_files=[{data}]",
+            f"validate.data.data_files=[{data}]",
+            "data.answer_key=solution",
+            "rollout_worker.reward_fn=trl.rewards:accuracy_reward",
+            *SMALL,
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = train_rows(run_dir)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert sum(r["reward/skipped"] for r in steps) > 0  # TRL's None: counted, trained on by nobody
+    assert all(r["reward/errors"] == 0 for r in steps)
 
 
 def test_trls_docs_reward_and_verls_gsm8k_scorer_through_the_api_on_plain_text(
