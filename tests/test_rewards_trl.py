@@ -160,6 +160,11 @@ def test_several_functions_sum_with_weights_each_logged_by_name() -> None:
         {"reward": 2.0 * 0.5 - 3.0, "rewards/half": 0.5, "rewards/verl_len": 3.0},
         {"reward": -4.0, "rewards/verl_len": 4.0},  # None from one function: left out of the sum (TRL)
     ]
+    per_item = RewardSet(
+        (as_reward(verl_len, KEY), load_reward(f"{HELPERS}:compute_score", KEY)), (1.0, 2.0), ("a", "b")
+    )
+    assert not per_item.batched  # scored response by response, each with its own deadline
+    assert per_item({"answer": "7"}, "#### 7") == {"reward": 6.0 + 2.0, "rewards/a": 6.0, "rewards/b": 1.0}
     only_none = RewardSet((as_reward(half, KEY),) * 2, (1.0, 1.0), ("half", "half_2"))
     assert only_none.score_batch([{"prompt": "p"}], ["none"]) == [{"reward": 0.0, SKIPPED: 1.0}]
 
