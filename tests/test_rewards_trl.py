@@ -82,6 +82,16 @@ def test_a_function_without_kwargs_gets_only_what_it_names_and_a_missing_column_
         reward.score_batch([{"prompt": "q", "answer": "7"}], ["7"])
 
 
+def test_an_async_reward_function_is_awaited() -> None:
+    async def judge(completions, **kwargs):  # type: ignore[no-untyped-def]
+        return [float(len(c)) for c in completions]
+
+    assert as_reward(judge, KEY).score_batch([{"prompt": "p"}] * 2, ["ab", "c"]) == [
+        {"reward": 2.0},
+        {"reward": 1.0},
+    ]
+
+
 def test_a_result_that_is_not_one_value_per_completion_fails_the_batch() -> None:
     reward = as_reward(lambda completions, **kw: [1.0], KEY)
     with pytest.raises(ValueError, match="returned 1 rewards for 2 completions"):

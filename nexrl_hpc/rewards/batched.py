@@ -4,13 +4,15 @@ A TRL reward function scores a whole batch in one call. It gets the prompts as t
 them, the completions (chat form ``[{"role": "assistant", "content": text}]`` when the prompt is a
 list of chat messages, the text otherwise: TRL's ``is_conversational``), the completions' token ids,
 and every other dataset column as a keyword holding one value per completion (``solution=[...]``).
-A function without ``**kwargs`` gets only the keywords it names; one that names a column the rows
+An ``async def`` function is awaited (on the scoring thread). A function without ``**kwargs`` gets
+only the keywords it names; one that names a column the rows
 lack is refused with the columns they have. Its result is one value per completion, ``None`` for
 a sample it does not score.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -77,6 +79,8 @@ def call_batched(
     if keywords is not None:  # no **kwargs: only what it names
         kwargs = {k: v for k, v in kwargs.items() if k in keywords}
     values = fn(**kwargs)
+    if inspect.iscoroutine(values):  # an async reward function (TRL awaits those too)
+        values = asyncio.run(values)
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         raise RewardContractError(
             f"returned {type(values).__name__} {str(values)[:80]!r}; a batched reward function "
