@@ -5,9 +5,8 @@ them, the completions (chat form ``[{"role": "assistant", "content": text}]`` wh
 list of chat messages, the text otherwise: TRL's ``is_conversational``), the completions' token ids,
 and every other dataset column as a keyword holding one value per completion (``solution=[...]``).
 An ``async def`` function is awaited (on the scoring thread). A function without ``**kwargs`` gets
-only the keywords it names; one that names a column the rows
-lack is refused with the columns they have. Its result is one value per completion, ``None`` for
-a sample it does not score.
+only the keywords it names; one that names a column the rows lack is refused with the columns they
+have. Its result is one value per completion, ``None`` for a sample it does not score.
 """
 
 from __future__ import annotations
