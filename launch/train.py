@@ -17,6 +17,7 @@ from omegaconf import DictConfig, open_dict
 from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.location import CONFIG_NAME, config_dir
+from nexrl_hpc.config.task_choice import CUSTOM_TASK, custom_task_reason, overrides_of
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.launcher.preflight import preflight
 
@@ -122,14 +123,40 @@ def submit_to_slurm(config: dict) -> int:
     return follow(job, info, config["launcher"]["poll_s"])
 
 
+def choose_custom_task(argv: list[str]) -> None:
+    """Your own model or data and no task named: ``task=custom`` goes into ``argv`` (beside the other
+    overrides: argparse takes them as one group), with a note on stderr saying why."""
+    reason = custom_task_reason(argv[1:])
+    if reason is None:
+        return
+    overrides = overrides_of(argv[1:])
+    argv.insert(argv.index(overrides[0], 1), f"task={CUSTOM_TASK}")
+    print(
+        f"note: task={CUSTOM_TASK} ({reason} and no task named): your reward function "
+        "(rollout_worker.reward_fn), LLM-sized lengths and lr; task=<name> keeps a task's defaults",
+        file=sys.stderr,
+    )
+
+
+def _shows_config(argv: list[str]) -> bool:
+    return any(a in ("--cfg", "-c") for a in argv) and not any(a in ("-m", "--multirun") for a in argv)
+
+
 def main() -> None:
     register_resolvers()
+    choose_custom_task(sys.argv)
     try:
         preflight(CONFIG_DIR, CONFIG_NAME, sys.argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     hydra_main()
+    if _shows_config(sys.argv):  # --cfg printed the config unchecked: now say what would stop the run
+        try:
+            preflight(CONFIG_DIR, CONFIG_NAME, overrides_of(sys.argv[1:]))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

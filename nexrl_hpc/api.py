@@ -1,7 +1,10 @@
 """``nexrl_hpc.train(...)``: the same run as ``python -m launch.train``, from a script or notebook.
 
 Python objects become config overrides: datasets (rows, a ``datasets.Dataset``, or file paths) are
-written as jsonl under ``<run_dir>/inputs/`` and named by ``data.data_files``; a reward function
+named by ``data.data_files``, rows written as jsonl under ``<run_dir>/inputs/`` (removed again, with
+the folders this call made, when the config check fails), the data type told by the files'
+extensions; a dataset of your own means ``task=custom`` unless the overrides name a task
+(``nexrl_hpc.config.task_choice``); a reward function
 or workflow class is named by its import path (``module:qualname``), or, when it has none (defined
 in ``__main__`` or inside a function), registered here for this process. The composed config goes
 through the command line's checks (exit-2 problems raise ``ConfigError``) and then the controller,
@@ -24,6 +27,7 @@ from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.location import CONFIG_NAME, config_dir
 from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.config.task_choice import with_task_choice
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 
 registered = SimpleNamespace()
@@ -71,13 +75,19 @@ def _quoted(path: str) -> str:
     return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _dataset_files(dataset: Dataset, out_path: str, key: str) -> list[str]:
-    """File paths as given; rows (mappings, a ``datasets.Dataset``) written as jsonl to ``out_path``."""
+_DATA_TYPES_BY_EXTENSION = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
+"""``data.type`` of a dataset handed as file paths, by extension (``.json``: JSON lines)."""
+
+
+def _dataset_files(dataset: Dataset, out_path: str, key: str, written: list[str]) -> list[str]:
+    """File paths as given; rows (mappings, a ``datasets.Dataset``) written as jsonl to ``out_path``
+    (appended to ``written`` before a byte is written: a failed call removes it)."""
     if isinstance(dataset, (str, os.PathLike)):
         return [os.fspath(dataset)]
     if isinstance(dataset, Sequence) and dataset and all(isinstance(d, (str, os.PathLike)) for d in dataset):
         return [os.fspath(d) for d in dataset]
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    written.append(out_path)
     count = 0
     with open(out_path, "w") as f:
         for i, row in enumerate(dataset):
@@ -91,6 +101,55 @@ def _dataset_files(dataset: Dataset, out_path: str, key: str) -> list[str]:
     if count == 0:
         raise ConfigError([ConfigProblem(key, "the dataset has no rows")])
     return [out_path]
+
+
+def data_type_of(files: Sequence[str], key: str) -> str:
+    """The ``data.type`` that reads ``files`` (``.parquet``; ``.jsonl`` / ``.json``: JSON lines); a
+    ``ConfigError`` naming ``key`` for another extension, a folder, or a mix of types."""
+    types = set()
+    for path in files:
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in _DATA_TYPES_BY_EXTENSION:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        key,
+                        f"{path!r}: cannot tell the data type from its extension "
+                        f"({extension or 'none'}; known: .parquet, .jsonl, .json): name it in the overrides, "
+                        "e.g. data.type=hf for a datasets folder or another file type",
+                    )
+                ]
+            )
+        types.add(_DATA_TYPES_BY_EXTENSION[extension])
+    if len(types) > 1:
+        raise ConfigError(
+            [ConfigProblem(key, f"files of different types ({', '.join(sorted(types))}): {list(files)}")]
+        )
+    return types.pop()
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_created(files: list[str], dirs: list[str]) -> None:
+    """Undo what a failed ``train`` call wrote: its row files, then the folders it made, if empty."""
+    for path in files:
+        if os.path.exists(path):
+            os.remove(path)
+    for path in dirs:  # deepest first
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (something else wrote there) or already gone
+            pass
 
 
 def _compose(overrides: list[str]) -> RLTrainConfig:
@@ -121,49 +180,83 @@ def train(
     """Run GRPO training in this process (local mode) and return how it ended.
 
     ``overrides`` are command-line overrides (``["model.path=/m", "data.batch_size=8"]``).
-    ``train_dataset`` / ``val_dataset``: file paths (read as ``data.type``, jsonl unless overridden)
-    or rows (mappings with the configured prompt/answer keys). ``reward_fn``: any accepted reward
-    signature (TRL's ``reward_func(completions, **kwargs)``, verl's ``compute_score``,
-    ``(task, response)``, a RewardOutput function), or a list of them (TRL's ``reward_funcs``;
-    weights: the ``rollout_worker.reward_weights`` override).
+    ``train_dataset`` / ``val_dataset``: file paths (``.parquet``, ``.jsonl`` / ``.json`` as JSON
+    lines; any other: set ``data.type`` in ``overrides``) or rows (mappings with the configured
+    prompt/answer keys). ``reward_fn``: any accepted reward signature (TRL's
+    ``reward_func(completions, **kwargs)``, verl's ``compute_score``, ``(task, response)``, a
+    RewardOutput function), or a list of them (TRL's ``reward_funcs``; weights: the
+    ``rollout_worker.reward_weights`` override).
     ``workflow``: an agent workflow class (sets ``rollout_worker.type=agent``). Raises
     ``ConfigError`` for a bad config, before anything runs.
     """
-    args = list(overrides)
+    own_data = "train_dataset given" if train_dataset is not None else None
+    args = with_task_choice(overrides, own_data)  # your own data: task=custom unless a task is named
     if run_dir is not None:
         args.append(f"run_dir={_quoted(os.path.abspath(os.fspath(run_dir)))}")
     resolved_run_dir = _run_dir_of(args)  # once: its default holds the time of day
     args.append(f"run_dir={_quoted(resolved_run_dir)}")
     inputs = os.path.join(resolved_run_dir, "inputs")
-    data_type_given = any(a.split("=")[0].lstrip("+~") in ("data.type",) for a in overrides)
+    written: list[str] = []
+    new_dirs = _missing_dirs(inputs)
+    try:
+        args += _dataset_args(overrides, train_dataset, val_dataset, inputs, written)
+        args += _reward_args(reward_fn)
+        if workflow is not None:
+            args.append("rollout_worker.type=agent")
+            args.append(f"rollout_worker.agent.workflow={_quoted(object_spec(workflow, 'workflow'))}")
+        config = _compose(args)
+        if config["launch_mode"] != "local" or config["launcher"]["name"] != "local":
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "launch_mode",
+                        "the Python API runs local mode: use python -m launch.train for mpi/slurm",
+                    )
+                ]
+            )
+    except ConfigError:
+        _remove_created(written, new_dirs)
+        raise
+    return _run(config)
+
+
+def _dataset_args(
+    overrides: Sequence[str],
+    train_dataset: Dataset | None,
+    val_dataset: Dataset | None,
+    inputs: str,
+    written: list[str],
+) -> list[str]:
+    """The overrides naming the datasets: their files (rows written under ``inputs``) and, unless the
+    overrides set it, the data type their files' extensions tell."""
+    given = {a.split("=")[0].lstrip("+~") for a in overrides}
+    args = []
+    train_type = None
     if train_dataset is not None:
-        files = _dataset_files(train_dataset, os.path.join(inputs, "train.jsonl"), "train_dataset")
-        if not data_type_given:
-            args.append("data.type=jsonl")
+        files = _dataset_files(train_dataset, os.path.join(inputs, "train.jsonl"), "train_dataset", written)
+        if "data.type" not in given:
+            train_type = data_type_of(files, "train_dataset")
+            args.append(f"data.type={train_type}")
         args.append("data.data_files=[" + ",".join(_quoted(f) for f in files) + "]")
     if val_dataset is not None:
-        files = _dataset_files(val_dataset, os.path.join(inputs, "validation.jsonl"), "val_dataset")
-        if train_dataset is None and not data_type_given:
-            args.append("validate.data.type=jsonl")
+        files = _dataset_files(val_dataset, os.path.join(inputs, "validation.jsonl"), "val_dataset", written)
+        if not given & {"data.type", "validate.data.type"}:
+            val_type = data_type_of(files, "val_dataset")
+            if val_type != train_type:  # validate.data.type follows data.type unless set
+                args.append(f"validate.data.type={val_type}")
         args.append("validate.data.data_files=[" + ",".join(_quoted(f) for f in files) + "]")
-    if isinstance(reward_fn, (list, tuple)):  # several (TRL's reward_funcs): weights in reward_weights
+    return args
+
+
+def _reward_args(reward_fn: Any) -> list[str]:
+    """The ``rollout_worker.reward_fn`` override naming ``reward_fn``: one function, or several
+    (TRL's reward_funcs; their weights are ``rollout_worker.reward_weights``)."""
+    if isinstance(reward_fn, (list, tuple)):
         specs = [_quoted(object_spec(fn, f"reward_fn_{i}")) for i, fn in enumerate(reward_fn)]
-        args.append(f"rollout_worker.reward_fn=[{','.join(specs)}]")
-    elif reward_fn is not None:
-        args.append(f"rollout_worker.reward_fn={_quoted(object_spec(reward_fn, 'reward_fn'))}")
-    if workflow is not None:
-        args.append("rollout_worker.type=agent")
-        args.append(f"rollout_worker.agent.workflow={_quoted(object_spec(workflow, 'workflow'))}")
-    config = _compose(args)
-    if config["launch_mode"] != "local" or config["launcher"]["name"] != "local":
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "launch_mode", "the Python API runs local mode: use python -m launch.train for mpi/slurm"
-                )
-            ]
-        )
-    return _run(config)
+        return [f"rollout_worker.reward_fn=[{','.join(specs)}]"]
+    if reward_fn is not None:
+        return [f"rollout_worker.reward_fn={_quoted(object_spec(reward_fn, 'reward_fn'))}"]
+    return []
 
 
 def _run_dir_of(overrides: list[str]) -> str:

@@ -48,7 +48,7 @@ class ModelConfig(TypedDict):
 class TaskConfig(TypedDict):
     name: str
     generator: str | None  # "module:function" building {"train": rows, "validation": rows}
-    reward_fn: str  # "module:function" or "file.py:function" (nexrl_hpc.rewards.loader: accepted signatures)
+    reward_fn: str | None  # the task's reward (rollout_worker.reward_fn's default); null: none (task=custom)
     alphabet: str
     params: dict
 
@@ -129,7 +129,7 @@ class RolloutWorkerConfig(TypedDict):
     max_prompt_length: Annotated[int, Ge(1)]
     max_response_length: Annotated[int, Ge(1)]
     # "module:function" or "file.py:function" (nexrl_hpc.rewards.loader: accepted signatures), or a list
-    # of them (TRL's reward_funcs; type=single_turn), summed with reward_weights
+    # of them (TRL's reward_funcs; type=single_turn), summed with reward_weights; null: an error naming it
     reward_fn: str | list[str]
     reward_weights: list[float] | None  # one per reward_fn entry (TRL's reward_weights); null: 1 each
     reward_timeout_s: Annotated[float, Gt(0.0)]  # a longer reward call scores 0 (reward/timeouts)

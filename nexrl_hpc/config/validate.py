@@ -26,6 +26,13 @@ CONFIG_ERROR_EXIT_CODE = 2
 MOVED_KEYS = {"train_worker.sync_weight_path": "weight.sync_weight_path"}
 
 
+# keys a preset may leave unset (null) for the user to fill: path -> what to set it to
+REQUIRED_VALUE_HINTS = {
+    "rollout_worker.reward_fn": "set it to your reward function, 'module:function' or "
+    "'path/to/file.py:function' (the task preset, e.g. task=custom, has no reward of its own)",
+}
+
+
 def moved_key_hint(path: str) -> str:
     """`` (did you mean 'new.key'?)`` for a key that moved, else ''."""
     return f" (did you mean {MOVED_KEYS[path]!r}?)" if path in MOVED_KEYS else ""
@@ -181,6 +188,10 @@ def _check(value: Any, tp: Any, path: str, problems: list[ConfigProblem]) -> boo
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
+    if value is None and not _matches_type(None, tp):
+        hint = f": {REQUIRED_VALUE_HINTS[path]}" if path in REQUIRED_VALUE_HINTS else ""
+        problems.append(ConfigProblem(path, f"not set (null), expected {_type_name(tp)}{hint}"))
+        return False
     if origin is typing.Annotated:
         return _check_annotated(value, tp, path, problems)
     if origin in (Union, types.UnionType):

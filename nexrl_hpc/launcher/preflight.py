@@ -12,6 +12,8 @@ from __future__ import annotations
 import difflib
 import itertools
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -81,6 +83,32 @@ def _key_exists(cfg: DictConfig, key: str) -> bool:
     return isinstance(node, DictConfig) and leaf in node
 
 
+TASK_REWARD_MODULES = "nexrl_hpc.tasks"
+"""The package of the generated toy tasks: its rewards score those tasks' rows (e.g. prefix_match:
+"the response starts with the answer", right for max_digit's one-digit answers only)."""
+
+
+def task_reward_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
+    """A toy task's reward scoring rows that are not the task's (``data.type`` other than ``task``):
+    the run would train on the wrong measure (a forgotten ``rollout_worker.reward_fn`` override
+    with an explicit ``task=<name>``), so it is refused naming the key."""
+    data_type = config["data"]["type"]
+    spec = config["rollout_worker"]["reward_fn"]
+    if data_type == "task" or not isinstance(spec, str):
+        return []
+    module = spec.split(":")[0]
+    if module != TASK_REWARD_MODULES and not module.startswith(TASK_REWARD_MODULES + "."):
+        return []
+    return [
+        ConfigProblem(
+            "rollout_worker.reward_fn",
+            f"{spec!r} is a toy task's reward (task={config['task']['name']}) and data.type={data_type} "
+            "is your own data: set rollout_worker.reward_fn to your reward function (the shipped scorers "
+            "are in nexrl_hpc.rewards, e.g. nexrl_hpc.rewards:exact_match)",
+        )
+    ]
+
+
 def check_point(config_dir: str, config_name: str, overrides: list[Override]) -> list[ConfigProblem]:
     """Every problem of one override set (one run)."""
     register_resolvers()
@@ -137,6 +165,7 @@ def check_point(config_dir: str, config_name: str, overrides: list[Override]) ->
         config = validate_config(cfg)
     except ConfigError as err:
         return problems + err.problems
+    problems += task_reward_problems(config)
     if job is not None:
         from nexrl_hpc.launcher.slurm import check_hydra_submitit_job
 
