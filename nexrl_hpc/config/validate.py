@@ -19,6 +19,7 @@ from typing_extensions import NotRequired, Required, is_typeddict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 from nexrl_hpc.config.imports import load_object
+from nexrl_hpc.config.key_names import did_you_mean
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -310,14 +311,8 @@ def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigP
     required = set(getattr(td, "__required_keys__", set(hints)))
     prefix = f"{path}." if path else ""
     for key in value:
-        if key not in hints:
-            close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
-            hint = moved_key_hint(f"{prefix}{key}") or (
-                f" (did you mean {prefix + close[0]!r}?)"
-                if close
-                else f" (valid keys: {', '.join(sorted(hints))})"
-            )
-            problems.append(ConfigProblem(f"{prefix}{key}", f"unknown key{hint}"))
+        if key not in hints:  # the hint comes from the whole tree: check_against_schema
+            problems.append(ConfigProblem(f"{prefix}{key}", UNKNOWN_KEY))
     for key, tp in hints.items():
         if key not in value:
             if key in required:
@@ -328,8 +323,45 @@ def _check_typeddict(value: Mapping, td: type, path: str, problems: list[ConfigP
         _check(value[key], tp, f"{prefix}{key}", problems)
 
 
+UNKNOWN_KEY = "unknown key"
+
+
+def _typeddict_of(tp: Any) -> Any:
+    """The TypedDict a key's type holds (through Required, Annotated, ``| None``), else None."""
+    tp = _unwrap_required(tp)
+    if typing.get_origin(tp) is typing.Annotated:
+        return _typeddict_of(typing.get_args(tp)[0])
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        found = [_typeddict_of(a) for a in typing.get_args(tp)]
+        return next((f for f in found if f is not None), None)
+    return tp if is_typeddict(tp) else None
+
+
+def schema_tree(td: type) -> dict[str, Any]:
+    """The keys of a TypedDict schema as a nested dict (a key holding a TypedDict: its keys; else None)."""
+    tree: dict[str, Any] = {}
+    for key, tp in typing.get_type_hints(td, include_extras=True).items():
+        inner = _typeddict_of(tp)
+        tree[key] = schema_tree(inner) if inner is not None else None
+    return tree
+
+
+def unknown_key_hint(path: str, tree: Mapping) -> str:
+    """What follows "unknown key" for ``path``: the key it moved to, or ``key_names.did_you_mean``."""
+    return moved_key_hint(path) or did_you_mean(path, tree)
+
+
 def check_against_schema(config: Mapping, schema: type) -> list[ConfigProblem]:
-    """All type / key / enum / range problems of ``config`` against a TypedDict ``schema``."""
+    """All type / key / enum / range problems of ``config`` against a TypedDict ``schema``; an unknown
+    key is matched against every key of the schema (and verl's names)."""
     problems: list[ConfigProblem] = []
     _check_typeddict(config, schema, "", problems)
+    if any(p.message == UNKNOWN_KEY for p in problems):
+        tree = schema_tree(schema)
+        problems = [
+            ConfigProblem(p.path, UNKNOWN_KEY + unknown_key_hint(p.path, tree))
+            if p.message == UNKNOWN_KEY
+            else p
+            for p in problems
+        ]
     return problems

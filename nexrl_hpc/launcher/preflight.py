@@ -9,7 +9,6 @@ submitit launcher) is also checked against the cluster (partition, nodes, time l
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import os
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from nexrl_hpc.assembly import validate_config
 from nexrl_hpc.config import register_resolvers
 from nexrl_hpc.config.schema import RLTrainConfig
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem, moved_key_hint
+from nexrl_hpc.config.validate import ConfigError, ConfigProblem, unknown_key_hint
 
 HYDRA_SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 _SWEEP_JOB_KEYS = (
@@ -65,16 +64,10 @@ def _compose(config_dir: str, config_name: str, overrides: list[str], with_hydra
 
 
 def _suggest(base: DictConfig, key: str) -> str:
-    if moved_key_hint(key):
-        return moved_key_hint(key)
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(base, parent) if parent else base
-    if isinstance(node, DictConfig):
-        close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1, cutoff=0.6)
-        if close:
-            return f" (did you mean {(parent + '.' if parent else '') + close[0]!r}?)"
-        return f" (valid keys under {parent or '<root>'}: {', '.join(sorted(str(k) for k in node))})"
-    return ""
+    """The hint for an unknown override: searched in the whole composed tree (and verl's names)."""
+    tree = OmegaConf.to_container(base, resolve=False)
+    assert isinstance(tree, dict)
+    return unknown_key_hint(key, tree)
 
 
 def _key_exists(cfg: DictConfig, key: str) -> bool:
