@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from nexrl_hpc.config.task_choice import with_task_choice
 from tests.conftest import REPO, compose_config
 
 
@@ -72,8 +73,12 @@ def test_every_recipe_command_is_a_valid_config(page: str, placeholders: dict[st
     found = commands(REPO / page)
     assert found, f"no launch.train command with model.path in {page}"
     for args in found:
-        cfg = compose_config(resolved(args, placeholders))  # raises ConfigError naming any bad key
+        # as launch.train composes it: your model and no task named is task=custom
+        cfg = compose_config(
+            with_task_choice(resolved(args, placeholders))
+        )  # a ConfigError names any bad key
         assert cfg["model"]["path"] == placeholders["model"]
+        assert cfg["task"]["name"] == "custom"
         assert cfg["data"]["answer_key"] == "reward_model.ground_truth"
         if "hardware=gpu" in args:
             assert cfg["service"]["train_service"]["device"] == "cuda"

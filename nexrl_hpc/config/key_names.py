@@ -1,9 +1,9 @@
 """Where an unknown key was meant to go: the closest names in the WHOLE key tree, and verl's names.
 
 An unknown key gets, in this order: the key it moved to (``validate.MOVED_KEYS``); its nexrl_hpc
-name when it is one of verl's (``VERL_KEYS``, with what differs); a key of the same name elsewhere
-in the tree (``data.lr`` -> ``service.train_service.actor.optim.lr``); a close name among its
-siblings; a close name anywhere. docs/configuration.md's verl table is ``verl_key_table()``
+name when it is one of verl's (``VERL_KEYS``, with what differs); a close name among its siblings
+and the keys of the same name elsewhere in the tree (``data.lr`` ->
+``service.train_service.actor.optim.lr``); a close name anywhere. docs/configuration.md's verl table is ``verl_key_table()``
 (tests/test_key_names.py holds them equal).
 """
 
@@ -149,14 +149,16 @@ def did_you_mean(path: str, tree: Mapping) -> str:
         return hint
     parent, _, leaf = path.rpartition(".")
     everywhere = [p for p in key_paths(tree) if p != path]
-    same_name = [p for p in everywhere if p.rpartition(".")[2] == leaf]
-    if same_name:
-        return f" (did you mean {_quoted(same_name[:3])}?)"
     siblings = _node(tree, parent)
-    if siblings is not None:
-        close = difflib.get_close_matches(leaf, [str(k) for k in siblings], n=1, cutoff=0.6)
-        if close:
-            return f" (did you mean {(parent + '.' if parent else '') + close[0]!r}?)"
+    close_sibling = (
+        difflib.get_close_matches(leaf, [str(k) for k in siblings], n=1, cutoff=0.6)
+        if siblings is not None
+        else []
+    )
+    candidates = [(parent + "." if parent else "") + c for c in close_sibling]
+    candidates += [p for p in everywhere if p.rpartition(".")[2] == leaf and p not in candidates]
+    if candidates:
+        return f" (did you mean {_quoted(candidates[:3])}?)"
     by_leaf: dict[str, list[str]] = {}
     for p in everywhere:
         by_leaf.setdefault(p.rpartition(".")[2], []).append(p)

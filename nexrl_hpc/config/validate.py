@@ -19,7 +19,7 @@ from typing_extensions import NotRequired, Required, is_typeddict
 
 from nexrl_hpc.config.constraints import Ge, Gt, Le
 from nexrl_hpc.config.imports import load_object
-from nexrl_hpc.config.key_names import did_you_mean
+from nexrl_hpc.config.key_names import did_you_mean, key_paths, verl_hint
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -351,17 +351,28 @@ def unknown_key_hint(path: str, tree: Mapping) -> str:
     return moved_key_hint(path) or did_you_mean(path, tree)
 
 
+def _unknown_key_problems(path: str, config: Mapping, tree: Mapping) -> list[ConfigProblem]:
+    """An unknown key's problem with its hint; a section of verl keys (``trainer: {save_freq: 5}``)
+    gets one problem per verl key in it, each naming our key (and the section's other keys, if any)."""
+    value = g_safe(config, path)
+    inner = [f"{path}.{sub}" for sub in key_paths(value)] if isinstance(value, Mapping) else []
+    verl = [p for p in inner if verl_hint(p)]
+    problems = [ConfigProblem(p, UNKNOWN_KEY + verl_hint(p)) for p in verl]
+    leaves = [p for p in inner if not isinstance(g_safe(config, p), Mapping)]
+    if not verl or any(p not in verl for p in leaves):
+        problems.insert(0, ConfigProblem(path, UNKNOWN_KEY + unknown_key_hint(path, tree)))
+    return problems
+
+
 def check_against_schema(config: Mapping, schema: type) -> list[ConfigProblem]:
     """All type / key / enum / range problems of ``config`` against a TypedDict ``schema``; an unknown
     key is matched against every key of the schema (and verl's names)."""
     problems: list[ConfigProblem] = []
     _check_typeddict(config, schema, "", problems)
-    if any(p.message == UNKNOWN_KEY for p in problems):
-        tree = schema_tree(schema)
-        problems = [
-            ConfigProblem(p.path, UNKNOWN_KEY + unknown_key_hint(p.path, tree))
-            if p.message == UNKNOWN_KEY
-            else p
-            for p in problems
-        ]
-    return problems
+    if not any(p.message == UNKNOWN_KEY for p in problems):
+        return problems
+    tree = schema_tree(schema)
+    out: list[ConfigProblem] = []
+    for p in problems:
+        out += _unknown_key_problems(p.path, config, tree) if p.message == UNKNOWN_KEY else [p]
+    return out
