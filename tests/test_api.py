@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import nexrl_hpc
-from nexrl_hpc.api import _dataset_files, object_spec, registered
+from nexrl_hpc.api import _dataset_args, _dataset_files, data_type_of, object_spec, registered
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.rewards.match import exact_match
 from tests.conftest import REPO
@@ -29,23 +29,98 @@ def test_a_function_with_an_import_path_is_named_by_it_and_others_are_registered
 
 def test_rows_are_written_as_jsonl_and_paths_pass_through(tmp_path: Path) -> None:
     rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}]
-    (path,) = _dataset_files(rows, str(tmp_path / "in" / "train.jsonl"), "train_dataset")
-    assert [json.loads(line) for line in open(path)] == rows
-    assert _dataset_files("/data/x.parquet", "unused", "k") == ["/data/x.parquet"]
-    assert _dataset_files(["/a.jsonl", Path("/b.jsonl")], "unused", "k") == ["/a.jsonl", "/b.jsonl"]
+    written: list[str] = []
+    (path,) = _dataset_files(rows, str(tmp_path / "in" / "train.jsonl"), "train_dataset", written)
+    assert [json.loads(line) for line in open(path)] == rows and written == [path]
+    assert _dataset_files("/data/x.parquet", "unused", "k", written) == ["/data/x.parquet"]
+    assert _dataset_files(["/a.jsonl", Path("/b.jsonl")], "unused", "k", written) == ["/a.jsonl", "/b.jsonl"]
+    assert written == [path]  # paths are not the call's own files
     with pytest.raises(ConfigError, match="train_dataset.*row 1 is a str"):
-        _dataset_files([{"prompt": "a"}, "b"], str(tmp_path / "t.jsonl"), "train_dataset")
+        _dataset_files([{"prompt": "a"}, "b"], str(tmp_path / "t.jsonl"), "train_dataset", written)
     with pytest.raises(ConfigError, match="val_dataset.*no rows"):
-        _dataset_files([], str(tmp_path / "v.jsonl"), "val_dataset")
+        _dataset_files([], str(tmp_path / "v.jsonl"), "val_dataset", written)
+    assert written == [
+        path,
+        str(tmp_path / "t.jsonl"),
+        str(tmp_path / "v.jsonl"),
+    ]  # a failed call removes them
 
 
-def test_a_bad_config_raises_before_anything_runs(tmp_path: Path) -> None:
+def test_the_data_type_of_files_comes_from_their_extension() -> None:
+    assert data_type_of(["/d/x.parquet", "/d/y.PARQUET"], "train_dataset") == "parquet"
+    assert data_type_of(["/d/x.jsonl", "/d/y.json"], "val_dataset") == "jsonl"
     with pytest.raises(ConfigError) as err:
-        nexrl_hpc.train(["model.path=/nonexistent/model"], run_dir=tmp_path / "run")
-    assert "model.path" in str(err.value) and err.value.exit_code == 2
-    assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="launch_mode"):
-        nexrl_hpc.train(["launch_mode=mpi"], run_dir=tmp_path / "run")
+        data_type_of(["/d/x.csv"], "train_dataset")
+    assert str(err.value.problems[0]) == (
+        "train_dataset: '/d/x.csv': cannot tell the data type from its extension (.csv; known: .parquet, "
+        ".jsonl, .json): name it in the overrides, e.g. data.type=hf for a datasets folder or another file type"
+    )
+    with pytest.raises(ConfigError, match="train_dataset: '/d/folder': .*extension \\(none;"):
+        data_type_of(["/d/folder"], "train_dataset")
+    with pytest.raises(ConfigError, match="train_dataset: files of different types \\(jsonl, parquet\\)"):
+        data_type_of(["/d/x.jsonl", "/d/y.parquet"], "train_dataset")
+
+
+def test_config_error_is_exported() -> None:
+    assert nexrl_hpc.ConfigError is ConfigError and "ConfigError" in nexrl_hpc.__all__
+
+
+def test_a_failed_check_removes_the_rows_it_wrote_and_nothing_else(tmp_path: Path) -> None:
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 4
+    fresh = tmp_path / "fresh" / "run"
+    with pytest.raises(ConfigError):  # no reward: task=custom asks for one
+        nexrl_hpc.train(train_dataset=rows, val_dataset=rows, run_dir=fresh)
+    assert not (tmp_path / "fresh").exists()  # the folders this call made are gone too
+    kept = tmp_path / "kept"
+    (kept / "inputs").mkdir(parents=True)
+    (kept / "inputs" / "mine.txt").write_text("the user's")
+    (kept / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError) as err:
+        nexrl_hpc.train(
+            ["model.path=/nonexistent/model"],
+            train_dataset=rows,
+            val_dataset=rows,
+            reward_fn=exact_match,
+            run_dir=kept,
+        )
+    assert [p.path for p in err.value.problems] == ["model.path"]
+    assert sorted(p.name for p in kept.rglob("*")) == ["inputs", "mine.txt", "notes.txt"]
+
+
+def test_dataset_paths_name_their_data_type_unless_the_overrides_do(tmp_path: Path) -> None:
+    inputs = str(tmp_path / "inputs")
+    assert _dataset_args([], "/d/t.parquet", "/d/v.parquet", inputs, []) == [
+        "data.type=parquet",
+        "data.data_files=['/d/t.parquet']",
+        "validate.data.data_files=['/d/v.parquet']",  # follows data.type
+    ]
+    assert _dataset_args([], "/d/t.parquet", [{"prompt": "p"}], inputs, []) == [
+        "data.type=parquet",
+        "data.data_files=['/d/t.parquet']",
+        "validate.data.type=jsonl",  # the rows, written as jsonl
+        f"validate.data.data_files=['{inputs}/validation.jsonl']",
+    ]
+    assert _dataset_args([], None, "/d/v.json", inputs, []) == [
+        "validate.data.type=jsonl",
+        "validate.data.data_files=['/d/v.json']",
+    ]
+    assert _dataset_args(["data.type=hf"], "/d/folder", None, inputs, []) == ["data.data_files=['/d/folder']"]
+
+
+def test_a_parquet_path_gets_the_custom_preset(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1?", "answer": "2"}]), path)
+    with pytest.raises(ConfigError) as err:  # your own data: task=custom, whose reward is yours to name
+        nexrl_hpc.train(
+            ["model.path=/nonexistent/model"],
+            train_dataset=str(path),
+            val_dataset=str(path),
+            run_dir=tmp_path / "run",
+        )
+    assert [p.path for p in err.value.problems] == ["rollout_worker.reward_fn", "model.path"]
 
 
 SCRIPT = """
@@ -115,6 +190,7 @@ def test_dataset_paths_count_for_the_checks_of_data_type(tmp_path: Path) -> None
             ["data.type=parquet", "model.path=/nonexistent/model"],
             train_dataset=str(path),
             val_dataset=str(path),
+            reward_fn=exact_match,
             run_dir=tmp_path / "run",
         )
     assert [p.path for p in err.value.problems] == ["model.path"]
