@@ -91,7 +91,7 @@ def test_missing_required_key() -> None:
 def test_unknown_group_option() -> None:
     probs = problems_of(["task=nope"])
     assert probs == {
-        "task": "no option 'nope' in config group 'task' (available: coding, frozenlake, max_digit, rg_aiw, tool_lookup)"
+        "task": "no option 'nope' in config group 'task' (available: coding, custom, frozenlake, max_digit, rg_aiw, tool_lookup)"
     }
 
 

@@ -115,7 +115,12 @@ def test_real_data_files_pass_and_task_data_ignores_the_lists(tmp_path: Path) ->
     preflight(
         CONFIG_DIR,
         "rl_train",
-        ["data.type=jsonl", f"data.data_files=[{train}]", f"validate.data.data_files=[{val}]"],
+        [
+            "data.type=jsonl",
+            f"data.data_files=[{train}]",
+            f"validate.data.data_files=[{val}]",
+            "rollout_worker.reward_fn=nexrl_hpc.rewards:prefix_match",  # not the toy task's: these are your rows
+        ],
     )
     # data.type=task generates its rows: listed files are never read, so not checked
     preflight(CONFIG_DIR, "rl_train", [f"data.data_files=[{tmp_path / 'nope.jsonl'}]"])
@@ -137,7 +142,8 @@ def test_cli_missing_model_and_data_exit_2_and_start_nothing(tmp_path: Path) -> 
         timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "invalid config (3 problems):" in proc.stderr
+    assert "invalid config (4 problems):" in proc.stderr  # your model and data: task=custom, no reward yet
+    assert "rollout_worker.reward_fn: not set (null)" in proc.stderr
     assert f"model.path: '{model}': no such directory" in proc.stderr
     assert f"data.data_files[0]: '{train}': no such file" in proc.stderr
     assert f"validate.data.data_files[0]: '{val}': no such file" in proc.stderr
