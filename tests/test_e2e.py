@@ -253,6 +253,8 @@ def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Pa
     proc = run_train(
         [
             f"run_dir={run_dir}",
+            "task=max_digit",  # the digit task's rows as jsonl: its model and lengths, a shipped scorer
+            "rollout_worker.reward_fn=nexrl_hpc.rewards:prefix_match",
             "data.type=jsonl",
             f"data.data_files=[{train}]",
             f"validate.data.data_files=[{val}]",
