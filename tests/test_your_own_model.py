@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import run_train
@@ -106,6 +107,11 @@ def test_the_issue_command_trains_the_users_tied_chat_model(
     assert all(r["train/staleness_max"] == 0 for r in steps)  # each step's samples: the newest weights
     assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in steps)
     assert "val/reward" in metrics[-1]
+    # your model and data, no task named: the run had task=custom's LLM-sized defaults
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["task"]["name"] == "custom" and resolved["experiment_name"] == "custom_grpo"
+    assert resolved["service"]["train_service"]["actor"]["optim"]["lr"] == 1e-6
+    assert resolved["service"]["train_service"]["actor"]["ppo_max_token_len_per_gpu"] == 16384
 
     tok = AutoTokenizer.from_pretrained(chatml_model_dir)
     encodings = {
