@@ -116,6 +116,21 @@ def test_a_toy_tasks_reward_with_your_own_data_is_refused(
     preflight(CONFIG_DIR, "rl_train", [])  # the task's reward on the task's rows
 
 
+def test_custom_by_hand_without_data_names_data_type(chatml_model_dir: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose_config(
+            [
+                "task=custom",
+                f"model.path={chatml_model_dir}",
+                "rollout_worker.reward_fn=nexrl_hpc.rewards:exact_match",
+            ]
+        )
+    assert [str(p) for p in err.value.problems] == [
+        "data.type: task=custom generates no rows (task.generator is null): set data.type to jsonl, parquet, hf "
+        "or reasoning_gym and name the files (data.data_files), or give the task a generator ('module:function')"
+    ]
+
+
 def test_task_reward_rule_on_plain_configs() -> None:
     def config(data_type: str, reward: Any) -> dict[str, Any]:
         return {"data": {"type": data_type}, "rollout_worker": {"reward_fn": reward}, "task": {"name": "t"}}

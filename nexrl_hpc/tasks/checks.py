@@ -24,5 +24,12 @@ def task_generator_problems(cfg: Mapping) -> list[ConfigProblem]:
     if g_safe(cfg, "data.type") != "task" and g_safe(cfg, "validate.data.type") != "task":
         return []
     if g_safe(cfg, "task.generator") is None:
-        return [ConfigProblem("task.generator", "data.type=task needs a generator ('module:function')")]
+        return [
+            ConfigProblem(
+                "data.type",
+                f"task={g_safe(cfg, 'task.name')} generates no rows (task.generator is null): set data.type to "
+                "jsonl, parquet, hf or reasoning_gym and name the files (data.data_files), or give the task a "
+                "generator ('module:function')",
+            )
+        ]
     return callable_problems(cfg, "task.generator", 2)
