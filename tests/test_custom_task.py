@@ -94,7 +94,9 @@ def test_without_a_reward_the_check_names_rollout_worker_reward_fn(
     with pytest.raises(ConfigError) as err:
         compose_config(["task=custom", *_args(chatml_model_dir, verl_data)])
     assert [p.path for p in err.value.problems] == ["rollout_worker.reward_fn"]
-    assert err.value.problems[0].message.startswith("not set (null), expected string: set it to your reward")
+    assert err.value.problems[0].message.startswith(
+        "not set (null), expected string or list of string: set it to your reward function"
+    )
 
 
 def test_a_toy_tasks_reward_with_your_own_data_is_refused(
@@ -146,6 +148,10 @@ def test_task_reward_rule_on_plain_configs() -> None:
         == []
     )
     assert task_reward_problems(config("jsonl", None)) == []  # unset: the schema check names it
+    several = ["nexrl_hpc.rewards:exact_match", "nexrl_hpc.tasks.rewards:prefix_match"]
+    assert [p.path for p in task_reward_problems(config("parquet", several))] == [
+        "rollout_worker.reward_fn[1]"
+    ]
 
 
 def _args(chatml_model_dir: str, verl_data: dict[str, str]) -> list[str]:

@@ -30,7 +30,7 @@ MOVED_KEYS = {"train_worker.sync_weight_path": "weight.sync_weight_path"}
 # keys a preset may leave unset (null) for the user to fill: path -> what to set it to
 REQUIRED_VALUE_HINTS = {
     "rollout_worker.reward_fn": "set it to your reward function, 'module:function' or "
-    "'path/to/file.py:function' (the task preset, e.g. task=custom, has no reward of its own)",
+    "'path/to/file.py:function' (or a list of them); the task preset, e.g. task=custom, has none of its own",
 }
 
 

@@ -84,22 +84,26 @@ TASK_REWARD_MODULES = "nexrl_hpc.tasks"
 def task_reward_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
     """A toy task's reward scoring rows that are not the task's (``data.type`` other than ``task``):
     the run would train on the wrong measure (a forgotten ``rollout_worker.reward_fn`` override
-    with an explicit ``task=<name>``), so it is refused naming the key."""
+    with an explicit ``task=<name>``), so it is refused naming the key (each such entry of a list)."""
     data_type = config["data"]["type"]
-    spec = config["rollout_worker"]["reward_fn"]
-    if data_type == "task" or not isinstance(spec, str):
+    configured = config["rollout_worker"]["reward_fn"]
+    if data_type == "task":
         return []
-    module = spec.split(":")[0]
-    if module != TASK_REWARD_MODULES and not module.startswith(TASK_REWARD_MODULES + "."):
-        return []
-    return [
-        ConfigProblem(
-            "rollout_worker.reward_fn",
-            f"{spec!r} is a toy task's reward (task={config['task']['name']}) and data.type={data_type} "
-            "is your own data: set rollout_worker.reward_fn to your reward function (the shipped scorers "
-            "are in nexrl_hpc.rewards, e.g. nexrl_hpc.rewards:exact_match)",
+    several = isinstance(configured, list)
+    problems = []
+    for i, spec in enumerate(configured if several else [configured]):
+        module = spec.split(":")[0] if isinstance(spec, str) else ""
+        if module != TASK_REWARD_MODULES and not module.startswith(TASK_REWARD_MODULES + "."):
+            continue
+        problems.append(
+            ConfigProblem(
+                f"rollout_worker.reward_fn[{i}]" if several else "rollout_worker.reward_fn",
+                f"{spec!r} is a toy task's reward (task={config['task']['name']}) and data.type={data_type} "
+                "is your own data: set rollout_worker.reward_fn to your reward function (the shipped scorers "
+                "are in nexrl_hpc.rewards, e.g. nexrl_hpc.rewards:exact_match)",
+            )
         )
-    ]
+    return problems
 
 
 def check_point(config_dir: str, config_name: str, overrides: list[Override]) -> list[ConfigProblem]:
