@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from nexrl_hpc.agents import sandbox, sandbox_view
+from nexrl_hpc.agents.rewards import assert_harness
 from nexrl_hpc.agents.rewards.code import code_reward_fn
 from nexrl_hpc.agents.sandbox import SandboxLimits, SandboxUnavailableError, run_python
 from tests.conftest import compose_config
@@ -237,3 +238,71 @@ def test_a_fake_verdict_on_stdout_does_not_pass() -> None:
     solution = "import os\nprint('PASS', flush=True)\nos.write(1, b'PASS\\n')\nos._exit(0)\n"
     out = code_reward_fn({"tests": TESTS}, solution, limits=LIMITS)
     assert out.reward == 0.0, out.metadata
+
+
+ALWAYS_EQUAL = (
+    "class Same:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+)
+GAMES = {
+    # an always-equal return value, the function returns it for every input
+    "always-equal": ALWAYS_EQUAL + "def add(a, b):\n    return Same()\n",
+    # ... and the same, its ordering too, for a tolerance test
+    "always-equal-ordered": ALWAYS_EQUAL.replace("class Same:", "class Same(int):")
+    + "    __lt__ = __le__ = __gt__ = __ge__ = __eq__\n    __sub__ = __rsub__ = lambda s, o: s\n"
+    + "    __abs__ = lambda s: s\ndef add(a, b):\n    return Same()\n",
+    # the tests never run: the harness's exec or compile replaced by a no-op
+    "exec": "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add(a, b):\n    return 0\n",
+    "compile": "import builtins\nbuiltins.compile = lambda *a, **k: compile('pass', 'x', 'exec')\n"
+    "def add(a, b):\n    return 0\n",
+    # a builtin the tests use, shadowed by the solution's own name
+    "shadowed-abs": "abs = lambda x: 0\ndef add(a, b):\n    return a + b if type(a) is int else 0.0\n",
+}
+GAMED_TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
+
+
+@pytest.mark.parametrize("game", sorted(GAMES))
+def test_generic_reward_games_score_zero(game: str) -> None:
+    """Always-equal values and a replaced exec/compile scored 1.0: the tests now run in a namespace of
+    their own, with what they need bound before the solution ran, and compare type-strictly."""
+    out = code_reward_fn({"tests": GAMED_TESTS}, GAMES[game], limits=LIMITS)
+    assert (out.reward, out.is_correct) == (0.0, False), out.metadata
+    assert "AssertionError" in out.metadata["error"], out.metadata
+
+
+@pytest.mark.parametrize(
+    "solution",
+    [
+        "def add(a, b):\n    return a + b\n",
+        # the solution's own imports, helpers and globals reach the tests; builtins it rebinds for itself
+        "import math\nOFFSET = 0\nexec = print\ndef _plus(a, b):\n    return math.fsum([a, b]) + OFFSET\n"
+        "def add(a, b):\n    r = _plus(a, b)\n    return int(r) if r == int(r) else r\n",
+    ],
+    ids=["plain", "helpers"],
+)
+def test_honest_solutions_still_pass_the_strict_tests(solution: str) -> None:
+    tests = GAMED_TESTS + "assert add(1, 1) in [2, 3] and 1 < add(1, 1) <= 2.0\nassert [add(1, 1)] == [2.0]\n"
+    out = code_reward_fn({"tests": tests}, solution, limits=LIMITS)
+    assert (out.reward, out.is_correct) == (1.0, True), out.metadata
+
+
+def test_strict_comparisons_of_the_harness() -> None:
+    """The rewritten asserts' comparison, in process: numbers by value, everything else by type too."""
+
+    class Same(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    same = Same(3)
+    assert same == 4 and not assert_harness.strict_equal(same, 4) and not assert_harness.strict_equal(4, same)
+    assert assert_harness.strict_equal(2, 2.0) and assert_harness.strict_equal(
+        {"a": [1, (2,)]}, {"a": [1.0, (2,)]}
+    )
+    assert not assert_harness.strict_equal([1], (1,)) and not assert_harness.strict_equal({same: 1}, {3: 1})
+    assert not assert_harness.compare(("in",), same, [4]) and assert_harness.compare(("<", "<="), 1, 2, 2.0)
+    assert assert_harness.compare(("!=",), same, 4) and not assert_harness.compare((">",), same, 1)
+    scope = {assert_harness.COMPARE_NAME: assert_harness.compare, "x": same}
+    code = compile(assert_harness.strict_asserts("assert x == 4\n", "t.py"), "t.py", "exec")
+    with pytest.raises(AssertionError):
+        exec(code, scope)

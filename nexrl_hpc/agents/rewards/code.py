@@ -14,8 +14,10 @@ runner's source) could still forge a pass: that takes targeting the harness, not
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
+from nexrl_hpc.agents.rewards import assert_harness
 from nexrl_hpc.agents.rewards.types import RewardOutput
 from nexrl_hpc.agents.sandbox import SandboxLimits, run_python
 
@@ -53,28 +55,15 @@ if code == 0:
     print("the tests did not run to their end (the solution's process exited early)", file=sys.stderr)
 sys.exit(1)
 """
+# The tests' process: the harness runs in a namespace of its own, with builtins copied before the
+# solution's code runs (assert_harness: why).
 _RUNNER = r"""
-import os, sys, traceback
-down, up = int(sys.argv[1]), int(sys.argv[2])
-write, read, exit_now = os.write, os.read, os._exit
-def run(name):
-    try:
-        with open(name) as f:
-            exec(compile(f.read(), name, "exec"), scope)
-    except SystemExit as exc:
-        print("%s exited (SystemExit(%r)) before the tests finished" % (name, exc.code), file=sys.stderr)
-        exit_now(1)
-    except BaseException:
-        traceback.print_exc()
-        exit_now(1)
-scope = {"__name__": "__main__", "__builtins__": __builtins__}
-run("solution.py")
-write(up, b"L")
-nonce = read(down, 64)
-run("tests.py")
-write(up, b"P" + nonce)
-exit_now(0)
+import builtins, sys
+harness = {"__builtins__": dict(builtins.__dict__), "__name__": "assert_harness"}
+exec(compile(open("assert_harness.py").read(), "assert_harness.py", "exec"), harness)
+harness["main"](int(sys.argv[1]), int(sys.argv[2]))
 """
+_HARNESS = Path(assert_harness.__file__).read_text()
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -112,7 +101,7 @@ def code_reward_fn(
     if not code.strip():
         return RewardOutput(0.0, {"error": "no code in the response"}, False)
     if isinstance(tests, str):
-        files = {"solution.py": code, "tests.py": tests, "runner.py": _RUNNER}
+        files = {"solution.py": code, "tests.py": tests, "runner.py": _RUNNER, "assert_harness.py": _HARNESS}
         result = run_python(_SUPERVISOR, "", limits, files=files)
         passed = result.ok and result.stdout == f"{_PASS}\n"
         metadata: dict[str, Any] = {"passed": int(passed), "total": 1, "status": result.status}
