@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
-from nexrl_hpc.rewards.loader import SKIPPED, Outcome, Reward, RewardFailure, load_reward
+from nexrl_hpc.rewards.loader import SKIPPED, Outcome, Reward, RewardFailure, contained, load_reward
 
 PER_FUNCTION = "rewards/"
 """Score-key prefix of each function's own value when there are several."""
@@ -46,7 +46,9 @@ class RewardSet:
         for member in self.members:
             try:
                 by_member.append(member.score_batch(tasks, responses))
-            except Exception as exc:
+            except BaseException as exc:
+                if not contained(exc):
+                    raise
                 failure = RewardFailure.now(exc)
                 by_member.append(
                     [RewardFailure(f"{member.name}: {failure.message}", failure.traceback)] * len(tasks)

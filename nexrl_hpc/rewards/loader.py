@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,8 +135,16 @@ def _outcome(score: Callable[..., dict[str, float]], *args: Any) -> Outcome:
     """``score(*args)``, or the failure it raised."""
     try:
         return score(*args)
-    except Exception as exc:
+    except BaseException as exc:
+        if not contained(exc):
+            raise
         return RewardFailure.now(exc)
+
+
+def contained(exc: BaseException) -> bool:
+    """Whether ``exc`` is one sample's failure: any exception, and off the main thread any
+    ``BaseException`` too (``sys.exit()`` in a scorer); the main thread's Ctrl-C and exit stay its own."""
+    return isinstance(exc, Exception) or threading.current_thread() is not threading.main_thread()
 
 
 def to_scores(value: Any) -> dict[str, float]:

@@ -25,6 +25,7 @@ from nexrl_hpc.data.rows import normalise_row
 from nexrl_hpc.rewards.batched import COMPLETION_IDS, RewardContractError
 from nexrl_hpc.rewards.checks import KEY, WEIGHTS_KEY
 from nexrl_hpc.rewards.combined import RewardSet, load_rewards
+from nexrl_hpc.rewards.containment import reward_call
 from nexrl_hpc.rewards.loader import Reward, scores_of
 
 DUMMY_RESPONSE = "0"
@@ -86,7 +87,8 @@ def _call_problem(reward: Reward, task: dict[str, Any], timeout_s: float) -> str
 
     def call() -> None:
         try:
-            outcome.append(("value", reward.raw(probe_task, DUMMY_RESPONSE)))
+            with reward_call():  # the run's calls' containment: no os._exit, no processes left
+                outcome.append(("value", reward.raw(probe_task, DUMMY_RESPONSE)))
         except BaseException as exc:
             outcome.append(("raised", exc))
 

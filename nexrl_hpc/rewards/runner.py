@@ -18,6 +18,14 @@ many times the default task's reward itself.
 A batched reward (TRL's form, or a set of functions one of which is) is called once per
 submission: the submission is one job, with one deadline, and its failure fails every response in it.
 
+A reward that raises any ``BaseException`` (``sys.exit()``, ``exit()``, argparse's exit inside a
+scorer) fails that call, counted as an error; its thread carries on, and a thread that dies anyway is
+replaced and its call counted as an error, never as a timeout. Each call runs under
+``containment.reward_call``: ``os._exit`` fails the call instead of ending the run, and the processes
+the call started are killed and reaped when it ends (``close`` does the same for calls still
+running). What still goes wrong, a reward failing on most samples, is the error-rate stop's
+(``rollout_worker.max_reward_error_frac``).
+
 Every failure is a score of 0 with a count: ``reward/errors`` (raised, or returned no reward) and
 ``reward/timeouts``, both present in every score dict so per-step sums are counts, as is
 ``reward/skipped`` (a TRL function returned None). A warning names the function and the exception,
@@ -38,6 +46,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nexrl_hpc.rewards.containment import reap_children, reward_call
 from nexrl_hpc.rewards.loader import SKIPPED, Outcome, Reward, RewardFailure
 
 if TYPE_CHECKING:
@@ -140,12 +149,17 @@ class RewardRunner:
         return self.submit(task, response).result()
 
     def close(self) -> None:
+        """Stop the threads; the processes calls still running (hung ones too) started are killed."""
         with self._lock:
             self._closed = True
             workers = len(self._live)
+            threads = [w.thread for w in (*self._live, *self._abandoned) if w.thread is not None]
             self._wake.notify_all()
         for _ in range(workers):
             self._queue.put(None)
+        for thread in threads:
+            if thread.native_id is not None:
+                reap_children(thread.native_id)
 
     # --- pool threads ------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -158,6 +172,12 @@ class RewardRunner:
         worker.thread.start()
 
     def _serve(self, worker: _Worker) -> None:
+        try:
+            self._serve_chunks(worker)
+        except BaseException as exc:  # a thread that dies is replaced, never a timeout
+            self._replace_dead(worker, exc)
+
+    def _serve_chunks(self, worker: _Worker) -> None:
         while True:
             chunk = self._queue.get()
             if chunk is None:
@@ -204,15 +224,38 @@ class RewardRunner:
         return "scored"
 
     def _call(self, job: _Job) -> list[Outcome]:
-        """The job's outcomes: one call of the reward (a batched one over all of the job's items)."""
+        """The job's outcomes: one call of the reward (a batched one over all of the job's items).
+        Any ``BaseException`` is the call's failure: ``sys.exit()`` in a reward must not end its
+        thread (the containment module: ``os._exit`` and the processes the call started)."""
         try:
-            if self.reward.batched:
-                tasks, responses = zip(*job.items)
-                return self.reward.score_batch(tasks, responses)
-            ((task, response),) = job.items
-            return [self.reward(task, response)]
-        except Exception as exc:
+            with reward_call():
+                if self.reward.batched:
+                    tasks, responses = zip(*job.items)
+                    return self.reward.score_batch(tasks, responses)
+                ((task, response),) = job.items
+                return [self.reward(task, response)]
+        except BaseException as exc:  # a pool thread: never the main thread's Ctrl-C
             return [RewardFailure.now(exc)] * len(job.items)
+
+    def _replace_dead(self, worker: _Worker, exc: BaseException) -> None:
+        """A pool thread ended by an exception: its call is an error (not a timeout), the rest of
+        its chunk goes back to the queue and a new thread takes its place."""
+        with self._lock:
+            job, worker.job = worker.job, None
+            answered = worker.abandoned  # the watchdog already answered its call as a timeout
+            rest = list(worker.rest)
+            worker.rest.clear()
+            if worker in self._live:
+                self._live.remove(worker)
+            if worker in self._abandoned:
+                self._abandoned.remove(worker)
+            if not self._closed and len(self._live) < self.num_threads:
+                self._spawn()
+            if rest:
+                self._queue.put(rest)
+        if job is not None and not answered:
+            failure = RewardFailure(f"the reward's thread died: {type(exc).__name__}: {exc}")
+            self._resolve_failure(job.futures, ERRORS, failure)
 
     def _watch(self) -> None:
         """Answer calls past their deadline with a timeout and replace their threads."""
