@@ -5,7 +5,8 @@ delay) and counts them: the server's error is raised after one request with its 
 unavailable gateway or a timeout is retried; a request's timeout grows with the tokens it asks
 for. Then the real server: an engine that raises answers 500 with the error, and a whole run
 whose server fails every generation stops at its first request, the server's message in the
-console, ``status.json`` and ``launch.status``.
+console, ``status.json`` and ``launch.status``. And a server that answers 200 with a malformed body:
+the inference error naming the server and the field, never a bare KeyError/TypeError.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any
 
 import pytest
 
+from nexrl_hpc.inference.adapters import OpenAITokenIdsAdapter, SGLangAdapter
 from nexrl_hpc.inference.client import (
+    InferenceResponseError,
     InferenceServerError,
     InferenceServiceError,
     InferenceTimeoutError,
@@ -42,7 +45,7 @@ class Answer:
     """What the server answers next: a status, a body (JSON or text), after ``delay_s``."""
 
     status: int = 200
-    body: Any = None
+    body: Any = None  # None with 200: a well-formed completion; a callable: body(request) is sent
     delay_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
 
@@ -67,7 +70,8 @@ def scripted() -> Iterator[tuple[str, Answer]]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             answer.requests.append(body)
             time.sleep(answer.delay_s)
-            payload = ok_body(body) if answer.status == 200 else answer.body
+            payload = ok_body(body) if answer.status == 200 and answer.body is None else answer.body
+            payload = payload(body) if callable(payload) else payload
             is_text = isinstance(payload, str)
             data = payload.encode() if is_text else json.dumps(payload).encode()
             try:
@@ -177,6 +181,135 @@ def test_the_timeout_grows_with_the_tokens_asked(scripted: tuple[str, Answer]) -
     with pytest.raises(InferenceTimeoutError):
         llm.completion("abc", max_tokens=1)  # 0.21 s allowed
     assert len(answer.requests) == 2
+
+
+def _malformed(change: Any) -> Any:
+    """A well-formed answer to the request, then ``change(answer)`` applied to it."""
+
+    def answer(request: dict[str, Any]) -> Any:
+        payload = ok_body(request)
+        return change(payload) or payload
+
+    return answer
+
+
+def _each_choice(**fields: Any) -> Any:
+    return _malformed(lambda p: [c.update(fields) for c in p["choices"]] and None)
+
+
+MALFORMED = {  # (answer, what the error names)
+    "no-index": (
+        _malformed(lambda p: [c.pop("index") for c in p["choices"]] and None),
+        "choices[0] has no 'index'",
+    ),
+    "index-a-string": (_each_choice(index="0"), "choices[0].index is str '0', not an integer"),
+    "index-out-of-range": (_each_choice(index=1), ".index is 1: each of 0.."),
+    "no-token-ids": (_each_choice(token_ids=None), "returned no token ids"),
+    "token-ids-strings": (
+        _each_choice(token_ids=["5"]),
+        "choices[0].token_ids[0] is str '5', not an integer",
+    ),
+    "prompt-ids-an-object": (_each_choice(prompt_token_ids={"a": 1}), "choices[0].prompt_token_ids is dict"),
+    "logprobs-a-string": (_each_choice(logprobs="x"), "choices[0].logprobs is str 'x', not an object"),
+    "logprob-null": (_each_choice(logprobs={"token_logprobs": [None]}), "token_logprobs[0] is NoneType"),
+    "no-text": (
+        _malformed(lambda p: [c.pop("text") for c in p["choices"]] and None),
+        "choices[0] has no 'text'",
+    ),
+    "finish-reason-a-number": (
+        _each_choice(finish_reason=7),
+        "choices[0].finish_reason is int 7, not a string",
+    ),
+    "choices-an-object": (_malformed(lambda p: {"choices": {"0": p["choices"][0]}}), "choices is dict"),
+    "choice-a-string": (
+        _malformed(lambda p: {"choices": ["x"] * len(p["choices"])}),
+        "choices[0] is str 'x'",
+    ),
+    "answer-a-list": (_malformed(lambda p: [p]), "the answer is list"),
+    "version-a-string": (_malformed(lambda p: dict(p, weight_version="abc")), "weight_version is str 'abc'"),
+    "not-json": (lambda request: "<html>oops</html>", "malformed answer to /v1/completions: not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_completion_is_the_inference_error_naming_the_server_and_field(
+    scripted: tuple[str, Answer], case: str
+) -> None:
+    """Was: ``KeyError: 'index'`` (or an AttributeError/TypeError) with no word of the server."""
+    url, answer = scripted
+    answer.body, names = MALFORMED[case]
+    errors = both_ways(client(url, max_retries=2), max_tokens=4)
+    assert len(errors) == 2 and len(answer.requests) == 2  # one request each: not retried
+    for exc in errors:
+        assert isinstance(exc, InferenceResponseError), repr(exc)
+        assert str(exc).startswith(f"{url}/v1") and names in str(exc), str(exc)
+
+
+def test_a_choice_index_given_twice_names_the_choice() -> None:
+    payload = ok_body({"prompt": ["a", "b"]})
+    payload["choices"][1]["index"] = 0
+    with pytest.raises(InferenceResponseError, match=r"choices\[1\]\.index is 0: each of 0\.\.1 once"):
+        OpenAITokenIdsAdapter("http://node7:8000/v1").completion_choices(payload, 2, 1)
+
+
+CHAT_OK = {
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "finish_reason": "stop",
+            "token_ids": [5],
+            "logprobs": {"content": [{"token": "hi", "logprob": -0.5}]},
+        }
+    ],
+    "prompt_token_ids": [1, 2],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        (lambda p: p.update(choices=[]), "choices is empty"),
+        (lambda p: p["choices"][0].pop("message"), "choices[0] has no 'message'"),
+        (lambda p: p["choices"][0]["message"].update(content=["hi"]), "choices[0].message.content is list"),
+        (lambda p: p["choices"][0]["logprobs"]["content"][0].pop("logprob"), "content[0] has no 'logprob'"),
+        (lambda p: p["choices"][0].update(token_ids="5"), "choices[0].token_ids is str '5'"),
+        (lambda p: p["choices"][0]["message"].update(tool_calls="x"), "tool_calls is str 'x'"),
+    ],
+)
+def test_a_malformed_chat_completion_names_the_field(change: Any, names: str) -> None:
+    adapter = OpenAITokenIdsAdapter("http://node7:8000/v1")
+    assert adapter.chat_choice(json.loads(json.dumps(CHAT_OK))).logprobs == [-0.5]
+    payload = json.loads(json.dumps(CHAT_OK))
+    change(payload)
+    with pytest.raises(InferenceResponseError, match="^http://node7:8000/v1: ") as caught:
+        adapter.chat_choice(payload)
+    assert names in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("item", "names"),
+    [
+        ("text", "the answer is str 'text', not an object"),
+        (
+            {"prompt_token_ids": [1], "meta_info": {"output_token_logprobs": [[-1.0]]}},
+            "[0] is [-1.0], not [logprob",
+        ),
+        (
+            {"prompt_token_ids": [1], "meta_info": {"output_token_logprobs": [[-1.0, "5"]]}},
+            "[0][1] is str '5'",
+        ),
+        (
+            {"prompt_token_ids": "1", "meta_info": {"output_token_logprobs": []}},
+            "prompt_token_ids is str '1'",
+        ),
+        ({"prompt_token_ids": [1], "meta_info": "x"}, "meta_info is str 'x'"),
+    ],
+)
+def test_a_malformed_sglang_answer_names_the_field(item: Any, names: str) -> None:
+    with pytest.raises(InferenceResponseError, match="^http://node7:30000: ") as caught:
+        SGLangAdapter("http://node7:30000").completion_choices(item, 1, 1)
+    assert names in str(caught.value)
 
 
 def test_a_failing_engine_is_a_500_with_its_error(tiny_model_dir: str) -> None:

@@ -3,7 +3,9 @@
 Why: every engine asks for (and returns) the ids and log-probs training needs in its own fields.
 The client (``LLMServiceClient``) stays engine-agnostic: it sends what an adapter builds and
 reads back ``EngineChoice``s; ``create_engine_adapter`` picks the adapter for
-``service.inference_service.backend``.
+``service.inference_service.backend``. Every field of an answer is read through
+``response_fields.AnswerReader``: a missing or mistyped one is an ``InferenceResponseError`` naming
+the server and the field.
 
 - ``OpenAITokenIdsAdapter`` (backend ``vllm`` and ``local``): OpenAI ``/v1/completions`` and
   ``/v1/chat/completions`` with vLLM's extension ``return_token_ids`` and ``logprobs``; each
@@ -24,7 +26,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from nexrl_hpc.inference.errors import InferenceServiceError, MissingTokenIdsError
+from nexrl_hpc.inference.errors import InferenceResponseError, InferenceServiceError, MissingTokenIdsError
+from nexrl_hpc.inference.response_fields import AnswerReader
 
 
 @dataclass
@@ -80,35 +83,50 @@ class OpenAITokenIdsAdapter(EngineAdapter):
         return "v1/completions", body
 
     def completion_choices(self, payload: Any, n_prompts: int, n: int) -> list[EngineChoice]:
-        choices = sorted(payload.get("choices") or [], key=lambda c: c["index"])
+        read = AnswerReader(self.server, "a completion request")
+        choices = read.items(read.field(payload, "choices", list, "", required=False) or [], dict, "choices")
         if len(choices) != n_prompts * n:
-            raise InferenceServiceError(
+            raise InferenceResponseError(
                 f"{self.server}: asked for {n_prompts * n} choices, got {len(choices)}"
             )
-        version = payload.get("weight_version")
-        out = []
-        for choice in choices:
-            if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
-                raise MissingTokenIdsError(
-                    f"{self.server} returned no token ids; the server must support 'return_token_ids' "
-                    "(vLLM >= 0.10.2 or nexrl_hpc's server)"
-                )
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if logprobs is None or len(logprobs) != len(choice["token_ids"]):
-                raise InferenceServiceError(
-                    f"{self.server} returned no per-token logprobs for the completion"
-                )
-            out.append(
-                EngineChoice(
-                    text=choice["text"],
-                    finish_reason=choice["finish_reason"],
-                    prompt_ids=list(choice["prompt_token_ids"]),
-                    response_ids=list(choice["token_ids"]),
-                    logprobs=[float(x) for x in logprobs],
-                    weight_version=version,
-                )
+        by_index: dict[int, dict[str, Any]] = {}
+        for i, choice in enumerate(choices):
+            index = read.field(choice, "index", int, f"choices[{i}]")
+            if not 0 <= index < len(choices) or index in by_index:
+                raise read.error(f"choices[{i}].index", f"is {index}: each of 0..{len(choices) - 1} once")
+            by_index[index] = choice
+        version = read.field(payload, "weight_version", int, "", required=False)
+        return [
+            self._completion_choice(read, by_index[i], f"choices[{i}]", version) for i in range(len(choices))
+        ]
+
+    def _completion_choice(
+        self, read: AnswerReader, choice: dict[str, Any], path: str, version: Any
+    ) -> EngineChoice:
+        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+            raise MissingTokenIdsError(
+                f"{self.server} returned no token ids; the server must support 'return_token_ids' "
+                "(vLLM >= 0.10.2 or nexrl_hpc's server)"
             )
-        return out
+        response_ids = read.ints(choice["token_ids"], f"{path}.token_ids")
+        logprobs = read.field(choice, "logprobs", dict, path, required=False) or {}
+        token_logprobs = logprobs.get("token_logprobs")
+        if (
+            token_logprobs is None
+            or not isinstance(token_logprobs, list)
+            or len(token_logprobs) != len(response_ids)
+        ):
+            raise InferenceResponseError(
+                f"{self.server} returned no per-token logprobs for the completion ({path})"
+            )
+        return EngineChoice(
+            text=read.field(choice, "text", str, path),
+            finish_reason=read.field(choice, "finish_reason", str, path, required=False),
+            prompt_ids=read.ints(choice["prompt_token_ids"], f"{path}.prompt_token_ids"),
+            response_ids=response_ids,
+            logprobs=read.floats(token_logprobs, f"{path}.logprobs.token_logprobs"),
+            weight_version=version,
+        )
 
     def chat_request(
         self, model: str, messages: list[dict[str, Any]], kwargs: dict[str, Any]
@@ -120,24 +138,45 @@ class OpenAITokenIdsAdapter(EngineAdapter):
         return "v1/chat/completions", body
 
     def chat_choice(self, payload: Any) -> EngineChoice:
-        choice = payload["choices"][0]
+        read = AnswerReader(self.server, "a chat completion request")
+        choices = read.items(read.field(payload, "choices", list, ""), dict, "choices")
+        if not choices:
+            raise read.error("choices", "is empty")
+        choice = choices[0]
         prompt_ids = payload.get("prompt_token_ids") or choice.get("prompt_token_ids")
         if choice.get("token_ids") is None or prompt_ids is None:
             raise MissingTokenIdsError(
                 f"{self.server} returned no token ids; the server must support 'return_token_ids'"
             )
-        content = (choice.get("logprobs") or {}).get("content") or []
-        message = choice["message"]
+        content = (
+            read.field(
+                read.field(choice, "logprobs", dict, "choices[0]", required=False) or {},
+                "content",
+                list,
+                "choices[0].logprobs",
+                required=False,
+            )
+            or []
+        )
+        logprobs = [
+            float(read.field(item, "logprob", float, f"choices[0].logprobs.content[{i}]"))
+            for i, item in enumerate(content)
+        ]
+        message = read.field(choice, "message", dict, "choices[0]")
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
         return EngineChoice(
-            text=message.get("content") or "",
-            finish_reason=choice["finish_reason"],
-            prompt_ids=list(prompt_ids),
-            response_ids=list(choice["token_ids"]),
-            logprobs=[float(c["logprob"]) for c in content],
-            weight_version=payload.get("weight_version"),
+            text=read.field(message, "content", str, "choices[0].message", required=False) or "",
+            finish_reason=read.field(choice, "finish_reason", str, "choices[0]", required=False),
+            prompt_ids=read.ints(prompt_ids, "prompt_token_ids"),
+            response_ids=read.ints(choice["token_ids"], "choices[0].token_ids"),
+            logprobs=logprobs,
+            weight_version=read.field(payload, "weight_version", int, "", required=False),
             message={
-                "reasoning": message.get("reasoning_content") or message.get("reasoning"),
-                "tool_calls": message.get("tool_calls") or [],
+                "reasoning": None
+                if reasoning is None
+                else read.check(reasoning, str, "choices[0].message.reasoning"),
+                "tool_calls": read.field(message, "tool_calls", list, "choices[0].message", required=False)
+                or [],
             },
         )
 
@@ -164,11 +203,18 @@ class SGLangAdapter(EngineAdapter):
     def completion_choices(self, payload: Any, n_prompts: int, n: int) -> list[EngineChoice]:
         items = payload if isinstance(payload, list) else [payload]
         if len(items) != n_prompts * n:
-            raise InferenceServiceError(f"{self.server}: asked for {n_prompts * n} outputs, got {len(items)}")
-        return [self._choice(item) for item in items]
+            raise InferenceResponseError(
+                f"{self.server}: asked for {n_prompts * n} outputs, got {len(items)}"
+            )
+        read = AnswerReader(self.server, "a /generate request")
+        return [
+            self._choice(read, item, f"[{i}]" if isinstance(payload, list) else "")
+            for i, item in enumerate(items)
+        ]
 
-    def _choice(self, item: dict[str, Any]) -> EngineChoice:
-        meta = item.get("meta_info") or {}
+    def _choice(self, read: AnswerReader, item: Any, path: str) -> EngineChoice:
+        read.check(item, dict, path or "the answer")
+        meta = read.field(item, "meta_info", dict, path, required=False) or {}
         rows = meta.get("output_token_logprobs")
         prompt_ids = item.get("prompt_token_ids")
         if rows is None or prompt_ids is None:
@@ -176,18 +222,24 @@ class SGLangAdapter(EngineAdapter):
                 f"{self.server} returned no token ids/logprobs; /generate needs 'return_logprob' and "
                 "'return_prompt_token_ids' (a recent SGLang)"
             )
+        where = f"{path}.meta_info.output_token_logprobs" if path else "meta_info.output_token_logprobs"
+        for i, row in enumerate(read.items(rows, list, where)):
+            if len(row) < 2:
+                raise read.error(f"{where}[{i}]", f"is {row!r:.60}, not [logprob, token_id, text]")
+            read.check(row[0], float, f"{where}[{i}][0]")
+            read.check(row[1], int, f"{where}[{i}][1]")
         response_ids = [int(r[1]) for r in rows]
         output_ids = item.get("output_ids")
-        if output_ids is not None and list(output_ids) != response_ids:
+        if output_ids is not None and read.ints(output_ids, f"{path}.output_ids".lstrip(".")) != response_ids:
             raise InferenceServiceError(f"{self.server}: output_ids and output_token_logprobs disagree")
         reason = meta.get("finish_reason")
         return EngineChoice(
-            text=item.get("text", ""),
+            text=read.field(item, "text", str, path, required=False) or "",
             finish_reason=reason.get("type") if isinstance(reason, dict) else reason,
-            prompt_ids=[int(t) for t in prompt_ids],
+            prompt_ids=read.ints(prompt_ids, f"{path}.prompt_token_ids".lstrip(".")),
             response_ids=response_ids,
             logprobs=[float(r[0]) for r in rows],
-            weight_version=_int_version(meta.get("weight_version")),
+            weight_version=_int_version(read, meta.get("weight_version"), f"{path}.meta_info.weight_version"),
         )
 
     def chat_request(
@@ -202,11 +254,11 @@ class SGLangAdapter(EngineAdapter):
         raise NotImplementedError
 
 
-def _int_version(value: Any) -> Any:
+def _int_version(read: AnswerReader, value: Any, path: str) -> int | None:
     """SGLang reports the version it was given as a string ("default" when never set)."""
     if isinstance(value, str):
         return int(value) if value.isdigit() else None
-    return value
+    return None if value is None else int(read.check(value, int, path.lstrip(".")))
 
 
 _ADAPTERS: dict[str, type[EngineAdapter]] = {

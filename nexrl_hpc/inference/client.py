@@ -30,6 +30,7 @@ from nexrl_hpc.config.schema import InferenceServiceConfig
 from nexrl_hpc.core.execute import aexecute, execute
 from nexrl_hpc.inference.adapters import EngineChoice, create_engine_adapter
 from nexrl_hpc.inference.errors import (
+    InferenceResponseError,
     InferenceServerError,
     InferenceServiceError,
     InferenceTimeoutError,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from nexrl_hpc.scheduler.interfaces import RolloutSchedulerRef
 
 __all__ = [
+    "InferenceResponseError",
     "InferenceServerError",
     "InferenceServiceError",
     "InferenceTimeoutError",
@@ -249,7 +251,7 @@ class LLMServiceClient:
 
     def _post_sync(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         raw = self._client.post(f"/{path}", body=body, cast_to=bytes, options={"timeout": timeout})
-        return json.loads(raw)
+        return self._decoded(path, raw)
 
     async def _post_async(self, path: str, body: dict[str, Any], timeout: float) -> Any:
         if self._aclient is None:
@@ -257,7 +259,16 @@ class LLMServiceClient:
                 base_url=self._root, api_key=self._api_key, max_retries=0, timeout=self._timeout
             )
         raw = await self._aclient.post(f"/{path}", body=body, cast_to=bytes, options={"timeout": timeout})
-        return json.loads(raw)
+        return self._decoded(path, raw)
+
+    def _decoded(self, path: str, raw: bytes) -> Any:
+        """The answer's JSON; a body that is none is the server's malformed answer, named."""
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise InferenceResponseError(
+                f"{self._base_url}: malformed answer to /{path}: not JSON ({bytes(raw[:80])!r})"
+            ) from None
 
     def _retry_delay(self, exc: Exception, attempt: int, timeout: float) -> float:
         """Seconds to wait before the next attempt; raises when the call must not (or may no longer) be retried."""

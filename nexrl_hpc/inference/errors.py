@@ -4,7 +4,8 @@ Three ways a request fails, told apart because only two of them are worth anothe
 the server could not be reached (``InferenceUnreachableError``) or did not answer in time
 (``InferenceTimeoutError``), both retried; or the server answered with an error of its own
 (``InferenceServerError``: it received the request, tried it and failed, or refused it), raised at
-once with the server's message: asking again would generate again and fail again.
+once with the server's message: asking again would generate again and fail again. A fourth, also
+raised at once: the server answered, but not in its engine's protocol (``InferenceResponseError``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ class InferenceServiceError(RuntimeError):
     """The inference service failed or could not be reached; the message names its URL."""
 
 
-class MissingTokenIdsError(InferenceServiceError):
+class InferenceResponseError(InferenceServiceError):
+    """The server answered, but with a body its engine's protocol does not allow (not JSON, a field
+    missing or of the wrong type); the message names the server and the field. Not retried: the
+    same server would answer the same way."""
+
+
+class MissingTokenIdsError(InferenceResponseError):
     """The server answered without the token ids training needs (wrong engine or version)."""
 
 
