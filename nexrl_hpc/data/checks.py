@@ -4,17 +4,26 @@ configured prompt and answer keys, chat prompts have a chat template to go throu
 prompt is longer than ``rollout_worker.max_prompt_length``. Every problem names its key path.
 
 Only the first few rows are read, unless all of them are too long: then the files are scanned
-until one prompt fits (a dataset that fits is usually known from its first row).
+until one prompt fits (a dataset that fits is usually known from its first row). A prompt whose
+character count alone puts it over the limit is not tokenized (``prompts.character_bound``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from nexrl_hpc.config.validate import ConfigProblem, config_value, g_safe, rule_problems
-from nexrl_hpc.data.prompts import chat_template_problem, needs_chat_template, prompt_length
+from nexrl_hpc.data.prompts import (
+    CharacterBound,
+    character_bound,
+    chat_template_problem,
+    needs_chat_template,
+    prompt_chars,
+    prompt_length,
+)
 from nexrl_hpc.data.readers import FILE_TYPES, first_rows, iter_rows
 from nexrl_hpc.data.rows import MISSING, get_path, normalise_row, prompt_problem
 
@@ -104,25 +113,45 @@ def _prompt_fit_problems(
         if why:
             return [ConfigProblem(f"{prefix}.prompt_key", why)]
     limit = cfg["rollout_worker"]["max_prompt_length"]
-    shortest = min(prompt_length(tokenizer, t["prompt"], apply_template, add_generation) for t in tasks)
-    if shortest <= limit:
+    measure = _PromptMeasure(tokenizer, character_bound(tokenizer), apply_template, add_generation, limit)
+    shortest = min(measure(t["prompt"]) for t in tasks)
+    if shortest[0] <= limit:
         return []
     for path in files:  # all first rows too long: is any prompt short enough?
         for _, row, _ in iter_rows(kind, path, data["split"], data["hf_builder"]):
             task = normalise_row(row, data)[0] if row is not None else None  # type: ignore[arg-type]
             if task is not None:
-                length = prompt_length(tokenizer, task["prompt"], apply_template, add_generation)
-                if length <= limit:
+                size = measure(task["prompt"])
+                if size[0] <= limit:
                     return []
-                shortest = min(shortest, length)
+                shortest = min(shortest, size)
+    tokens, counted = shortest
     return [
         ConfigProblem(
             "rollout_worker.max_prompt_length",
-            f"every prompt of {prefix}.data_files is longer than {limit} tokens (the shortest has {shortest} "
-            f"after templating): nothing would be left to {'validate' if prefix != 'data' else 'train'} on; "
-            "raise the limit or shorten the prompts",
+            f"every prompt of {prefix}.data_files is longer than {limit} tokens (the shortest has {tokens} "
+            f"after templating{counted}): nothing would be left to "
+            f"{'validate' if prefix != 'data' else 'train'} on; raise the limit or shorten the prompts",
         )
     ]
+
+
+@dataclass(frozen=True)
+class _PromptMeasure:
+    """A prompt's tokens, ``(n, "")``; or, when its characters alone put it over ``limit``, a lower
+    bound ``(n, " or more, by its C characters")`` without tokenizing it (a 1 MB prompt takes seconds)."""
+
+    tokenizer: Any
+    bound: CharacterBound | None
+    apply_template: bool
+    add_generation: bool
+    limit: int
+
+    def __call__(self, prompt: Any) -> tuple[int, str]:
+        floor = self.bound.min_tokens(prompt) if self.bound is not None else 0
+        if floor > self.limit:
+            return floor, f" or more, by its {prompt_chars(prompt)} characters"
+        return prompt_length(self.tokenizer, prompt, self.apply_template, self.add_generation), ""
 
 
 def data_files_problems(cfg: Mapping) -> list[ConfigProblem]:

@@ -100,7 +100,8 @@ class DatasetLoader(BaseDataLoader):
         if not self._rows:
             raise ValueError(
                 f"no usable rows in {files} ({self.skipped_rows} skipped, {self.filtered_long_prompts} "
-                f"longer than rollout_worker.max_prompt_length={max_prompt_length} tokens)"
+                f"longer than rollout_worker.max_prompt_length={max_prompt_length} tokens"
+                f"{': ' + ', '.join(loaded.long_examples) if loaded.long_examples else ''})"
             )
         self._lock = threading.Condition()
         self._returned: deque[dict[str, Any]] = deque()

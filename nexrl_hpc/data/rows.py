@@ -6,7 +6,8 @@ A task holds the row's own fields plus ``prompt`` (a string or chat messages, fr
 verl's rows (``data_source``, ``prompt`` as messages, ``reward_model.ground_truth``, ``extra_info``)
 need only ``answer_key=reward_model.ground_truth`` and TRL's (``prompt`` or ``messages``,
 ``solution``/``answer``) at most ``prompt_key``/``answer_key``. Bad rows are skipped and counted,
-each named by file and row; prompts over ``max_prompt_length`` tokens are filtered and counted.
+each named by file and row; prompts over ``max_prompt_length`` tokens are filtered and counted (one
+far over it by its character count alone without being tokenized: ``prompts.character_bound``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nexrl_hpc.data.prompts import chat_template_problem, is_messages, needs_chat_template, prompt_length
+from nexrl_hpc.data.prompts import (
+    CharacterBound,
+    character_bound,
+    chat_template_problem,
+    is_messages,
+    needs_chat_template,
+    prompt_chars,
+    prompt_length,
+)
 from nexrl_hpc.data.readers import FILE_TYPES, iter_rows
 
 if TYPE_CHECKING:
@@ -25,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MISSING: Any = object()  # a key path that is not in the row
+LONG_EXAMPLES = 3  # over-long prompts named in the filter's warning
 
 
 def get_path(row: Mapping[str, Any], path: str) -> Any:
@@ -79,6 +89,7 @@ class LoadedRows:
     tasks: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0  # unreadable rows and rows without a usable prompt
     filtered_long: int = 0  # prompts over max_prompt_length tokens (after templating)
+    long_examples: list[str] = field(default_factory=list)  # the first few of them: file, row, size
 
 
 def prompt_length_filter(config: RLTrainConfig) -> tuple[Any, int | None]:
@@ -109,6 +120,7 @@ def load_rows(
     """Read, normalise and length-filter every row of ``files`` (``split_name`` names uids without an id)."""
     out = LoadedRows()
     kind = reader_type(cfg)
+    bound = character_bound(tokenizer) if tokenizer is not None and max_prompt_length is not None else None
     template_checked = False
     for path in files:
         for row_no, row, problem in iter_rows(kind, path, cfg["split"], cfg["hf_builder"]):
@@ -125,12 +137,12 @@ def load_rows(
                     if why:
                         raise ValueError(f"{key_prefix}.prompt_key: {why}")
                     template_checked = True
-                length = prompt_length(
-                    tokenizer, task["prompt"], cfg["apply_chat_template"], cfg["add_generation_prompt"]
-                )
-                if length > max_prompt_length:
+                over = _over_long(tokenizer, bound, task["prompt"], cfg, max_prompt_length)
+                if over:
                     out.filtered_long += 1
-                    logger.debug("%s: row %d: prompt of %d tokens filtered", path, row_no, length)
+                    if len(out.long_examples) < LONG_EXAMPLES:
+                        out.long_examples.append(f"{path} row {row_no} ({over})")
+                    logger.debug("%s: row %d: prompt of %s filtered", path, row_no, over)
                     continue
             task.setdefault("uid", f"{split_name}-{len(out.tasks)}")
             out.tasks.append(task)
@@ -138,10 +150,24 @@ def load_rows(
         logger.warning("%s data: skipped %d bad row(s) in %s", split_name, out.skipped, files)
     if out.filtered_long:
         logger.warning(
-            "%s data: filtered %d prompt(s) longer than rollout_worker.max_prompt_length=%s tokens in %s",
+            "%s data: filtered %d prompt(s) longer than rollout_worker.max_prompt_length=%s tokens in %s: %s%s",
             split_name,
             out.filtered_long,
             max_prompt_length,
             files,
+            ", ".join(out.long_examples),
+            ", ..." if out.filtered_long > len(out.long_examples) else "",
         )
     return out
+
+
+def _over_long(
+    tokenizer: Any, bound: CharacterBound | None, prompt: Any, cfg: DataConfig, max_prompt_length: int
+) -> str:
+    """Why ``prompt`` is over ``max_prompt_length`` tokens ('' if it is not): its token count, or a
+    count from its characters alone when that already says so (then it is not tokenized)."""
+    floor = bound.min_tokens(prompt) if bound is not None else 0
+    if floor > max_prompt_length:
+        return f"at least {floor} tokens by its {prompt_chars(prompt)} characters, not tokenized"
+    length = prompt_length(tokenizer, prompt, cfg["apply_chat_template"], cfg["add_generation_prompt"])
+    return f"{length} tokens" if length > max_prompt_length else ""
