@@ -78,19 +78,26 @@ def reward_call() -> Iterator[None]:
 
 def _children(pid: int, tid: int | None = None) -> list[int]:
     """The children of thread ``tid`` of process ``pid`` (every thread's when ``tid`` is None)."""
-    tasks = [Path(f"/proc/{pid}/task/{tid}")] if tid is not None else _tasks(pid)
+    tasks = [f"/proc/{pid}/task/{tid}/children"] if tid is not None else _tasks(pid)
     found: list[int] = []
-    for task in tasks:
-        try:
-            found.extend(int(child) for child in (task / "children").read_text().split())
+    for path in tasks:
+        try:  # os-level: this runs after every reward call
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                text = b""
+                while part := os.read(fd, 1 << 16):
+                    text += part
+            finally:
+                os.close(fd)
+            found.extend(int(child) for child in text.split())
         except (OSError, ValueError):
             continue
     return found
 
 
-def _tasks(pid: int) -> list[Path]:
+def _tasks(pid: int) -> list[str]:
     try:
-        return list(Path(f"/proc/{pid}/task").iterdir())
+        return [str(task / "children") for task in Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
         return []
 
