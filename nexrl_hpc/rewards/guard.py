@@ -2,8 +2,9 @@
 
 An environment scores an action on its own thread and wants a ``RewardOutput`` back. This wraps the
 run's reward in a RewardRunner (made on first call, so a workflow built only to check the config
-starts no threads): a reward that raises, returns no number or runs past ``reward_timeout_s``
-scores 0 instead of failing the episode, and every output carries the counts
+starts no threads): a reward that raises (``sys.exit()`` and ``os._exit()`` included), returns no
+number or runs past ``reward_timeout_s`` scores 0 instead of failing the episode (the processes it
+started are reaped when its call ends: runner.py), and every output carries the counts
 ``reward/errors``/``reward/timeouts`` in its metadata for the episode's metrics.
 """
 
