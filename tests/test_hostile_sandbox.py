@@ -281,6 +281,10 @@ def test_generic_reward_games_score_zero(game: str) -> None:
 )
 def test_honest_solutions_still_pass_the_strict_tests(solution: str) -> None:
     tests = GAMED_TESTS + "assert add(1, 1) in [2, 3] and 1 < add(1, 1) <= 2.0\nassert [add(1, 1)] == [2.0]\n"
+    # HumanEval's form: the asserts inside a function the tests call, and a None compared by ==
+    tests += (
+        "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert print() == None\ncheck(add)\n"
+    )
     out = code_reward_fn({"tests": tests}, solution, limits=LIMITS)
     assert (out.reward, out.is_correct) == (1.0, True), out.metadata
 
@@ -303,6 +307,7 @@ def test_strict_comparisons_of_the_harness() -> None:
     assert not assert_harness.compare(("in",), same, [4]) and assert_harness.compare(("<", "<="), 1, 2, 2.0)
     assert assert_harness.compare(("!=",), same, 4) and not assert_harness.compare((">",), same, 1)
     scope = {assert_harness.COMPARE_NAME: assert_harness.compare, "x": same}
-    code = compile(assert_harness.strict_asserts("assert x == 4\n", "t.py"), "t.py", "exec")
-    with pytest.raises(AssertionError):
-        exec(code, scope)
+    for source in ("assert x == 4\n", "def check():\n    assert x == 4\ncheck()\n"):
+        code = compile(assert_harness.strict_asserts(source, "t.py"), "t.py", "exec")
+        with pytest.raises(AssertionError):
+            exec(code, scope)
