@@ -4,7 +4,7 @@
 
 Binds loopback unless told otherwise; refuses to start without a bearer token (from the
 environment variable named by ``--token-env``). The HTTP port keeps the run's pre-authentication
-limits (``runtime.rpc.preauth_*`` of the shipped config; ``nexrl_hpc/trainer/http_guard.py``). Worker groups register themselves:
+limits (``runtime.rpc.preauth_*`` of the shipped config; ``nexrl_hpc/rpc/http_guard.py``). Worker groups register themselves:
 ``torchrun --nproc_per_node=N -m launch.train_worker --api-server-url URL --identifier ID``.
 """
 
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from nexrl_hpc.config.location import default_section
+    from nexrl_hpc.rpc.http_guard import BearerFirst, guarded_protocol
     from nexrl_hpc.rpc.preauth import WireLimits
     from nexrl_hpc.trainer.api_server import create_app
-    from nexrl_hpc.trainer.http_guard import BearerFirst, guarded_protocol
 
     limits = WireLimits.from_config(default_section("runtime.rpc"))  # the shipped runtime.rpc defaults
     app = create_app(token, args.heartbeat_timeout_s, args.relay_timeout_s, args.max_message_mb << 20, limits)

@@ -6,6 +6,7 @@ HTTP by Starlette's test client; the engine's batches are observed by wrapping i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,3 +123,53 @@ def test_token_ids_outside_the_vocabulary_are_a_400_and_the_engine_lives(
         )
     assert batches == []  # checked before anything was queued
     assert completion(client, {"prompt": [1, engine.vocab_size - 1]}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "named"),
+    [
+        ("/v1/completions", {"prompt": [1, 5], "max_tokens": float("nan")}, "invalid request: max_tokens: "),
+        ("/v1/completions", {"prompt": [1, 5], "max_tokens": "many"}, "invalid request: max_tokens: "),
+        (
+            "/v1/completions",
+            {"prompt": [1, 5], "temperature": float("nan")},
+            "invalid request: temperature: ",
+        ),
+        ("/v1/chat/completions", {"messages": "a", "n": float("inf")}, "invalid request: messages: "),
+    ],
+    ids=["max_tokens-nan", "max_tokens-text", "temperature-nan", "chat-fields"],
+)
+def test_fields_of_the_wrong_type_or_value_are_a_400_naming_the_field(
+    served: tuple[TestClient, HFEngine, list[int]], route: str, body: dict[str, Any], named: str
+) -> None:
+    """Was a 500: FastAPI's validation answer echoes the input, and JSON has no NaN."""
+    client, _, batches = served
+    batches.clear()
+    raw = json.dumps({"model": "policy", **body})  # NaN and Infinity as Python writes them
+    resp = client.post(route, content=raw, headers={**AUTH, "content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith(named)
+    assert batches == []
+
+
+def test_a_weight_version_that_is_no_integer_is_a_400_naming_it(
+    served: tuple[TestClient, HFEngine, list[int]], tiny_model_dir: str
+) -> None:
+    client, engine, _ = served
+    version = engine.weight_version
+    resp = client.post(
+        "/update_weights_from_disk",
+        json={"model_path": tiny_model_dir, "weight_version": "abc"},
+        headers=AUTH,
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json() == {"success": False, "message": "weight_version: 'abc' is not an integer"}
+    resp = client.post(
+        "/update_weights_from_disk", json={"model_path": tiny_model_dir, "weight_version": 1.5}, headers=AUTH
+    )
+    assert resp.status_code == 400 and "weight_version" in resp.json()["error"]["message"]
+    assert engine.weight_version == version  # nothing loaded
+    resp = client.post(
+        "/update_weights_from_disk", json={"model_path": tiny_model_dir, "weight_version": "12"}, headers=AUTH
+    )
+    assert resp.status_code == 200 and resp.json()["weight_version"] == 12

@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from nexrl_hpc.config.location import default_section
 from nexrl_hpc.config.schema import LocalInferenceConfig, RuntimeConfig
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, send_spec, server_env, take_prewarmed
 from nexrl_hpc.inference.server_process import threshold_args
@@ -69,6 +70,8 @@ class LocalInferenceServer:
         """Start the process without waiting (start-up overlaps with the trainer's)."""
         host = resolve_bind_address(self.config["host"], HOST_KEY, ipv6=True, allow_unspecified=True).address
         os.makedirs(self.log_dir, exist_ok=True)
+        # the port's pre-authentication limits: the run's runtime.rpc (the shipped ones without a run)
+        rpc = self.runtime["rpc"] if self.runtime is not None else default_section("runtime.rpc")
         ready_file = self._ready_file = f"{self.log_path}.{os.getpid()}.ready"
         if os.path.exists(ready_file):
             os.remove(ready_file)
@@ -107,6 +110,10 @@ class LocalInferenceServer:
             str(self.config["max_prompts_per_request"]),
             "--max-request-mb",
             str(self.config["max_request_mb"]),
+            "--preauth-timeout-s",
+            str(rpc["preauth_timeout_s"]),
+            "--preauth-max-connections",
+            str(rpc["preauth_max_connections"]),
         ]
         if self.attn_implementation:
             args += ["--attn-implementation", self.attn_implementation]

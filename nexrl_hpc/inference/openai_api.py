@@ -276,7 +276,17 @@ class OpenAIApi:
 
     async def update_weights_from_disk(self, req: UpdateWeightsRequest) -> Response:
         engine = self.engine
-        version = int(req.weight_version) if req.weight_version is not None else None
+        version = req.weight_version
+        if isinstance(version, str):
+            if not version.strip().lstrip("-").isdigit():
+                return JSONResponse(
+                    status_code=400,
+                    content={
+                        "success": False,
+                        "message": f"weight_version: {version[:40]!r} is not an integer",
+                    },
+                )
+            version = int(version)
         try:
             message = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
         except Exception as exc:

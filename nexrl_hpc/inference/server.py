@@ -9,7 +9,14 @@ What one request may cost is bounded (``RequestLimits``, from ``service.inferenc
 its body size (checked after the key, before a byte of the body is buffered past the cap), ``n``,
 the number of prompts; each prompt is checked against the model (vocabulary, context length) before
 anything is queued, and a request is cut into engine batches of at most ``max_batch_size``
-sequences. Over a limit is a 400 naming the setting.
+sequences. Over a limit is a 400 naming the setting; so is a field of the wrong type or value (the
+field named, e.g. ``max_tokens``: NaN).
+
+What a peer without the key costs is bounded as on the run's other ports (``runtime.rpc.preauth_*``,
+``nexrl_hpc.rpc.http_guard``): a connection must deliver a request head within
+``preauth_timeout_s`` (of its start, or of its previous response: idle keep-alive connections too),
+at most ``preauth_max_connections`` connections wait for one at once (beyond, the oldest is closed),
+and the soft descriptor limit is raised to hold them with room for the run's files.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,6 +54,8 @@ from nexrl_hpc.inference.openai_api import (
     error_response,
 )
 from nexrl_hpc.inference.prewarm import API_KEY_ENV, SPEC_FROM_STDIN, read_spec
+from nexrl_hpc.rpc.http_guard import guarded_protocol
+from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.runtime.gc_tuning import GcSettings, freeze_imports, settle_after_setup
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
@@ -127,6 +137,12 @@ def create_app(
         Starlette also logs the traceback to the server's log)."""
         return error_response(500, f"{type(exc).__name__}: {exc}", "InternalServerError")
 
+    async def invalid(request: Request, exc: Exception) -> Response:
+        """A request whose fields do not validate: a 400 naming them (never a 500: the default
+        answer echoes the input, which JSON cannot hold when it is NaN)."""
+        return error_response(400, invalid_fields(exc))
+
+    app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(Exception, failed)
 
     @app.get("/health")
@@ -150,6 +166,16 @@ def create_app(
         return await api.update_weights_from_disk(req)
 
     return app
+
+
+def invalid_fields(exc: Exception) -> str:
+    """The fields of a request that failed validation, each with why (no input values echoed)."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + ("; ".join(parts) or str(exc))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -206,6 +232,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-request-mb", type=int, required=True, help=f"{CONFIG_KEY}.max_request_mb")
     parser.add_argument(
+        "--preauth-timeout-s", type=float, required=True, help="runtime.rpc.preauth_timeout_s"
+    )
+    parser.add_argument(
+        "--preauth-max-connections", type=int, required=True, help="runtime.rpc.preauth_max_connections"
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -248,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.weight_version = args.weight_version
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_mb << 20)
+    ensure_fd_room(1, wire_limits(args))  # the connection cap + room for the weight reloads' files
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None, limits)
     sock = _bind(args.host, args.port)
     settle_after_setup(gc_settings)
@@ -259,10 +292,21 @@ def main(argv: list[str] | None = None) -> None:
     _serve(app, sock, args)
 
 
+def wire_limits(args: argparse.Namespace) -> WireLimits:
+    """The pre-authentication limits of the port (the bytes are ``max_request_mb``'s gate's)."""
+    return WireLimits(args.max_request_mb << 20, args.preauth_timeout_s, args.preauth_max_connections, 0.0)
+
+
 def _serve(app: FastAPI, sock: socket.socket, args: argparse.Namespace) -> None:
     """Serve on ``sock`` until stopped; the ready file (host, port, pid) is written once serving."""
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        http=guarded_protocol(wire_limits(args), "inference server"),  # head deadline, connection cap
+        timeout_keep_alive=max(1, int(args.preauth_timeout_s)),  # the guard's deadline ends idle ones first
+    )
     server = uvicorn.Server(config)
 
     async def serve() -> None:
