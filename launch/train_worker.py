@@ -54,8 +54,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     token = os.environ.get(args.token_env, "")
-    if not token:
-        print(f"error: set the bearer token in ${args.token_env} (--token-env)", file=sys.stderr)
+    from nexrl_hpc.rpc.preauth import token_problem
+
+    if why := token_problem(token, f"${args.token_env} (--token-env)"):
+        print(f"error: {why}", file=sys.stderr)
         return 2
     from nexrl_hpc.config.validate import ConfigError
     from nexrl_hpc.runtime.network import resolve_bind_address

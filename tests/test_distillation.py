@@ -94,7 +94,21 @@ def test_a_standalone_teacher_needs_a_url_and_the_token(
     text = str(err.value)
     assert "service.train_service.teacher_service.url: backend=direct-zmq needs the API server's url" in text
     assert "service.train_service.token_env: the teacher's backend=direct-zmq" in text
-    monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", "t")
+    monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", "t")  # set, but guessable
+    with pytest.raises(ConfigError) as err:
+        compose_config(
+            [
+                "algorithm=opd",
+                f"algorithm.teacher_model_path={tiny_model_dir}",
+                "service.train_service.teacher_service.backend=direct-zmq",
+                "service.train_service.teacher_service.url=http://127.0.0.1:9",
+            ]
+        )
+    assert (
+        "service.train_service.token_env: the teacher's backend=direct-zmq: the bearer token in the "
+        "environment variable 'NEXRL_TRAIN_SERVICE_TOKEN' has 1 characters, fewer than 16" in str(err.value)
+    )
+    monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", "t" * 16)
     cfg = compose_config(
         [
             "launch_mode=mpi",

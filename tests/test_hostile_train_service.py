@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nexrl_hpc.rpc import http_guard
+from nexrl_hpc.rpc.http_guard import FAILED_TOKEN_FIRST_DELAY_S, FAILED_TOKEN_MAX_DELAY_S
 from nexrl_hpc.trainer.group_client import ApiServerControl, DirectControl, TrainGroupClient
 from nexrl_hpc.trainer.protocol import TrainerRankError, key_from_token
 from tests.conftest import REPO, wire_limits
@@ -225,3 +227,61 @@ def test_the_api_server_reads_no_body_before_the_token_and_closes_idle_connectio
             s.close()
     assert left == 0
     assert not failed and answered[0] > 0, (answered, failed)
+
+
+def test_wrong_tokens_are_answered_ever_later_and_the_token_still_at_once(
+    server: tuple[str, subprocess.Popen],
+) -> None:
+    """Each wrong token of a window waits twice as long as the one before (from 50 ms, up to 2 s);
+    a request with the token meanwhile is not held."""
+    url, _ = server
+    waited = []
+    for _ in range(6):
+        t0 = time.monotonic()
+        assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        waited.append(time.monotonic() - t0)
+    expected = [min(FAILED_TOKEN_FIRST_DELAY_S * 2**i, FAILED_TOKEN_MAX_DELAY_S) for i in range(6)]
+    assert all(w >= e for w, e in zip(waited, expected)), (waited, expected)
+    held = [
+        threading.Thread(target=httpx.get, args=(f"{url}/health",), kwargs={"timeout": 30}) for _ in range(8)
+    ]
+    for thread in held:
+        thread.start()
+    time.sleep(0.3)  # the eight wait their (maximum) delay now
+    t0 = time.monotonic()
+    assert httpx.get(f"{url}/health", headers=AUTH).status_code == 200
+    assert time.monotonic() - t0 < FAILED_TOKEN_MAX_DELAY_S
+    for thread in held:
+        thread.join(30)
+
+
+def test_the_throttle_doubles_per_failure_within_its_window_and_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(http_guard.time, "monotonic", lambda: now[0])
+    throttle = http_guard.FailedTokenThrottle()
+    delays = [throttle.delay_s() for _ in range(8)]
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    now[0] += http_guard.FAILED_TOKEN_WINDOW_S + 1  # a quiet window: back to the first delay
+    assert throttle.delay_s() == 0.05
+    throttle._held = http_guard.FAILED_TOKEN_HELD  # a flood: no more answers held (no descriptors kept)
+    assert throttle.delay_s() == 0.0
+
+
+def test_a_guessable_token_is_refused_naming_where_it_came_from(tmp_path: Path) -> None:
+    for module in ("launch.train_service", "launch.train_worker"):
+        args = ["--api-server-url", "http://127.0.0.1:9", "--identifier", "x"] if "worker" in module else []
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env=dict(env(), NEXRL_TRAIN_SERVICE_TOKEN="x"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert (
+            "error: the bearer token in $NEXRL_TRAIN_SERVICE_TOKEN (--token-env) has 1 characters, fewer than 16"
+            in proc.stderr
+        )

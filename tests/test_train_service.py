@@ -317,6 +317,22 @@ def test_a_run_without_the_token_stops_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_guessable_token_is_refused_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nexrl_hpc.config.validate import ConfigError
+
+    monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", "abc")
+    overrides = ["service.train_service.backend=direct-zmq", "service.train_service.url=http://127.0.0.1:9"]
+    with pytest.raises(ConfigError) as err:
+        compose_config(overrides)
+    assert (
+        "service.train_service.token_env: backend=direct-zmq: the bearer token in the environment variable "
+        "'NEXRL_TRAIN_SERVICE_TOKEN' has 3 characters, fewer than 16" in str(err.value)
+    )
+    assert err.value.exit_code == 2
+    monkeypatch.setenv("NEXRL_TRAIN_SERVICE_TOKEN", TOKEN)
+    assert compose_config(overrides)["service"]["train_service"]["backend"] == "direct-zmq"
+
+
 def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_collector() -> None:
     """Collected in a cycle, a client's ZMQ context used to wait forever for a socket nobody closed
     (a GC pass in a later test hung until pytest's timeout)."""

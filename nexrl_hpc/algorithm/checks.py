@@ -106,14 +106,13 @@ def _teacher_problems(cfg: Mapping) -> list[ConfigProblem]:
     if teacher.get("backend") == "direct-zmq":
         if not teacher.get("url"):
             problems.append(ConfigProblem(f"{key}.url", "backend=direct-zmq needs the API server's url"))
+        from nexrl_hpc.rpc.preauth import token_problem
+
         token_env = g_safe(cfg, "service.train_service.token_env")
-        if isinstance(token_env, str) and not os.environ.get(token_env):
+        why = token_problem(os.environ.get(str(token_env), ""), f"the environment variable {token_env!r}")
+        if isinstance(token_env, str) and why:
             problems.append(
-                ConfigProblem(
-                    "service.train_service.token_env",
-                    f"the teacher's backend=direct-zmq reads the API server's bearer token from the "
-                    f"environment variable {token_env!r}, which is not set",
-                )
+                ConfigProblem("service.train_service.token_env", f"the teacher's backend=direct-zmq: {why}")
             )
     if (
         teacher.get("backend") == "local"

@@ -45,6 +45,7 @@ FRAME_BYTES = (
 FD_RESERVE = 256  # descriptors kept free for the run's own files beyond the connection caps
 CAP_GRACE_S = 0.5  # the cap closes a waiting connection only once it had this long to authenticate...
 HARD_CAP_FACTOR = 2  # ...unless this many times the cap are waiting (then the oldest goes at once)
+MIN_TOKEN_CHARS = 16  # a bearer token (the train service's) shorter than this is refused: guessable
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PLAIN_USERNAME = b"nexrl"
 
@@ -66,6 +67,18 @@ class WireLimits:
             rpc["preauth_max_connections"],
             float(rpc["heartbeat_s"]),
         )
+
+
+def token_problem(token: str, where: str) -> str | None:
+    """Why the bearer token read from ``where`` (a variable, a setting) cannot be used, or None."""
+    if not token:
+        return f"the bearer token is read from {where}, which is not set"
+    if len(token) < MIN_TOKEN_CHARS:
+        return (
+            f"the bearer token in {where} has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}: too easy "
+            "to guess (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return None
 
 
 def zmtp_password(key: bytes) -> bytes:

@@ -44,10 +44,9 @@ def train_service_problems(cfg: Mapping) -> list[ConfigProblem]:
             "must equal service.train_service.model_tag (one policy model)",
         ),
         (
-            lambda: g(f"{TS}.backend") != "direct-zmq" or bool(os.environ.get(g(f"{TS}.token_env"))),
+            lambda: g(f"{TS}.backend") != "direct-zmq" or _token_problem(cfg) is None,
             f"{TS}.token_env",
-            f"backend=direct-zmq reads the API server's bearer token from the environment variable "
-            f"{g_safe(cfg, f'{TS}.token_env')!r}, which is not set",
+            f"backend=direct-zmq: {_token_problem(cfg)}",
         ),
         (
             lambda: g(f"{TS}.backend") != "direct-zmq" or bool(g(f"{TS}.url")),
@@ -72,6 +71,14 @@ def train_service_problems(cfg: Mapping) -> list[ConfigProblem]:
         ),
     ]
     return [p for holds, path, message in rules for p in rule_problems(holds, path, message)]
+
+
+def _token_problem(cfg: Mapping) -> str | None:
+    """Why the API server's bearer token (the variable ``token_env`` names) cannot be used, or None."""
+    from nexrl_hpc.rpc.preauth import token_problem
+
+    name = g_safe(cfg, f"{TS}.token_env")
+    return token_problem(os.environ.get(str(name), ""), f"the environment variable {name!r}")
 
 
 # DeepSpeed keys the generated config owns (nexrl_hpc.trainer.deepspeed_strategy): a raw override
