@@ -109,10 +109,14 @@ def _teacher_problems(cfg: Mapping) -> list[ConfigProblem]:
         from nexrl_hpc.rpc.preauth import token_problem
 
         token_env = g_safe(cfg, "service.train_service.token_env")
-        why = token_problem(os.environ.get(str(token_env), ""), f"the environment variable {token_env!r}")
-        if isinstance(token_env, str) and why:
+        bad_token = token_problem(
+            os.environ.get(str(token_env), ""), f"the environment variable {token_env!r}"
+        )
+        if isinstance(token_env, str) and bad_token:
             problems.append(
-                ConfigProblem("service.train_service.token_env", f"the teacher's backend=direct-zmq: {why}")
+                ConfigProblem(
+                    "service.train_service.token_env", f"the teacher's backend=direct-zmq: {bad_token}"
+                )
             )
     if (
         teacher.get("backend") == "local"
