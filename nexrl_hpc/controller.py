@@ -42,6 +42,7 @@ from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.runtime.run_files import restrict_run_files
+from nexrl_hpc.runtime.run_lock import run_alone
 from nexrl_hpc.tasks.prepare import prepare_datasets
 from nexrl_hpc.tracking.experiment import ExperimentLogger
 from nexrl_hpc.tracking.plots import read_metrics
@@ -452,7 +453,12 @@ class NexRLController:
 
 
 def run_controller(config: RLTrainConfig, runtime: Runtime | None = None) -> int:
-    """Run the controller (rank 0 in mpi mode) and say how it ended; the process exit code."""
+    """Run the controller (rank 0 in mpi mode) and say how it ended; the process exit code. The run
+    dir is this run's alone while it runs: another live run holding it is exit 2 (``run_alone``)."""
+    return run_alone(config["run_dir"], lambda: _run_holding_the_run_dir(config, runtime))
+
+
+def _run_holding_the_run_dir(config: RLTrainConfig, runtime: Runtime | None) -> int:
     controller = NexRLController(config, runtime)
     try:
         controller.run()
