@@ -8,7 +8,10 @@ front of a stand-in app, and the launch wiring that puts it in front of vLLM's r
 from __future__ import annotations
 
 import os
+import resource
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from nexrl_hpc.inference import vllm_guard
 from nexrl_hpc.inference.vllm_server import GUARD_MODULE, VLLMServer
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 
 
 def _app(monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, list[str]]:
@@ -79,3 +82,40 @@ def test_the_server_is_started_behind_the_guard(tmp_path: Path, monkeypatch: pyt
     finally:
         server.stop()
     assert not os.path.exists(guard_dir)  # removed with the server
+
+
+def test_the_server_gets_the_keep_alive_bound_and_the_hard_descriptor_limit(tmp_path: Path) -> None:
+    """What vLLM lets the run bound: idle keep-alive connections end after the pre-auth timeout,
+    and the server (the supervisor's command) starts with its soft nofile at the hard limit."""
+    cfg = compose_config(
+        ["service.inference_service.backend=vllm", "service.inference_service.base_url=http://unused"]
+    )
+    timeout_s = cfg["runtime"]["rpc"]["preauth_timeout_s"]
+    server = VLLMServer(
+        "/m", cfg["service"]["inference_service"]["vllm"], str(tmp_path), "p", keep_alive_s=timeout_s
+    )
+    assert server.environment({}, "/g")["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == str(int(timeout_s)) == "10"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    show = "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nexrl_hpc.inference.supervise",
+                str(os.getpid()),
+                "--",
+                sys.executable,
+                "-c",
+                show,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(hard), str(hard)]

@@ -57,6 +57,7 @@ class InferenceService(NexRLModule):
                 os.path.join(self._run_dir, "logs"),
                 self._service["model"],
                 log_name=f"{self._module_name}.log",
+                keep_alive_s=self._runtime["rpc"]["preauth_timeout_s"],
             )
             self._server.launch()
             return

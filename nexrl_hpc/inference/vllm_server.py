@@ -9,6 +9,13 @@ endpoints need ``VLLM_SERVER_DEV_MODE=1``, which is always set. vLLM's own key c
 so ``nexrl_hpc.inference.vllm_guard`` (copied into a private directory on the server's
 ``PYTHONPATH``, loaded with ``--middleware``) requires the key on every path but ``/health``: only
 the run can pause the server or load weights into it.
+
+What a peer without the key costs is bounded only as far as vLLM lets a run bound it (its port is
+uvicorn's, behind vLLM's own launcher): an idle keep-alive connection ends ``keep_alive_s`` after
+its last response (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: ``runtime.rpc.preauth_timeout_s``), and the
+server starts with its soft descriptor limit at the hard one (the supervisor raises it; vLLM raises
+its own towards 65535 as well). Not bounded: a connection that never completes its first request
+head, and how many such connections wait at once (docs/security.md).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class VLLMServer:
         log_dir: str,
         served_model_name: str,
         log_name: str = "vllm_server.log",
+        keep_alive_s: float = 5.0,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -86,6 +94,7 @@ class VLLMServer:
         self.log_path = os.path.join(log_dir, log_name)
         self._deadline = 0.0
         self._guard_dir: str | None = None
+        self.keep_alive_s = keep_alive_s  # runtime.rpc.preauth_timeout_s of the run
 
     def command(self, port: int, host: str | None = None) -> list[str]:
         """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
@@ -126,6 +135,8 @@ class VLLMServer:
         (vLLM picks CPU or CUDA by VLLM_TARGET_DEVICE at run time), and the run's own settings
         (the key, and ``guard_dir`` first on PYTHONPATH for the key-checking middleware)."""
         env = dict(base)
+        # idle keep-alive connections end this long after their last response (vLLM's uvicorn)
+        env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(max(1, int(self.keep_alive_s)))
         env.update({k: str(v) for k, v in self.config["env"].items()})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (guard_dir, env.get("PYTHONPATH", "")) if p)
         env.update(
