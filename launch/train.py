@@ -1,7 +1,7 @@
 """Entry point: ``python -m launch.train [key=value ...]`` (a Hydra app; ``-m`` sweeps).
 
 The config is validated (every problem listed, exit code 2) before anything starts. Exit codes:
-0 finished, 1 the run failed (reason printed), 2 bad config, 3 stopped at a checkpoint on the
+0 finished, 1 the run failed (reason printed), 2 bad config or a run dir another run holds, 3 stopped at a checkpoint on the
 preemption signal or before the job's end (requeued under Slurm; run again to resume), 130 interrupted.
 """
 

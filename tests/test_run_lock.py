@@ -88,13 +88,20 @@ def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over(tmp_path: Path
         lock.release()
 
 
-def test_another_hosts_lock_holds_while_refreshed_and_goes_once_stale(tmp_path: Path) -> None:
+def test_another_hosts_lock_holds_while_refreshed_and_goes_once_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.5)
     write_lock(tmp_path / "fresh", host="node-other", pid=1, job_id="77")
     with pytest.raises(RunDirBusy, match="host node-other, pid 1, Slurm job 77"):
-        RunDirLock(str(tmp_path / "fresh")).acquire(wait_s=0)
+        RunDirLock(str(tmp_path / "fresh")).acquire(wait_s=30)  # another job: refused at once
     write_lock(tmp_path / "stale", age_s=run_lock.STALE_AFTER_S + 5, host="node-other", pid=1, job_id="77")
+    with pytest.raises(RunDirBusy):  # old by the clocks, but not yet watched for two heartbeats
+        RunDirLock(str(tmp_path / "stale")).acquire(wait_s=0)
+    t0 = time.monotonic()
     lock = RunDirLock(str(tmp_path / "stale"))
-    lock.acquire(wait_s=0)
+    lock.acquire(wait_s=30)
+    assert 2 * run_lock.HEARTBEAT_S <= time.monotonic() - t0 < 10
     lock.release()
 
 

@@ -15,8 +15,9 @@ What an existing lock means (``verdict``):
 - its holder is on this host: alive (that pid, that start time) or gone — a lock left by a killed
   process is taken over at once;
 - on another host no process can be looked at: the holder refreshes the file's time every
-  ``HEARTBEAT_S``; one not refreshed for ``STALE_AFTER_S`` (by the clocks, or as watched from
-  here) is gone;
+  ``HEARTBEAT_S``; one not refreshed for ``STALE_AFTER_S`` is gone — by the clocks once it was
+  also watched not to change for two heartbeats (a node whose clock runs ahead does not take a live
+  lock), or as watched from here alone;
 - a holder of the same Slurm job (a requeued job racing its old self, or a second start) is waited
   for, up to ``REQUEUE_WAIT_S``, and taken over only once it is gone; any other live holder is
   refused at once (``RunDirBusy``: the launch exits 2 naming it).
@@ -164,27 +165,32 @@ class RunDirLock:
                 pass
 
     def verdict(self, holder: Holder | None, raw: bytes, mtime: float) -> str:
-        """ "gone" (take it over), "wait" (the same Slurm job's old self: wait for it) or "alive"."""
-        if holder is None:  # half-written or foreign content: only its age tells
-            return "gone" if self._stale(raw, mtime) else "alive"
-        if holder.host == self.me.host:
-            alive = pid_alive(holder.pid, holder.started)
-        else:
-            alive = not self._stale(raw, mtime)
-        if not alive:
+        """Take the lock over ("gone"), wait for its holder ("wait": the same Slurm job's old self,
+        or a lock still being watched) or refuse ("alive")."""
+        if holder is not None and holder.host == self.me.host:
+            stale: bool | None = not pid_alive(holder.pid, holder.started)
+        else:  # another host's, or half-written or foreign content: only its age tells
+            stale = self._stale(raw, mtime)
+        if stale:
             return "gone"
+        if stale is None or holder is None:  # still watching it
+            return "wait"
         same_job = holder.job_id is not None and holder.job_id == self.me.job_id
         return "wait" if same_job and (holder.host, holder.pid) != (self.me.host, self.me.pid) else "alive"
 
-    def _stale(self, raw: bytes, mtime: float) -> bool:
-        """Not refreshed for ``STALE_AFTER_S``: by the clocks, or while watched from here."""
-        if time.time() - mtime > STALE_AFTER_S:
-            return True
+    def _stale(self, raw: bytes, mtime: float) -> bool | None:
+        """Not refreshed for ``STALE_AFTER_S``: True; refreshed: False; None: old by the clocks,
+        but not yet watched unchanged for two heartbeats."""
         seen, since = self._watched.get(raw, (mtime, time.monotonic()))
         if seen != mtime:
             since = time.monotonic()
         self._watched[raw] = (mtime, since)
-        return time.monotonic() - since > STALE_AFTER_S
+        watched = time.monotonic() - since
+        if watched > STALE_AFTER_S:
+            return True
+        if time.time() - mtime > STALE_AFTER_S:
+            return True if watched > 2 * HEARTBEAT_S else None
+        return False
 
     def _create(self) -> bool:
         try:
