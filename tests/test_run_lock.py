@@ -179,3 +179,37 @@ def test_two_runs_on_one_run_dir_the_second_exits_2_naming_the_first(tmp_path: P
         out, _ = first.communicate(timeout=120)
     assert first.returncode == 130, out[-3000:]
     assert not (run_dir / LOCK_NAME).exists()  # released on the way out
+
+
+@pytest.mark.e2e
+def test_an_mpi_job_on_a_held_run_dir_exits_2_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 claims the run dir before the bootstrap and tells every rank: the job's code is 2."""
+    run_dir = tmp_path / "run"
+    holder = holder_process(run_dir, SLURM_JOB_ID="9001")
+    try:
+        job = subprocess.run(
+            [
+                "mpirun",
+                "-n",
+                "3",
+                sys.executable,
+                "-m",
+                "launch.train",
+                "launch_mode=mpi",
+                f"run_dir={run_dir}",
+                *FAST,
+            ],
+            cwd=REPO,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        holder.communicate("", timeout=30)
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert (
+        f"is in use by another run: host {socket.gethostname()}, pid {holder.pid}, Slurm job 9001"
+        in job.stderr
+    )
+    assert not (run_dir / "logs").exists()  # refused before any rank wrote a log there

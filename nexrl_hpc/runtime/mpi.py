@@ -29,6 +29,7 @@ from nexrl_hpc.runtime.bootstrap import bootstrap
 from nexrl_hpc.runtime.mpi_runtime import MPIRuntime
 from nexrl_hpc.runtime.rank_server import RankServer
 from nexrl_hpc.runtime.roles import RoleRegistry
+from nexrl_hpc.runtime.run_lock import claim_run_dir, release_run_dir
 
 
 def configure_rank_logging(run_dir: str, rank: int) -> None:
@@ -95,6 +96,13 @@ def run_mpi(
         return 2
     config = comm.bcast(config if rank == 0 else None, root=0)
     run_dir = os.path.abspath(config["run_dir"])
+    refusal = claim_run_dir(run_dir) if rank == 0 else None  # one writer per run dir (run_lock)
+    if comm.bcast(refusal, root=0) is not None:
+        _cancel_bootstrap_watchdogs(watchdog)
+        if rank == 0:
+            print(f"error: {refusal}", file=sys.stderr, flush=True)
+        finalize_mpi(config["runtime_monitor"]["stop_timeout_s"], 2)
+        return 2
     if rank != 0 and launcher_dir and os.path.abspath(launcher_dir) != run_dir:
         _remove_if_only_logs(launcher_dir)  # this rank's Hydra resolved another timestamp
     configure_rank_logging(run_dir, rank)
@@ -103,6 +111,7 @@ def run_mpi(
     except (PlacementError, ConfigError) as err:  # raised by every rank (placement, runtime.rpc.interface)
         _cancel_bootstrap_watchdogs(watchdog)
         if rank == 0:
+            release_run_dir(run_dir)
             print(f"error: {err}", file=sys.stderr, flush=True)
         # every rank is here: finalize, so that no rank leaves while a message another rank still
         # waits for is unsent (across nodes MPICH sends only while the sender is inside MPI)

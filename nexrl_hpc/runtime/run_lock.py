@@ -240,19 +240,42 @@ class RunDirLock:
                 logger.warning("run dir %s: could not refresh the lock: %s", self.run_dir, exc)
 
 
-def run_alone(run_dir: str, run: Callable[[], int]) -> int:
-    """``run()`` holding ``run_dir``'s lock; 2 (the holder named on stderr) when another run holds it."""
-    lock = RunDirLock(run_dir)
+_claimed: dict[str, RunDirLock] = {}  # run dir -> this process's lock on it
+
+
+def claim_run_dir(run_dir: str) -> str | None:
+    """Take ``run_dir``'s lock for this process (kept until ``release_run_dir``; claiming it again
+    is a no-op); None, or why not (naming the holder)."""
+    path = os.path.abspath(run_dir)
+    if path in _claimed:
+        return None
+    lock = RunDirLock(path)
     try:
         lock.acquire()
     except RunDirBusy as exc:
         logger.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return str(exc)
+    _claimed[path] = lock
+    return None
+
+
+def release_run_dir(run_dir: str) -> None:
+    lock = _claimed.pop(os.path.abspath(run_dir), None)
+    if lock is not None:
+        lock.release()
+
+
+def run_alone(run_dir: str, run: Callable[[], int]) -> int:
+    """``run()`` holding ``run_dir``'s lock (taken here, or earlier by this process: mpi rank 0),
+    released at its end; 2 (the holder named on stderr) when another run holds it."""
+    refusal = claim_run_dir(run_dir)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
         return 2
     try:
         return run()
     finally:
-        lock.release()
+        release_run_dir(run_dir)
 
 
 def _parse(raw: bytes) -> Holder | None:
