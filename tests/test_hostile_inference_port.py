@@ -8,8 +8,13 @@ A real server process (``LocalInferenceServer``, the tiny model) and real socket
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +25,7 @@ import pytest
 
 from nexrl_hpc.inference.local_server import LocalInferenceServer
 from nexrl_hpc.rpc.preauth import FD_RESERVE, HARD_CAP_FACTOR
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 from tests.test_hostile_wire import still_open
 
 pytestmark = pytest.mark.e2e
@@ -132,3 +137,69 @@ def test_idle_and_slowloris_connections_are_closed_and_the_run_goes_on(
     assert rss(pid) - before <= 64 << 20
     log = Path(server.log_path).read_text()
     assert "inference server: over 64 connections waiting for a request" in log
+
+
+SERVER_UP = re.compile(r"local inference server up at http://(\S+):(\d+) \(pid (\d+)\)")
+
+
+def flood(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` connections without the key: every other one idle, the rest a request head that never ends."""
+    socks = []
+    for i in range(n):
+        s = socket.create_connection((host, port))
+        if i % 2:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.setblocking(False)
+        socks.append(s)
+    return socks
+
+
+def test_a_run_trains_to_the_end_through_1200_connections_on_its_inference_port(tmp_path: Path) -> None:
+    """The probe that failed a run: 1,200 idle and slowloris connections to the run's own server
+    while it trains. They are closed within the deadline and the run finishes (rc 0)."""
+    run_dir = tmp_path / "run"
+    args = [
+        f"run_dir={run_dir}",
+        "train_worker.total_train_steps=30",
+        f"runtime.rpc.preauth_timeout_s={PREAUTH_TIMEOUT_S}",
+        "validate.validate_before_train=false",
+        "validate.eval.validate_freq=0",
+        "logger.backend=[]",
+    ]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    socks: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 300
+        found = None
+        while found is None:
+            assert run.poll() is None and time.monotonic() < deadline, "the run's server did not come up"
+            log = run_dir / "train.log"
+            found = SERVER_UP.search(log.read_text()) if log.exists() else None
+            time.sleep(0.2)
+        host, port, pid = found[1], int(found[2]), int(found[3])
+        before = rss(pid)
+        t0 = time.monotonic()
+        socks = flood(host, port, IDLE + SLOWLORIS)
+        while still_open(socks) and time.monotonic() < t0 + PREAUTH_TIMEOUT_S + 5:
+            time.sleep(0.5)
+        left, closed_after = still_open(socks), time.monotonic() - t0
+        training = run.poll() is None  # the flood met a run still training, not one done
+        grown = rss(pid) - before if training else 0
+        out, _ = run.communicate(timeout=600)
+    finally:
+        for s in socks:
+            s.close()
+        if run.poll() is None:
+            run.kill()
+    assert left == 0, f"{left} connections open after {closed_after:.1f}s"
+    assert training and grown <= 64 << 20, grown
+    assert run.returncode == 0, out[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 30
