@@ -59,6 +59,7 @@ from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.runtime.gc_tuning import GcSettings, freeze_imports, settle_after_setup
 
 logger = logging.getLogger("nexrl_hpc.inference.server")
+LISTEN_BACKLOG = 2048  # connections the kernel queues, and the most the event loop accepts in one go
 
 
 class _Gate:
@@ -185,7 +186,7 @@ def _bind(host: str, port: int) -> socket.socket:
     # inherited by accepted connections: no Nagle/delayed-ACK stalls (40 ms) on keep-alive requests
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.weight_version = args.weight_version
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_mb << 20)
-    ensure_fd_room(1, wire_limits(args))  # the connection cap + room for the weight reloads' files
+    # the connection cap, a burst of accepts before it closes the extra ones, room for the reloads' files
+    ensure_fd_room(1, wire_limits(args), accept_burst=LISTEN_BACKLOG)
     app = create_app(engine, args.served_model_name, os.environ.get(API_KEY_ENV) or None, limits)
     sock = _bind(args.host, args.port)
     settle_after_setup(gc_settings)
@@ -304,6 +306,7 @@ def _serve(app: FastAPI, sock: socket.socket, args: argparse.Namespace) -> None:
         app,
         log_level="warning",
         access_log=False,
+        backlog=LISTEN_BACKLOG,
         http=guarded_protocol(wire_limits(args), "inference server"),  # head deadline, connection cap
         timeout_keep_alive=max(1, int(args.preauth_timeout_s)),  # the guard's deadline ends idle ones first
     )

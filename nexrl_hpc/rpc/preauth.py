@@ -141,12 +141,15 @@ def join_frames(frames: list[Any], counts: Any) -> list[Any]:
     return parts
 
 
-def ensure_fd_room(listeners: int, limits: WireLimits) -> None:
+def ensure_fd_room(listeners: int, limits: WireLimits, accept_burst: int = 0) -> None:
     """Make sure the connection caps of ``listeners`` new listening ports fit under the process's
     descriptor limit with ``FD_RESERVE`` to spare (raising the soft limit up to the hard one if
-    needed); a ``ValueError`` naming the setting if they cannot."""
+    needed); a ``ValueError`` naming the setting if they cannot. ``accept_burst``: connections a
+    port may accept at once before its cap closes the extra ones (an event loop's accept batch)."""
     open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
-    needed = open_now + listeners * HARD_CAP_FACTOR * limits.preauth_max_connections + FD_RESERVE
+    needed = (
+        open_now + listeners * (HARD_CAP_FACTOR * limits.preauth_max_connections + accept_burst) + FD_RESERVE
+    )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
