@@ -6,7 +6,11 @@ in a temp dir, fsynced, renamed into place; ``COMPLETE`` is written last and ``l
 replaced atomically. A directory without ``COMPLETE`` is never resumed from. ``COMPLETE`` lists
 every file with its size and digest (``digest``): a resume takes the newest complete checkpoint
 whose files still match (``find_resume_checkpoint``), so one damaged after its save is skipped
-with a warning instead of making every requeue of the job crash on it.
+with a warning instead of making every requeue of the job crash on it. A skipped one is moved into
+``set_aside/`` (``set_aside``), never deleted: its weights may be intact, and out of the step dirs
+no later save replaces it and no retention prunes it. When complete checkpoints exist and none
+verifies, the run refuses to start over silently (``NoTrustedCheckpoint``) unless
+``resume.when_all_damaged=start_over``.
 
 One writer per checkpoint folder (the train worker): what a killed writer left behind (temp dirs,
 step dirs without ``COMPLETE``) is removed by the next save, and a checkpoint being pruned loses its
@@ -42,6 +46,11 @@ STATE_FILE = "state.h5"
 TMP_PREFIX = ".tmp-"  # ".tmp-global_step_<N>-<pid>": a save in progress (or a killed one)
 OLD_PREFIX = ".old-"  # ".old-global_step_<N>-<pid>": a complete step dir being replaced by a new save
 OLD_STEP_DIR = re.compile(r"^\.old-global_step_(\d+)-\d+$")
+SET_ASIDE = "set_aside"  # checkpoints a resume skipped as damaged: kept, out of the saves' way
+
+
+class NoTrustedCheckpoint(ValueError):
+    """Complete checkpoints exist and none of them verifies (each named with its reason)."""
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -150,7 +159,8 @@ def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
 def checkpoint_to_resume(resume: ResumeConfig, checkpoint_folder: str) -> str | None:
     """The checkpoint a run starts from, by ``resume.mode``: none (disable), ``resume.resume_path``
     (from_path; ValueError naming it when it is incomplete or fails its digests) or the newest
-    trustworthy one in ``checkpoint_folder`` (auto)."""
+    trustworthy one in ``checkpoint_folder`` (auto; ``NoTrustedCheckpoint`` when there are complete
+    ones and none verifies, unless ``resume.when_all_damaged=start_over``)."""
     if resume["mode"] == "disable":
         return None
     if resume["mode"] == "from_path":
@@ -160,21 +170,57 @@ def checkpoint_to_resume(resume: ResumeConfig, checkpoint_folder: str) -> str | 
         if problem := verify_checkpoint(path, COMPLETE):
             raise ValueError(f"resume.resume_path={path!r} cannot be trusted: {problem}")
         return path
-    latest = find_resume_checkpoint(checkpoint_folder)
+    latest = find_resume_checkpoint(checkpoint_folder, start_over=resume["when_all_damaged"] == "start_over")
     if latest:
         logger.info("resuming from %s", latest)
     return latest
 
 
-def find_resume_checkpoint(checkpoint_folder: str) -> str | None:
+def find_resume_checkpoint(checkpoint_folder: str, start_over: bool = False) -> str | None:
     """Newest complete checkpoint whose files match the digests in its ``COMPLETE``; each newer one
-    that does not is skipped with a warning naming the file."""
+    that does not is skipped with a warning naming the file and moved into ``set_aside/`` (kept).
+
+    None when there is no complete checkpoint. When there are some and none verifies:
+    ``NoTrustedCheckpoint`` naming each with its reason, nothing moved; with ``start_over`` they are
+    all set aside (kept) and None is returned (the run starts from step 0)."""
+    damaged: list[tuple[str, str]] = []
+    found = None
     for path in complete_checkpoints(checkpoint_folder):
         problem = verify_checkpoint(path, COMPLETE)
         if problem is None:
-            return path
+            found = path
+            break
         logger.warning("checkpoint %s skipped: %s; trying the previous one", path, problem)
-    return None
+        damaged.append((path, problem))
+    if damaged and found is None and not start_over:
+        listed = "; ".join(f"{path}: {problem}" for path, problem in damaged)
+        raise NoTrustedCheckpoint(
+            f"none of the {len(damaged)} complete checkpoint(s) in {checkpoint_folder} can be trusted "
+            f"({listed}). Their files are kept. To start over from step 0 (they are moved into "
+            f"{os.path.join(checkpoint_folder, SET_ASIDE)}/), run with resume.when_all_damaged=start_over; "
+            "to resume from one anyway, resume.mode=from_path after repairing it"
+        )
+    for path, problem in damaged:
+        set_aside(checkpoint_folder, path, problem)
+    return found
+
+
+def set_aside(checkpoint_folder: str, path: str, why: str) -> str:
+    """Move the checkpoint at ``path`` into ``<checkpoint_folder>/set_aside/`` (a rename: every
+    file kept), under a name no earlier one holds; returns where it went."""
+    target_dir = os.path.join(checkpoint_folder, SET_ASIDE)
+    os.makedirs(target_dir, exist_ok=True)
+    m = STEP_DIR.match(os.path.basename(path)) or OLD_STEP_DIR.match(os.path.basename(path))
+    base = step_dir_name(int(m.group(1))) if m else os.path.basename(path)
+    target = os.path.join(target_dir, base)
+    n = 1
+    while os.path.exists(target):
+        target, n = os.path.join(target_dir, f"{base}.{n}"), n + 1
+    os.rename(path, target)
+    fsync_path(target_dir)
+    fsync_path(checkpoint_folder)
+    logger.warning("checkpoint %s moved to %s (kept, not resumed from: %s)", path, target, why)
+    return target
 
 
 def _remove_step_dir(path: str) -> None:

@@ -306,6 +306,7 @@ class ValidateConfig(TypedDict):
 class ResumeConfig(TypedDict):
     mode: Literal["disable", "auto", "from_path"]
     resume_path: str | None
+    when_all_damaged: Literal["fail", "start_over"]
 
 
 class WandbConfig(TypedDict):
