@@ -282,9 +282,11 @@ def _run_dir_of(overrides: list[str]) -> str:
 
 def _run(config: RLTrainConfig) -> TrainResult:
     from nexrl_hpc.controller import run_controller
+    from nexrl_hpc.runtime.run_files import restrict_run_files
 
     run_dir = os.path.abspath(config["run_dir"])
     os.makedirs(run_dir, exist_ok=True)
+    restrict_run_files(config)  # runtime.umask before train.log is created
     root = logging.getLogger()
     handler = logging.FileHandler(os.path.join(run_dir, "train.log"))
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))

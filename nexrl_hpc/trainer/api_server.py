@@ -31,6 +31,9 @@ from nexrl_hpc.rpc.preauth import WireLimits
 from nexrl_hpc.trainer.protocol import SignedChannel, key_from_token
 
 logger = logging.getLogger(__name__)
+# the most ranks a worker group may register: every group's info lists each rank (an unbounded size
+# let one registration cost minutes and hundreds of MiB), and no torchrun group comes near it
+MAX_GROUP_WORLD_SIZE = 4096
 
 
 @dataclass
@@ -202,8 +205,11 @@ def create_app(
 
     @app.post("/register_worker_group")
     def register_worker_group(body: RegisterGroup, _: None = Depends(authorize)) -> dict[str, Any]:
-        if body.world_size < 1:
-            raise HTTPException(status_code=422, detail="world_size must be >= 1")
+        if not 1 <= body.world_size <= MAX_GROUP_WORLD_SIZE:
+            raise HTTPException(
+                status_code=422,
+                detail=f"register_worker_group: world_size={body.world_size} is outside 1..{MAX_GROUP_WORLD_SIZE}",
+            )
         group = groups.register(body.identifier, body.world_size)
         logger.info("worker group %s registered (%d ranks)", body.identifier, body.world_size)
         return {"ok": True, "session": group.session}
