@@ -1,8 +1,10 @@
 """Entry point: ``python -m launch.train [key=value ...]`` (a Hydra app; ``-m`` sweeps).
 
 The config is validated (every problem listed, exit code 2) before anything starts. Exit codes:
-0 finished, 1 the run failed (reason printed), 2 bad config or a run dir another run holds, 3 stopped at a checkpoint on the
-preemption signal or before the job's end (requeued under Slurm; run again to resume), 130 interrupted.
+0 finished, 1 the run failed (reason printed), 2 bad config or a run dir another run holds, 3 stopped
+at a checkpoint on the preemption signal, on SIGTERM inside a Slurm job, or before the job's end
+(requeued under Slurm; run again to resume), 130 interrupted (SIGINT), 143 terminated (SIGTERM
+outside Slurm); both stop in order.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from nexrl_hpc.config.location import CONFIG_NAME, config_dir
 from nexrl_hpc.config.task_choice import CUSTOM_TASK, custom_task_reason, overrides_of
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.launcher.preflight import preflight
+from nexrl_hpc.runtime.preemption import catch_signal_early
 
 CONFIG_DIR = config_dir()
 
@@ -143,6 +146,7 @@ def _shows_config(argv: list[str]) -> bool:
 
 
 def main() -> None:
+    catch_signal_early()  # the preemption signal or SIGTERM during start-up: remembered, not fatal
     register_resolvers()
     choose_custom_task(sys.argv)
     try:

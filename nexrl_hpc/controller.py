@@ -38,7 +38,7 @@ from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.gc_tuning import settle_after_setup
 from nexrl_hpc.runtime.local import LocalRuntime
-from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, PreemptionWatch
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT, TERMINATED_EXIT, PreemptionWatch, Terminated
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.runtime.run_files import restrict_run_files
@@ -119,11 +119,17 @@ class NexRLController:
             logger.exception("run failed")
             self.exit_reason = f"{type(exc).__name__}: {exc}"
             raise RunFailed(self.exit_reason) from exc
-        except KeyboardInterrupt:
-            self.exit_reason, self._exit_code = "interrupted (SIGINT)", 130
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM outside Slurm (Terminated)
+            terminated = isinstance(exc, Terminated)
+            self.exit_reason = "terminated (SIGTERM)" if terminated else "interrupted (SIGINT)"
+            self._exit_code = TERMINATED_EXIT if terminated else 130
+            raise
+        except BaseException as exc:  # SystemExit and the like: status.json still says how it ended
+            self.exit_reason = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             self._stop()
+            self._preemption.uninstall()
 
     # --- set-up ---------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -251,6 +257,11 @@ class NexRLController:
             logger.info("training finished at step %d", step)
 
     @property
+    def exit_code(self) -> int:
+        """How an interrupted run exits: 130 (SIGINT) or TERMINATED_EXIT (SIGTERM outside Slurm)."""
+        return self._exit_code or 130
+
+    @property
     def preemption_reason(self) -> str:
         return self._preemption.reason
 
@@ -356,6 +367,7 @@ class NexRLController:
     def _stop(self) -> None:
         """Stop producers before consumers, all within one ``stop_timeout_s`` budget: an exit never
         hangs. A preempted run whose checkpoint is complete leaves at once instead."""
+        self._preemption.stopping()
         if self._saved_for_resume and not self.exit_reason:
             self._leave_for_resume()
             return
@@ -467,8 +479,8 @@ def _run_holding_the_run_dir(config: RLTrainConfig, runtime: Runtime | None) -> 
         print(f"error: run failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        print(controller.exit_reason or "interrupted", file=sys.stderr)
+        return controller.exit_code
     if controller.preempted:
         step = controller.current_step()
         requeued = controller.requeue()

@@ -7,6 +7,13 @@ time itself (``preemption.save_before_end_s``) in case the signal is late or mis
 the controller lets the step in flight finish, the train worker saves a checkpoint at that step
 boundary (the data loader's state then holds no issued-but-untrained task in sync mode), every
 rank stops, and rank 0 requeues the job; the next allocation resumes (``resume.mode=auto``).
+
+SIGTERM is what Slurm sends at the time limit (``KillWait`` before SIGKILL) and on ``scancel``:
+inside a Slurm job it is a preemption request like the job's signal (save, exit 3), without the
+requeue (a cancelled job must stay cancelled); elsewhere it stops the run in order like SIGINT (``Terminated``, exit ``TERMINATED_EXIT``). Every process catches these signals
+from the first line of its ``main()`` (``catch_signal_early``): one that comes during start-up is
+remembered, never fatal, and acted on once the run takes the signals over (rank 0 / local:
+``PreemptionWatch.install``; other ranks ignore them: rank 0 decides for the job).
 """
 
 from __future__ import annotations
@@ -24,14 +31,58 @@ from nexrl_hpc.config.schema import PreemptionConfig
 
 logger = logging.getLogger(__name__)
 PREEMPTED_EXIT = 3  # the process exit code of a run that stopped at a checkpoint to be resumed
+TERMINATED_EXIT = 128 + signal.SIGTERM  # SIGTERM outside Slurm: stopped in order, as a shell reports it
+# what a process catches from its first line: every preemption.signal a config may name but INT
+# (SIGINT is Python's KeyboardInterrupt until the run takes it over), and SIGTERM
+_EARLY_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+_early: set[int] = set()  # signals that came before the run took them over
+_early_lock = threading.Lock()
 
 
-_EARLY = threading.Event()  # the signal came before the controller took it over
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a Slurm job: the run stops in order, as on SIGINT (raised in the main thread)."""
 
 
-def catch_signal_early(cfg: PreemptionConfig) -> None:
-    """From a task's first line: a signal during start-up is remembered, not fatal."""
-    signal.signal(getattr(signal, f"SIG{cfg['signal']}"), lambda *_: _EARLY.set())
+def under_slurm() -> bool:
+    """Inside a Slurm job: SIGTERM is the scheduler ending the allocation, not a user's stop."""
+    return bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def _remember(signum: int, frame: Any) -> None:
+    with _early_lock:
+        _early.add(signum)
+
+
+def catch_signal_early(cfg: PreemptionConfig | None = None) -> None:
+    """From a process's first line: the preemption signals and SIGTERM during start-up are remembered,
+    not fatal (``cfg`` names one more: ``preemption.signal=INT``)."""
+    extra = (getattr(signal, f"SIG{cfg['signal']}"),) if cfg is not None else ()
+    for sig in {*_EARLY_SIGNALS, *extra}:
+        signal.signal(sig, _remember)
+
+
+def _took_early(sig: int) -> bool:
+    """Whether ``sig`` came during start-up (forgotten once asked)."""
+    with _early_lock:
+        came = sig in _early
+        _early.discard(sig)
+    return came
+
+
+def _release_other_early_signals(keep: set[int]) -> None:
+    """Signals caught early that the run does not use go back to their default action."""
+    for sig in _EARLY_SIGNALS:
+        if sig not in keep and signal.getsignal(sig) is _remember:
+            signal.signal(sig, signal.SIG_DFL)
+            if _took_early(sig):
+                logger.warning("signal %s during start-up ignored (not preemption.signal)", sig.name)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    """SIGTERM outside Slurm: the first one stops the run in order; later ones (during that stop,
+    which ``runtime_monitor.stop_timeout_s`` bounds) are only logged."""
+    signal.signal(signal.SIGTERM, lambda *_: logger.warning("SIGTERM again: the run is already stopping"))
+    raise Terminated("terminated (SIGTERM)")
 
 
 class PreemptionWatch:
@@ -42,13 +93,27 @@ class PreemptionWatch:
         self.job_id = os.environ.get("SLURM_JOB_ID")
         self._deadline: float | None = None
         self.requeued: bool | None = None
+        self._previous: dict[int, Any] = {}  # the handlers install() replaced
+        self._may_requeue = True  # False: stopped on SIGTERM (never requeued)
 
     def install(self) -> None:
-        """Take over the signal (rank 0 only; the main thread) and read the job's end time."""
+        """Take over the signals (rank 0 or local mode; the main thread) and read the job's end
+        time. SIGTERM: a preemption request in a Slurm job, else ``Terminated`` (raised here when
+        it came during start-up)."""
         sig = getattr(signal, f"SIG{self._cfg['signal']}")
+        self._previous = {s: signal.getsignal(s) for s in (sig, signal.SIGTERM)}
         signal.signal(sig, self._on_signal)
-        if _EARLY.is_set():
-            self.request(f"signal {sig.name} during start-up")
+        if sig != signal.SIGTERM:
+            signal.signal(signal.SIGTERM, self._on_sigterm if under_slurm() else _raise_terminated)
+        _release_other_early_signals({sig, signal.SIGTERM})
+        for early in sorted({sig, signal.SIGTERM}):
+            if _took_early(early):
+                if early == sig:
+                    self.request(f"signal {signal.Signals(early).name} during start-up")
+                elif under_slurm():
+                    self.request("signal SIGTERM during start-up", requeue=False)
+                else:
+                    _raise_terminated(early, None)
         margin = self._cfg["save_before_end_s"]
         if self.job_id and margin > 0:
             end = slurm_job_end_time(self.job_id)
@@ -61,12 +126,30 @@ class PreemptionWatch:
                     margin,
                 )
 
+    def uninstall(self) -> None:
+        """The run is over: the handlers it replaced are back (a run started from Python)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def stopping(self) -> None:
+        """The run is stopping (bounded by ``stop_timeout_s``): a SIGTERM now is only logged, so that
+        the stop, and ``status.json``'s end, are not cut short."""
+        if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, lambda *_: logger.warning("SIGTERM: the run is already stopping"))
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.request(f"signal {signal.Signals(signum).name}")
 
-    def request(self, reason: str) -> None:
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM in a Slurm job (the time limit, ``scancel``): save and stop, but never requeue:
+        a cancelled job must stay cancelled (the job's own signal is the one that requeues)."""
+        self.request("signal SIGTERM", requeue=False)
+
+    def request(self, reason: str, requeue: bool = True) -> None:
         if not self._event.is_set():
             self.reason = reason
+            self._may_requeue = requeue
             self._event.set()
 
     def requested(self) -> bool:
@@ -80,7 +163,7 @@ class PreemptionWatch:
         if self.requeued is not None:
             return self.requeued
         self.requeued = False
-        if not self.job_id or not self._cfg["requeue"]:
+        if not self.job_id or not self._cfg["requeue"] or not self._may_requeue:
             return False
         proc = subprocess.run(
             ["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=60
@@ -94,8 +177,13 @@ class PreemptionWatch:
 
 
 def ignore_preemption_signal(cfg: PreemptionConfig) -> None:
-    """Ranks other than 0 get the job's signal too: rank 0 decides, they must not die of it."""
-    signal.signal(getattr(signal, f"SIG{cfg['signal']}"), signal.SIG_IGN)
+    """Ranks other than 0 get the job's signal and SIGTERM too (Slurm signals every task; mpirun
+    forwards what it gets): rank 0 decides for the job and tells them, they must not die of it."""
+    sig = getattr(signal, f"SIG{cfg['signal']}")
+    for ignored in (sig, signal.SIGTERM):
+        signal.signal(ignored, signal.SIG_IGN)
+        _took_early(ignored)
+    _release_other_early_signals({sig, signal.SIGTERM})
 
 
 def slurm_job_end_time(job_id: str) -> float | None:

@@ -1,0 +1,215 @@
+"""How a run ends on the signals the process controls: SIGTERM (what Slurm sends at the time limit)
+is a preemption request inside a Slurm job and an orderly stop elsewhere (exit 143); the preemption
+signal and SIGTERM are caught from the first line of ``main()`` (not fatal during start-up); every
+such end leaves ``status.json`` in a final state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nexrl_hpc.config.schema import PreemptionConfig
+from nexrl_hpc.runtime.preemption import (
+    PREEMPTED_EXIT,
+    TERMINATED_EXIT,
+    PreemptionWatch,
+    Terminated,
+    catch_signal_early,
+    ignore_preemption_signal,
+)
+from nexrl_hpc.tracking.run_status import read_status
+from tests.conftest import REPO
+from tests.test_mpi import FAST
+
+CFG: PreemptionConfig = {"signal": "USR2", "save_before_end_s": 0.0, "requeue": False}
+RUN = [
+    "service.inference_service.backend=fake",
+    "data.batch_size=4",
+    "train_worker.save_freq=0",
+    "preemption.requeue=false",
+    "preemption.save_before_end_s=0",
+    *FAST,
+]
+
+
+@pytest.fixture
+def own_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The test process's handlers for the signals under test, restored afterwards."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    sigs = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+    saved = {s: signal.getsignal(s) for s in sigs}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def _deliver(sig: int) -> None:
+    """Send ``sig`` to this process and give Python a chance to run its handler."""
+    os.kill(os.getpid(), sig)
+    for _ in range(100):
+        time.sleep(0.001)
+
+
+@pytest.mark.usefixtures("own_handlers")
+def test_a_preemption_signal_during_start_up_is_remembered_then_requested() -> None:
+    catch_signal_early()
+    _deliver(signal.SIGUSR2)  # would have ended the process (the default action)
+    watch = PreemptionWatch(CFG)
+    watch.install()
+    assert watch.requested() and watch.reason == "signal SIGUSR2 during start-up"
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # not the configured one: default again
+
+
+@pytest.mark.usefixtures("own_handlers")
+def test_sigterm_outside_slurm_stops_like_sigint_and_only_once() -> None:
+    catch_signal_early()
+    _deliver(signal.SIGTERM)
+    watch = PreemptionWatch(CFG)
+    with pytest.raises(Terminated):  # during start-up: raised as the run takes the signal over
+        watch.install()
+    assert not watch.requested()
+    _deliver(signal.SIGTERM)  # a second one while the run stops: logged, not raised
+    watch.uninstall()
+    watch = PreemptionWatch(CFG)
+    watch.install()
+    with pytest.raises(Terminated, match="terminated"):  # mid-run: raised in the main thread
+        _deliver(signal.SIGTERM)
+    _deliver(signal.SIGTERM)  # again: logged
+    watch.stopping()
+    watch.uninstall()
+    assert signal.getsignal(signal.SIGTERM).__name__ == "_remember"  # what it replaced
+    assert not isinstance(Terminated(), Exception) and isinstance(Terminated(), KeyboardInterrupt)
+
+
+@pytest.mark.usefixtures("own_handlers")
+def test_sigterm_in_a_slurm_job_is_a_preemption_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    catch_signal_early()
+    _deliver(signal.SIGTERM)
+    watch = PreemptionWatch(CFG)
+    watch.install()
+    assert watch.requested() and watch.reason == "signal SIGTERM during start-up"
+    watch = PreemptionWatch(CFG)
+    watch.install()
+    assert not watch.requested()
+    watch = PreemptionWatch({**CFG, "requeue": True})
+    watch.install()
+    _deliver(signal.SIGTERM)
+    assert watch.requested() and watch.reason == "signal SIGTERM"
+    assert watch.requeue() is False  # the time limit or scancel: never requeued (scontrol not called)
+
+
+@pytest.mark.usefixtures("own_handlers")
+def test_other_ranks_ignore_the_preemption_signal_and_sigterm() -> None:
+    catch_signal_early()
+    ignore_preemption_signal(CFG)
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        assert signal.getsignal(sig) == signal.SIG_IGN
+        _deliver(sig)  # still alive
+
+
+def _sig_caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _start(run_dir: Path, steps: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            f"run_dir={run_dir}",
+            f"train_worker.total_train_steps={steps}",
+            *RUN,
+        ],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+def _signal_at_start(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` as soon as the process catches it (the first line of main())."""
+    deadline = time.monotonic() + 60
+    while not _sig_caught(proc.pid, sig):
+        assert proc.poll() is None and time.monotonic() < deadline, "main() never caught the signal"
+        time.sleep(0.002)
+    os.kill(proc.pid, sig)
+
+
+def _signal_after_step(proc: subprocess.Popen, run_dir: Path, sig: int) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and "train/reward_mean" in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no step trained"
+        time.sleep(0.05)
+    os.kill(proc.pid, sig)
+
+
+def _ended(proc: subprocess.Popen, run_dir: Path) -> tuple[int, dict[str, Any], str]:
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    status = read_status(str(run_dir))
+    assert status is not None, out[-3000:]
+    return proc.returncode, status, out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("when", ["at_start", "mid_run"])
+def test_sigterm_outside_slurm_exits_143_with_a_final_status(tmp_path: Path, when: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, 200)
+    if when == "at_start":
+        _signal_at_start(proc, signal.SIGTERM)
+    else:
+        _signal_after_step(proc, run_dir, signal.SIGTERM)
+    code, status, out = _ended(proc, run_dir)
+    assert code == TERMINATED_EXIT, out[-3000:]
+    assert (status["state"], status["exit_code"], status["reason"]) == ("failed", 143, "terminated (SIGTERM)")
+    assert "terminated (SIGTERM)" in out
+
+
+@pytest.mark.e2e
+def test_an_early_preemption_signal_stops_at_a_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, 200)
+    _signal_at_start(proc, signal.SIGUSR2)
+    code, status, out = _ended(proc, run_dir)
+    assert code == PREEMPTED_EXIT, out[-3000:]
+    assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
+    assert status["reason"].startswith("signal SIGUSR2 during start-up: checkpoint saved at step ")
+    step = int(status["reason"].rsplit(" ", 1)[1])
+    assert (run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE").is_file()
+
+
+@pytest.mark.e2e
+def test_sigterm_in_a_slurm_job_checkpoints_and_exits_3(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, 200, env={"SLURM_JOB_ID": "4242"})
+    _signal_after_step(proc, run_dir, signal.SIGTERM)
+    code, status, out = _ended(proc, run_dir)
+    assert code == PREEMPTED_EXIT, out[-3000:]
+    assert (status["state"], status["slurm_job_id"]) == ("preempted", "4242")
+    assert status["reason"].startswith("signal SIGTERM: checkpoint saved at step ")
+    step = int(status["reason"].rsplit(" ", 1)[1])
+    assert (run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE").is_file()
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step
