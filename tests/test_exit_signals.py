@@ -213,3 +213,56 @@ def test_sigterm_in_a_slurm_job_checkpoints_and_exits_3(tmp_path: Path) -> None:
     step = int(status["reason"].rsplit(" ", 1)[1])
     assert (run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE").is_file()
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step
+
+
+RANK_EXIT = """
+import ctypes, sys, threading
+import torch, zmq  # loaded before MPI_Init, as in a rank
+libc = ctypes.CDLL(None)
+# stands for a library's exit-time teardown that breaks when it runs beside live threads (the glibc
+# abort a preempted rank hit after hostile traffic): registered before MPI_Init, it must never run
+libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)
+from nexrl_hpc.config.location import default_section
+from nexrl_hpc.runtime.mpi import exit_process, finalize_mpi, start_mpi
+
+MPI = start_mpi(default_section("runtime")["mpi_env"])
+comm = MPI.COMM_WORLD
+ctx = zmq.Context()
+server = ctx.socket(zmq.ROUTER)
+ports = comm.allgather(server.bind_to_random_port("tcp://127.0.0.1"))
+
+def hostile():  # connections that come and go on every rank's port until the process ends
+    while True:
+        for port in ports:
+            s = ctx.socket(zmq.DEALER)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            s.send(b"x" * 64)
+            s.close(linger=0)
+
+threading.Thread(target=hostile, daemon=True).start()
+threading.Thread(target=lambda: [server.recv_multipart() for _ in iter(int, 1)], daemon=True).start()
+torch.ones(256, 256) @ torch.ones(256, 256)
+comm.Barrier()
+finalize_mpi(30.0, int(sys.argv[1]))
+exit_process(int(sys.argv[1]), 10.0)
+"""
+
+
+@pytest.mark.parametrize("code", [PREEMPTED_EXIT, 0])
+def test_finalized_ranks_exit_with_their_code_and_no_exit_time_teardown(tmp_path: Path, code: int) -> None:
+    """4 ranks with live ZMQ traffic leave through ``exit_process``: mpirun reports the ranks' code
+    (MPICH's exit handler told Hydra each rank finalized: no rank SIGKILLed, no 9), and no handler
+    registered before MPI_Init runs (the stand-in abort would make it 6)."""
+    script = tmp_path / "rank_exit.py"
+    script.write_text(RANK_EXIT)
+    for _ in range(3):
+        done = subprocess.run(
+            ["mpirun", "-n", "4", sys.executable, str(script), str(code)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+        assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "BAD TERMINATION" not in done.stdout + done.stderr

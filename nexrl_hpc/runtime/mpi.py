@@ -157,6 +157,7 @@ def start_mpi(mpi_env: dict[str, str | int | float | bool]) -> Any:
     import mpi4py
 
     mpi4py.rc.finalize = False  # exiting without MPI_Finalize: a dead peer cannot hang the exit
+    _end_right_after_mpich_exit_handlers()  # before MPI_Init registers them: see exit_process
     from mpi4py import MPI
 
     return MPI
@@ -213,14 +214,33 @@ def finalize_mpi(timeout_s: float, exit_code: int) -> None:
     watchdog.cancel()
 
 
+def _end_right_after_mpich_exit_handlers() -> None:
+    """Register ``_exit(status)`` as a C exit handler now, just before MPI_Init: C ``exit`` runs its
+    handlers in reverse order of registration, so it runs right after those MPI_Init registers
+    (MPICH's, which tells the process manager the rank finalized) and before those of everything
+    loaded earlier (torch's, libzmq's C++ static destructors, the libraries' finalizers), which
+    are then never run. A pure C handler (``on_exit`` hands it the status): it must also work after
+    Python's own finalization (a rank ending with ``sys.exit``)."""
+    libc = ctypes.CDLL(None)
+    if libc.on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None) != 0:
+        logging.getLogger(__name__).warning("on_exit failed: this rank's exit runs every C exit handler")
+
+
 def exit_process(code: int, grace_s: float) -> NoReturn:
     """End this rank's process with ``code`` without Python's shutdown, which would join threads
     that may be waiting on a dead peer.
 
-    A rank that called MPI_Finalize leaves through the C library's ``exit`` (its exit handlers run):
-    leaving a finalized rank with ``_exit`` makes MPICH's Hydra SIGKILL the ranks still running
-    (mpirun exits 9 after a finished run; measured with 4 ranks doing ``Finalize(); os._exit(0)``:
-    4-13 of 16 jobs, against 0 of 16 through ``exit``, also with live zmq, torch and pool threads).
+    A rank that called MPI_Finalize leaves through the C library's ``exit``: MPICH tells its process
+    manager that the rank finalized from an exit handler (``cmd=finalize`` on the PMI socket, seen
+    with strace), and a rank leaving a finalized MPI with ``_exit`` makes MPICH's Hydra SIGKILL the
+    ranks still running (mpirun exits 9 after a finished run; measured with 4 ranks doing
+    ``Finalize(); os._exit(0)``: 4-13 of 16 jobs, against 0 of 16 through ``exit``). But ``exit``
+    then also ran every library's exit-time destructors while native threads (ZMQ IO threads serving
+    whatever connects, torch's pools) were still using that state: after hostile traffic on its
+    ports a preempted rank aborted in glibc (``free(): invalid next size``, rc 6 instead of 3). So
+    the handler registered just before MPI_Init (``_end_right_after_mpich_exit_handlers``) ends
+    the process with ``_exit(code)`` right after MPICH's handlers: the process manager hears the
+    finalize, and no destructor runs beside a live thread. Python's buffers are flushed here first.
     Should an exit handler hang, faulthandler's own thread ends the process after ``grace_s``.
     """
     logging.shutdown()
