@@ -28,7 +28,7 @@ from nexrl_hpc.runtime.preemption import (
 )
 from nexrl_hpc.tracking.run_status import read_status
 from tests.conftest import REPO
-from tests.test_mpi import FAST
+from tests.test_mpi import FAST, mpirun
 
 CFG: PreemptionConfig = {"signal": "USR2", "save_before_end_s": 0.0, "requeue": False}
 RUN = [
@@ -266,3 +266,38 @@ def test_finalized_ranks_exit_with_their_code_and_no_exit_time_teardown(tmp_path
         )
         assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
         assert "BAD TERMINATION" not in done.stdout + done.stderr
+
+
+@pytest.mark.e2e
+def test_an_early_preemption_signal_to_every_mpi_rank_stops_the_job_at_a_checkpoint(tmp_path: Path) -> None:
+    """USR2 to all 4 ranks as soon as each catches it (what Slurm does: every task gets the signal):
+    ranks other than 0 used to die of it; now rank 0 stops the job at a checkpoint, mpirun exits 3."""
+    import psutil
+
+    run_dir = tmp_path / "mpi"
+    proc = subprocess.Popen(
+        mpirun(4, [f"run_dir={run_dir}", "train_worker.total_train_steps=200", *RUN]),
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline, signalled = time.monotonic() + 120, set()
+        while len(signalled) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never caught USR2"
+            ranks = [
+                p for p in psutil.Process(proc.pid).children(recursive=True) if "launch.train" in p.cmdline()
+            ]
+            for rank in ranks:
+                if rank.pid not in signalled and _sig_caught(rank.pid, signal.SIGUSR2):
+                    os.kill(rank.pid, signal.SIGUSR2)
+                    signalled.add(rank.pid)
+            time.sleep(0.002)
+        code, status, out = _ended(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == PREEMPTED_EXIT, out[-3000:]
+    assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
+    assert status["reason"].startswith("signal SIGUSR2 during start-up: checkpoint saved at step ")
