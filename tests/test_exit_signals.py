@@ -86,7 +86,7 @@ def test_sigterm_outside_slurm_stops_like_sigint_and_only_once() -> None:
     _deliver(signal.SIGTERM)  # again: logged
     watch.stopping()
     watch.uninstall()
-    assert signal.getsignal(signal.SIGTERM).__name__ == "_remember"  # what it replaced
+    assert getattr(signal.getsignal(signal.SIGTERM), "__name__", None) == "_remember"  # what it replaced
     assert not isinstance(Terminated(), Exception) and isinstance(Terminated(), KeyboardInterrupt)
 
 
@@ -125,6 +125,19 @@ def _sig_caught(pid: int, sig: int) -> bool:
     except (OSError, StopIteration):
         return False
     return bool(mask >> (sig - 1) & 1)
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    """The python processes running ``launch.train`` on ``run_dir`` (mpirun's ranks, not mpirun)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == sys.executable.encode() and f"run_dir={run_dir}".encode() in argv:
+            pids.append(int(entry))
+    return pids
 
 
 def _start(run_dir: Path, steps: int, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -272,8 +285,6 @@ def test_finalized_ranks_exit_with_their_code_and_no_exit_time_teardown(tmp_path
 def test_an_early_preemption_signal_to_every_mpi_rank_stops_the_job_at_a_checkpoint(tmp_path: Path) -> None:
     """USR2 to all 4 ranks as soon as each catches it (what Slurm does: every task gets the signal):
     ranks other than 0 used to die of it; now rank 0 stops the job at a checkpoint, mpirun exits 3."""
-    import psutil
-
     run_dir = tmp_path / "mpi"
     proc = subprocess.Popen(
         mpirun(4, [f"run_dir={run_dir}", "train_worker.total_train_steps=200", *RUN]),
@@ -283,16 +294,13 @@ def test_an_early_preemption_signal_to_every_mpi_rank_stops_the_job_at_a_checkpo
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline, signalled = time.monotonic() + 120, set()
+        deadline, signalled = time.monotonic() + 120, set[int]()
         while len(signalled) < 4:
             assert proc.poll() is None and time.monotonic() < deadline, "the ranks never caught USR2"
-            ranks = [
-                p for p in psutil.Process(proc.pid).children(recursive=True) if "launch.train" in p.cmdline()
-            ]
-            for rank in ranks:
-                if rank.pid not in signalled and _sig_caught(rank.pid, signal.SIGUSR2):
-                    os.kill(rank.pid, signal.SIGUSR2)
-                    signalled.add(rank.pid)
+            for pid in _rank_pids(run_dir):
+                if pid not in signalled and _sig_caught(pid, signal.SIGUSR2):
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.add(pid)
             time.sleep(0.002)
         code, status, out = _ended(proc, run_dir)
     finally:

@@ -12,11 +12,12 @@ before the umask is set: its handler (``PrivateFileHandler``, named in configs/r
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import stat
-from typing import Any, TextIO
+from typing import Any, cast
 
 UMASK_KEY = "runtime.umask"
 RUN_LOG = "train.log"
@@ -66,7 +67,7 @@ def _give_mode(path: str, mode: int) -> None:
 class PrivateFileHandler(logging.FileHandler):
     """A ``logging.FileHandler`` whose file, when it creates it, is 0600 whatever the umask."""
 
-    def _open(self) -> TextIO:
+    def _open(self) -> io.TextIOWrapper:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if "w" in self.mode else os.O_APPEND)
         fd = os.open(self.baseFilename, flags, 0o600)
-        return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+        return cast(io.TextIOWrapper, open(fd, self.mode, encoding=self.encoding, errors=self.errors))
