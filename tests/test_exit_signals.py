@@ -113,8 +113,14 @@ def test_other_ranks_ignore_the_preemption_signal_and_sigterm() -> None:
     catch_signal_early()
     ignore_preemption_signal(CFG)
     for sig in (signal.SIGUSR2, signal.SIGTERM):
-        assert signal.getsignal(sig) == signal.SIG_IGN
+        assert callable(signal.getsignal(sig))  # caught, not SIG_IGN (which a started server would inherit)
         _deliver(sig)  # still alive
+    child = subprocess.run(
+        [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"],
+        capture_output=True,
+        text=True,
+    )
+    assert child.stdout.strip() == "True"  # a process the rank starts still stops on SIGTERM
 
 
 def _sig_caught(pid: int, sig: int) -> bool:

@@ -181,9 +181,15 @@ def ignore_preemption_signal(cfg: PreemptionConfig) -> None:
     forwards what it gets): rank 0 decides for the job and tells them, they must not die of it."""
     sig = getattr(signal, f"SIG{cfg['signal']}")
     for ignored in (sig, signal.SIGTERM):
-        signal.signal(ignored, signal.SIG_IGN)
+        # a handler, not SIG_IGN: an ignored signal stays ignored in the processes a rank starts
+        # (its inference server must still stop on SIGTERM); a caught one is reset by exec
+        signal.signal(ignored, _ignore)
         _took_early(ignored)
     _release_other_early_signals({sig, signal.SIGTERM})
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    logger.info("signal %s ignored: rank 0 decides for the job", signal.Signals(signum).name)
 
 
 def slurm_job_end_time(job_id: str) -> float | None:
