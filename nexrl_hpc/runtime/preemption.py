@@ -10,10 +10,11 @@ rank stops, and rank 0 requeues the job; the next allocation resumes (``resume.m
 
 SIGTERM is what Slurm sends at the time limit (``KillWait`` before SIGKILL) and on ``scancel``:
 inside a Slurm job it is a preemption request like the job's signal (save, exit 3), without the
-requeue (a cancelled job must stay cancelled); elsewhere it stops the run in order like SIGINT (``Terminated``, exit ``TERMINATED_EXIT``). Every process catches these signals
-from the first line of its ``main()`` (``catch_signal_early``): one that comes during start-up is
-remembered, never fatal, and acted on once the run takes the signals over (rank 0 / local:
-``PreemptionWatch.install``; other ranks ignore them: rank 0 decides for the job).
+requeue (a cancelled job must stay cancelled); elsewhere it stops the run in order like SIGINT
+(``Terminated``, exit ``TERMINATED_EXIT``). Every process catches these signals from the first line
+of its ``main()`` (``catch_signal_early``): one that comes during start-up is remembered, never
+fatal, and acted on once the run takes the signals over (rank 0 / local: ``PreemptionWatch.install``;
+other ranks ignore them: rank 0 decides for the job).
 """
 
 from __future__ import annotations
