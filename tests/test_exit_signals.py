@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from nexrl_hpc.runtime.preemption import (
 )
 from nexrl_hpc.tracking.run_status import read_status
 from tests.conftest import REPO
-from tests.test_mpi import FAST, mpirun
+from tests.test_hostile_wire import idle_connections
+from tests.test_mpi import FAST, mpirun, wait_for
+from tests.test_rpc import attack, attack_lane
 
 CFG: PreemptionConfig = {"signal": "USR2", "save_before_end_s": 0.0, "requeue": False}
 RUN = [
@@ -173,12 +176,13 @@ def _signal_at_start(proc: subprocess.Popen, sig: int) -> None:
     os.kill(proc.pid, sig)
 
 
-def _signal_after_step(proc: subprocess.Popen, run_dir: Path, sig: int) -> None:
+def _signal_after_step(proc: subprocess.Popen, run_dir: Path, sig: int, pid: int | None = None) -> None:
+    """``sig`` to ``pid`` (the run's process) once a step is in metrics.jsonl."""
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
     while not (metrics.exists() and "train/reward_mean" in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, "no step trained"
         time.sleep(0.05)
-    os.kill(proc.pid, sig)
+    os.kill(pid or proc.pid, sig)
 
 
 def _ended(proc: subprocess.Popen, run_dir: Path) -> tuple[int, dict[str, Any], str]:
@@ -315,3 +319,47 @@ def test_an_early_preemption_signal_to_every_mpi_rank_stops_the_job_at_a_checkpo
     assert code == PREEMPTED_EXIT, out[-3000:]
     assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
     assert status["reason"].startswith("signal SIGUSR2 during start-up: checkpoint saved at step ")
+
+
+# repetitions of the hostile preemption below (each a whole 4-rank job); raise it to soak the exit
+HOSTILE_PREEMPT_REPEATS = int(os.environ.get("NEXRL_HOSTILE_PREEMPT_REPEATS", "2"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("attempt", range(HOSTILE_PREEMPT_REPEATS))
+def test_a_preempted_4_rank_job_after_hostile_traffic_exits_3(tmp_path: Path, attempt: int) -> None:
+    """Every rank's RPC port, trainer rank 0's batch port and every direct lane get hostile input
+    and idle connections still open at the preemption: every rank leaves through its exit path
+    with native threads busy, and mpirun reports 3 (a rank aborting in glibc at exit made it 6)."""
+    run_dir = tmp_path / "mpi"
+    proc = subprocess.Popen(
+        mpirun(4, [f"run_dir={run_dir}", "train_worker.total_train_steps=200", *RUN]),
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    idle = []
+    try:
+        ranks_file = run_dir / "logs" / "ranks.json"
+        wait_for(ranks_file, proc)
+        ranks = json.loads(ranks_file.read_text())
+        ports = [r["address"] for r in ranks] + [r["trainer_address"] for r in ranks if r["trainer_address"]]
+        lanes = [r["lane_address"] for r in ranks]
+        marker = tmp_path / "pwned"
+        for address in ports:
+            attack(address, secrets.token_bytes(32), marker)
+        for address in lanes:
+            attack_lane(address, secrets.token_bytes(32), marker)
+        idle = idle_connections(ports + lanes, 50)
+        _signal_after_step(proc, run_dir, signal.SIGUSR2, ranks[0]["pid"])
+        code, status, out = _ended(proc, run_dir)
+    finally:
+        for sock in idle:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert code == PREEMPTED_EXIT, out[-3000:]
+    assert "free()" not in out and "BAD TERMINATION" not in out, out[-3000:]
+    assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
+    assert not marker.exists()
