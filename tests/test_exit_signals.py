@@ -327,13 +327,24 @@ HOSTILE_PREEMPT_REPEATS = int(os.environ.get("NEXRL_HOSTILE_PREEMPT_REPEATS", "2
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("attempt", range(HOSTILE_PREEMPT_REPEATS))
-def test_a_preempted_4_rank_job_after_hostile_traffic_exits_3(tmp_path: Path, attempt: int) -> None:
+@pytest.mark.parametrize("backend", ["fake", "local"])  # local: each rollout rank's HF server too
+def test_a_preempted_4_rank_job_after_hostile_traffic_exits_3(
+    tmp_path: Path, backend: str, attempt: int
+) -> None:
     """Every rank's RPC port, trainer rank 0's batch port and every direct lane get hostile input
     and idle connections still open at the preemption: every rank leaves through its exit path
     with native threads busy, and mpirun reports 3 (a rank aborting in glibc at exit made it 6)."""
     run_dir = tmp_path / "mpi"
     proc = subprocess.Popen(
-        mpirun(4, [f"run_dir={run_dir}", "train_worker.total_train_steps=200", *RUN]),
+        mpirun(
+            4,
+            [
+                f"run_dir={run_dir}",
+                "train_worker.total_train_steps=200",
+                *(a for a in RUN if not a.startswith("service.inference_service.backend=")),
+                f"service.inference_service.backend={backend}",
+            ],
+        ),
         cwd=REPO,
         text=True,
         stdout=subprocess.PIPE,
@@ -363,3 +374,4 @@ def test_a_preempted_4_rank_job_after_hostile_traffic_exits_3(tmp_path: Path, at
     assert "free()" not in out and "BAD TERMINATION" not in out, out[-3000:]
     assert (status["state"], status["exit_code"]) == ("preempted", PREEMPTED_EXIT)
     assert not marker.exists()
+    assert (run_dir / "logs" / "inference_service_1.log").exists() == (backend == "local")  # its server ran
