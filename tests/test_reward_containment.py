@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from nexrl_hpc.rewards import containment
 from nexrl_hpc.rewards.loader import as_reward
 from nexrl_hpc.rewards.runner import ERRORS, TIMEOUTS, RewardRunner
 from tests.conftest import run_train
@@ -187,7 +186,6 @@ def test_close_reaps_what_a_hung_call_started() -> None:
     while not _gone(started[0]):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert containment.reap_children(threading.get_native_id()) == 0  # the test's own thread: none
 
 
 EXITING_REWARD = """
