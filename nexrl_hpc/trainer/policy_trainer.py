@@ -30,6 +30,7 @@ from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
 from nexrl_hpc.trainer.loss_sums import LossSums
+from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
@@ -350,6 +351,8 @@ class PolicyTrainer(TrainBackend):
         }
         if "behaviour_log_probs" in shard:
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
+        for key, value in peak_memory_metrics(self.device).items():  # the largest rank's
+            metrics[key] = par.all_reduce_max(value)
         return metrics
 
     def _train_micro_batch(
