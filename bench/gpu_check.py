@@ -21,10 +21,12 @@ forward and backward); gradient checkpointing's recomputation is not counted.
 Beyond a stock CUDA PyTorch image it needs only wheels it installs offline from ``--wheels DIR``
 (``pip install --no-index --no-deps --target``); it prints which. ``--dry-run`` runs the same code
 with ``hardware=cpu``, 2 layers of hidden size 128 (the full vocabulary) and short responses: the test
-suite runs it (tests/test_gpu_check.py).
+suite runs it (tests/test_gpu_check.py). ``--hardware cpu`` runs the full-size model on CPU, where
+``--only local_vllm`` adds a stage with vLLM's CPU server (``scripts/install_vllm.sh``).
 
     python bench/gpu_check.py --wheels .whl --out /tmp/gpu_check      # on the GPU machine
     python bench/gpu_check.py --dry-run --out /tmp/gpu_check_dry        # anywhere
+    python bench/gpu_check.py --hardware cpu --steps 1 --prompts 4 --samples 2 --only local local_vllm
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, ou
         result.numbers["gpu_peak_gb"] = sampler.peak_mib / 1024
     with open(os.path.join(out_dir, "gpu_check.log"), "a") as f:
         f.write(output)
+    if result.ok and name == "memory":  # the bench's own summary
+        print("\n".join(output.splitlines()[-22:]), flush=True)
     if not result.ok:
         result.detail = f"exit {code}"
         tail = "\n".join(output.splitlines()[-TAIL_LINES:])
@@ -236,9 +240,8 @@ def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, ou
 
 
 def train_args(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[str]:
-    hardware = "cpu" if args.dry_run else "gpu"
     return [
-        f"hardware={hardware}",
+        f"hardware={args.hardware}",
         "task=max_digit",  # its prompts and reward; the model is ours (model.path)
         f"model.path={model_dir}",
         f"run_dir={run_dir}",
@@ -252,6 +255,8 @@ def train_args(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[s
         "validate.validate_at_end=false",
         "validate.eval.validate_freq=0",
         "logger.backend=[]",
+        # a 0.5B model generating 256 tokens on a few CPU cores takes minutes: no request timeout
+        *(["service.inference_service.request_timeout_s=3600"] if args.hardware == "cpu" else []),
     ]
 
 
@@ -289,12 +294,22 @@ def run_numbers(
     return numbers
 
 
+def vllm_python() -> str | None:
+    """The vLLM venv's interpreter (``scripts/install_vllm.sh``), where one is installed."""
+    venv = os.environ.get("NEXRL_VLLM_VENV", os.path.expanduser("~/.cache/nexrl_hpc/vllm-venv"))
+    python = os.path.join(venv, "bin", "python")
+    return python if os.path.exists(python) else None
+
+
 def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list[tuple[str, list[str]]]:
     py = [sys.executable, "-m", "launch.train"]
     mpi = ["mpirun", "-n", "3", sys.executable, "-m", "launch.train", "launch_mode=mpi"]
     group = ["service.train_service.world_size=1"]
-    return [
-        ("local", [*py, *train_args(args, model_dir, os.path.join(work, "local"))]),
+    stages = [("local", [*py, *train_args(args, model_dir, os.path.join(work, "local"))])]
+    if vllm_python() is not None:  # never on the GPU machine (vLLM cannot be carried): only by --only
+        vllm = [*py, *train_args(args, model_dir, os.path.join(work, "local_vllm"))]
+        stages.append(("local_vllm", [*vllm, "service.inference_service.backend=vllm"]))
+    return stages + [
         (
             "mpi_fsdp",
             [*mpi, *train_args(args, model_dir, os.path.join(work, "mpi_fsdp")), *group]
@@ -314,6 +329,8 @@ def memory_stage(args: argparse.Namespace) -> list[str] | None:
         return None
     if args.dry_run:
         return [sys.executable, script, "--device", "cpu", "--layers", "2", "--tokens", "256"]
+    if args.hardware == "cpu":
+        return [sys.executable, script, "--device", "cpu"]
     return [sys.executable, script, "--device", "cuda", "--dtype", "bfloat16"]
 
 
@@ -345,6 +362,7 @@ def report(results: list[StageResult], out_dir: str, card: str, peak: float | No
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="hardware=cpu, a 2-layer model: the CI path")
+    p.add_argument("--hardware", choices=["gpu", "cpu"], default=None, help="gpu; dry run cpu")
     p.add_argument("--wheels", default=None, help="a folder of wheels to install offline first")
     p.add_argument("--out", default=None, help="gpu_check.log and results.json go here")
     p.add_argument("--work", default=None, help="model and run dirs (default: a temporary folder)")
@@ -357,6 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage-timeout", type=float, default=240.0, help="seconds per stage")
     p.add_argument("--only", nargs="*", default=None, help="run only these stages, in this order")
     args = p.parse_args(argv)
+    args.hardware = args.hardware or ("cpu" if args.dry_run else "gpu")
     args.steps = args.steps or (1 if args.dry_run else 3)
     args.response_length = args.response_length or (8 if args.dry_run else 256)
     return args
@@ -376,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     env = stage_env(dict(os.environ), extra)
     log(out_dir, environment_report(env))
     card, table_peak = card_peak_tflops(env)
-    peak = args.peak_tflops or (None if args.dry_run else table_peak)
+    peak = args.peak_tflops or (None if args.hardware == "cpu" else table_peak)
     shape = dict(DRY_SHAPE if args.dry_run else QWEN25_05B)
     if args.layers:
         shape["num_hidden_layers"] = args.layers
@@ -388,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_stage(args)
     if memory is not None:
         stages["memory"] = memory
+    default = [name for name in stages if name != "local_vllm"]  # vLLM's stage only when asked
     results: list[StageResult] = []
-    for name in args.only or list(stages):  # --only's order: the most wanted first
+    for name in args.only or default:  # --only's order: the most wanted first
         if name not in stages:
             log(out_dir, f"\n=== {name}: not available (stages: {', '.join(stages)})")
             results.append(StageResult(name, detail="not available"))
