@@ -72,6 +72,7 @@ class TrainServiceConfig(TypedDict):
     model_tag: str
     identifier: str
     world_size: Annotated[int, Ge(1)]
+    sequence_parallel_size: Annotated[int, Ge(1)]  # ranks splitting each sequence (Ulysses)
     config: TrainServiceTimeouts
     connect_timeout_s: Annotated[float, Gt(0.0)]
     heartbeat_timeout_s: Annotated[float, Gt(0.0)]

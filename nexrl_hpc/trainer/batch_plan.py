@@ -28,19 +28,51 @@ from nexrl_hpc.trainer.packing import (
     shared_prompt_width,
 )
 from nexrl_hpc.trainer.parallel import dp_slices
+from nexrl_hpc.trainer.sequence_parallel import ATTENTION_PREFIX
 
 Layout = list[list[list[list[list[int]]]]]  # per mini-batch, per rank: its micro-batches (bins of rows)
 
 
 def plan_batch(
+    operation: str,
+    tensors: dict[str, Any],
+    actor: ActorConfig,
+    world: int,
+    model: Any,
+    sequence_parallel: int = 1,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(plan, one shard per rank) of a whole batch for ``operation`` on ``world`` ranks. With
+    ``sequence_parallel`` = P > 1 the batch is planned for world / P data-parallel ranks and each
+    plan entry and shard goes to the P consecutive ranks that split its sequences."""
+    plan, shards = _plan_data_parallel(operation, tensors, actor, world // sequence_parallel, model)
+    plan["sequence_parallel"] = sequence_parallel
+    if sequence_parallel == 1:
+        return plan, shards
+    for key in ("counts", "micro"):  # per mini-batch, per rank
+        plan[key] = [
+            [entry for entry in per_rank for _ in range(sequence_parallel)] for per_rank in plan[key]
+        ]
+    return plan, [shard for shard in shards for _ in range(sequence_parallel)]
+
+
+def data_parallel_rows(rows: torch.Tensor, counts: list[int], sequence_parallel: int) -> torch.Tensor:
+    """Rows gathered from every rank (``counts`` each, rank order) without the copies the other
+    ranks of each sequence-parallel group hold."""
+    if sequence_parallel == 1:
+        return rows
+    parts = rows.split(counts)
+    return torch.cat([part for r, part in enumerate(parts) if r % sequence_parallel == 0])
+
+
+def _plan_data_parallel(
     operation: str, tensors: dict[str, Any], actor: ActorConfig, world: int, model: Any
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(plan, one shard per rank) of a whole batch for ``operation`` on ``world`` ranks."""
     n, bounds = _mini_batches(operation, tensors, actor)
     parts = [(m_start, m_end, dp_slices(m_end - m_start, world)) for m_start, m_end in bounds]
     planner = _MicroBatchPlanner(tensors, actor, parts)
     setting = actor["share_prompt"]
-    if setting == "auto" and attention_kind(model) != "flash_attention_2":
+    kind = attention_kind(model)  # sequence parallelism takes no custom mask: auto never shares
+    if setting == "auto" and kind != "flash_attention_2" and not kind.startswith(ATTENTION_PREFIX):
         options = {shared: planner.plan_all(shared) for shared in (True, False)}
         shared_prompts = planner.cost(True, options[True], model) < planner.cost(False, options[False], model)
         planned = options[shared_prompts]

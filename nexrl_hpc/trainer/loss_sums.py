@@ -32,8 +32,10 @@ class LossSums:
             setattr(self, name.name, getattr(self, name.name) + value)
 
     def all_reduced(self, par: ParallelStrategy) -> LossSums:
-        """The sums over every trainer rank (one collective)."""
-        return LossSums(*par.all_reduce_sum(list(astuple(self))))
+        """The sums over every trainer rank (one collective); the ranks of a sequence-parallel group
+        each hold their rows' whole sums, counted once."""
+        copies = par.sequence_parallel_size
+        return LossSums(*(value / copies for value in par.all_reduce_sum(list(astuple(self)))))
 
     def metrics(self, optimizer_steps: int, kl_loss_coef: float, entropy_coeff: float) -> dict[str, float]:
         """Losses per optimizer step (skipped ones included); clip fractions, KL and entropy per token."""

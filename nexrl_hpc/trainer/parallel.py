@@ -31,6 +31,9 @@ import torch.distributed as dist
 class ParallelStrategy(ABC):
     rank: int = 0
     world_size: int = 1
+    sequence_parallel_size: int = (
+        1  # ranks of a group splitting the same rows' sequences (``sequence_parallel``)
+    )
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -69,8 +72,9 @@ class ParallelStrategy(ABC):
         return float(norm), True
 
     def loss_scale(self) -> float:
-        """Multiplier of a rank's loss so that the reduced gradient is the whole batch's sum."""
-        return float(self.world_size)
+        """Multiplier of a rank's loss so that the reduced gradient is the whole batch's sum: the
+        data-parallel ranks' count (the ranks of a sequence-parallel group sum one loss's gradient)."""
+        return float(self.world_size // self.sequence_parallel_size)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -102,7 +106,8 @@ class ParallelStrategy(ABC):
             raise ValueError("failed on another trainer rank (see its error)")
 
     def all_gather_rows(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Concatenate every rank's rows (rank order); ``counts`` are the rows each rank holds."""
+        """Concatenate every rank's rows (rank order); ``counts`` are the rows each rank holds. The
+        ranks of a sequence-parallel group hold the same rows: the first one's count once."""
         if self.world_size == 1:
             return local
         width = max(counts)
@@ -110,7 +115,8 @@ class ParallelStrategy(ABC):
         padded[: local.shape[0]] = local
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
-        return torch.cat([p[:c] for p, c in zip(parts, counts)], dim=0)
+        every = self.sequence_parallel_size
+        return torch.cat([p[:c] for r, (p, c) in enumerate(zip(parts, counts)) if r % every == 0], dim=0)
 
     @abstractmethod
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

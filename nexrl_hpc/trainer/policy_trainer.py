@@ -33,6 +33,7 @@ from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
+from nexrl_hpc.trainer.sequence_parallel import enable_sequence_parallel, new_sequence_parallel_group
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
 
 logger = logging.getLogger(__name__)
@@ -194,11 +195,28 @@ class PolicyTrainer(TrainBackend):
             )
 
         self.model, self.optimizer = self.parallel.setup(self.model, make_optimizer)
+        if cfg["sequence_parallel_size"] > 1:
+            self._enable_sequence_parallel(cfg)
         warmup, schedule = optim["lr_warmup_steps"], optim["lr_scheduler"]
         total, min_ratio = cfg["total_training_steps"], optim["min_lr_ratio"]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
         )
+
+    def _enable_sequence_parallel(self, cfg: dict[str, Any]) -> None:
+        """Ulysses over groups of ``sequence_parallel_size`` ranks (``trainer.sequence_parallel``),
+        for the trained model and the frozen reference."""
+        size = cfg["sequence_parallel_size"]
+        if cfg["engine"] != "fsdp":
+            raise ValueError(
+                f"service.train_service.sequence_parallel_size={size} needs engine=fsdp, not {cfg['engine']}"
+            )
+        assert self.parallel is not None
+        group, rank = new_sequence_parallel_group(size)
+        self.parallel.sequence_parallel_size = size
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                enable_sequence_parallel(model, group, size, rank)
 
     def _compute(self) -> torch.autocast:
         """Forward passes in ``service.train_service.dtype`` over fp32 master weights (autocast: the
@@ -228,7 +246,9 @@ class PolicyTrainer(TrainBackend):
         self, operation: str, tensors: dict[str, Any]
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Split a whole batch for the trainer ranks: (plan, one shard per rank); see ``batch_plan``."""
-        return plan_batch(operation, tensors, self._require_cfg()["actor"], self._world_size, self.model)
+        cfg = self._require_cfg()
+        sp = cfg["sequence_parallel_size"]
+        return plan_batch(operation, tensors, cfg["actor"], self._world_size, self.model, sp)
 
     def _micro(
         self, shard: dict[str, Any], lo: int, batches: list[Any], index: int, shared_prompts: bool

@@ -34,6 +34,7 @@ import zmq
 from nexrl_hpc.rpc.limits import Rejections
 from nexrl_hpc.rpc.preauth import WireLimits, ensure_fd_room
 from nexrl_hpc.rpc.watch import ConnectionWatch
+from nexrl_hpc.trainer.batch_plan import data_parallel_rows
 from nexrl_hpc.trainer.group_comm import GroupComm
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.trainer.protocol import BATCH_OPERATIONS, CALL_OPERATIONS, SignedChannel
@@ -314,7 +315,9 @@ class TrainerRank:
                 logp = torch.zeros((counts[self.rank], shard["responses"].shape[1]))
             rows = self.comm.gather_rows(logp, counts)
             if rows is not None:
-                out["tensors"] = {"old_log_probs": rows}
+                out["tensors"] = {
+                    "old_log_probs": data_parallel_rows(rows, counts, plan["sequence_parallel"])
+                }
         return status
 
     # --- ranks > 0 --------------------------------------------------------------------------------

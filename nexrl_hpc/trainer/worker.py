@@ -114,6 +114,7 @@ class TrainWorker(NexRLModule):
         teacher = self._config["service"]["train_service"]["teacher_service"]
         config = self.train_service_config()
         config["engine"] = teacher["engine"]
+        config["sequence_parallel_size"] = 1  # the student's setting: the teacher's ranks score whole rows
         config["algorithm"] = dict(config["algorithm"], kl_loss_coef=0.0)
         return config
 
@@ -413,6 +414,7 @@ def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
         "actor": ts["actor"],
         "algorithm": {k: config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
         "engine": ts["engine"],
+        "sequence_parallel_size": ts["sequence_parallel_size"],
         "fsdp": ts["fsdp"],
         "deepspeed": ts["deepspeed"],
         "device": ts["device"],
