@@ -30,7 +30,12 @@ from nexrl_hpc.runtime.checks import (
     umask_problems,
 )
 from nexrl_hpc.tasks.checks import reasoning_gym_config_problems, task_generator_problems
-from nexrl_hpc.trainer.checks import deepspeed_problems, shared_prompt_problems, train_service_problems
+from nexrl_hpc.trainer.checks import (
+    deepspeed_problems,
+    sequence_parallel_problems,
+    shared_prompt_problems,
+    train_service_problems,
+)
 
 ConfigCheck = Callable[[Mapping], list[ConfigProblem]]
 
@@ -48,6 +53,7 @@ ROOM_CHECKS: tuple[ConfigCheck, ...] = (
     resume_problems,
     group_problems,
     train_service_problems,
+    sequence_parallel_problems,
     umask_problems,
     coalesce_problems,
     algorithm_problems,

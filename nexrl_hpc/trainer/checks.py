@@ -1,5 +1,5 @@
 """The trainer's config checks: attention with shared prompts, mini-batches, the backend and its
-ranks, timeouts, and the DeepSpeed keys the engine owns."""
+ranks, sequence parallelism, timeouts, and the DeepSpeed keys the engine owns."""
 
 from __future__ import annotations
 
@@ -22,6 +22,57 @@ def shared_prompt_problems(cfg: Mapping) -> list[ConfigProblem]:
         f"{TS}.actor.share_prompt",
         "needs model.attn_implementation eager or sdpa: flash_attention_2 takes no custom attention mask",
     )
+
+
+def sequence_parallel_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """``sequence_parallel_size`` > 1: groups of that many trainer ranks, FSDP2, no 4-D masks, and
+    query heads that split over the group (K/V heads fewer than the group are replicated)."""
+    g = lambda p: config_value(cfg, p)  # noqa: E731
+    key = f"{TS}.sequence_parallel_size"
+    size = g_safe(cfg, key)
+    if not isinstance(size, int) or size <= 1:
+        return []
+    heads = _attention_heads(cfg)
+    rules: list[tuple[Any, str, str]] = [
+        (
+            lambda: g(f"{TS}.world_size") % size == 0,
+            key,
+            f"{size} must divide service.train_service.world_size={g_safe(cfg, f'{TS}.world_size')} "
+            "(each group of that many trainer ranks splits the same rows' sequences)",
+        ),
+        (
+            lambda: g(f"{TS}.engine") == "fsdp",
+            key,
+            f"{size} needs service.train_service.engine=fsdp (not {g_safe(cfg, f'{TS}.engine')})",
+        ),
+        (
+            lambda: g(f"{TS}.actor.share_prompt") is not True,
+            key,
+            f"{size} takes no custom 4-D attention mask: set service.train_service.actor.share_prompt "
+            "to false or auto (auto never shares under sequence parallelism)",
+        ),
+        (
+            lambda: heads is None or heads % size == 0,
+            key,
+            f"{size} must divide the model's {heads} attention heads (each rank attends with heads / size)",
+        ),
+    ]
+    return [p for holds, path, message in rules for p in rule_problems(holds, path, message)]
+
+
+def _attention_heads(cfg: Mapping) -> int | None:
+    """The model's query heads: ``model.tiny``'s, or ``model.path``'s config.json (None when it does
+    not load: ``model.path``'s own check says why)."""
+    path = g_safe(cfg, "model.path")
+    if path is None:
+        heads = g_safe(cfg, "model.tiny.num_attention_heads")
+        return heads if isinstance(heads, int) else None
+    try:
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(str(path)).num_attention_heads)
+    except Exception:  # model_path_problems reports a directory that does not load
+        return None
 
 
 def train_service_problems(cfg: Mapping) -> list[ConfigProblem]:
