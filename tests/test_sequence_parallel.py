@@ -9,6 +9,7 @@ checkpointing, a KL reference model and an entropy bonus in some cases.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -110,6 +111,39 @@ def test_sp2_equals_sp1_loss_gradients_and_log_probs(sp_runs: dict[str, Any], ca
     worst = max(float((one["grads"][k] - two["grads"][k]).abs().max()) for k in one["grads"])
     assert worst <= 1e-5, worst
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3  # a gradient that could differ
+
+
+@pytest.mark.e2e
+def test_mpi_trainer_group_with_sequence_parallelism_trains_as_without(tmp_path: Path) -> None:
+    """mpirun -n 5 (driver, 2 trainer ranks, 2 rollout ranks), the rank-0-centric protocol: SP=2's
+    first two steps (the same rollouts) give SP=1's losses, entropy and gradient norm."""
+    steps = {}
+    for sp in (1, 2):
+        run_dir = tmp_path / f"sp{sp}"
+        args = [
+            f"run_dir={run_dir}",
+            "seed=2",
+            "service.train_service.engine=fsdp",
+            "service.train_service.world_size=2",
+            f"{KEY}={sp}",
+            "train_worker.total_train_steps=2",
+            "validate.validate_before_train=false",
+            "validate.validate_at_end=false",
+            "validate.eval.validate_freq=0",
+            "logger.backend=[]",
+        ]
+        cmd = ["mpirun", "-n", "5", sys.executable, "-m", "launch.train", "launch_mode=mpi", *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        trainer_log = (run_dir / "logs" / "rank_2.log").read_text()
+        assert ("sequence parallelism: 2 ranks split each sequence" in trainer_log) == (sp == 2)
+        with open(run_dir / "metrics.jsonl") as f:
+            steps[sp] = [json.loads(line) for line in f if "actor/pg_loss" in line]
+    assert [r["step"] for r in steps[2]] == [r["step"] for r in steps[1]] == [1, 2]
+    for one, two in zip(steps[1], steps[2]):
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+            assert two[key] == pytest.approx(one[key], abs=1e-5), (one["step"], key)
 
 
 def test_plan_gives_a_sequence_parallel_group_one_data_parallel_shard() -> None:

@@ -217,6 +217,9 @@ class PolicyTrainer(TrainBackend):
         for model in (self.model, self.ref_model):
             if model is not None:
                 enable_sequence_parallel(model, group, size, rank)
+        logger.info(
+            "sequence parallelism: %d ranks split each sequence (this rank: %d of its group)", size, rank
+        )
 
     def _compute(self) -> torch.autocast:
         """Forward passes in ``service.train_service.dtype`` over fp32 master weights (autocast: the
