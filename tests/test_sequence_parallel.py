@@ -26,6 +26,7 @@ from nexrl_hpc.trainer.batch_plan import data_parallel_rows, plan_batch
 from nexrl_hpc.trainer.checks import sequence_parallel_problems
 from nexrl_hpc.trainer.sequence_parallel import (
     KEY,
+    emulate_sequence_parallel,
     enable_sequence_parallel,
     kv_repeat,
     tokens_per_rank,
@@ -245,3 +246,56 @@ def test_the_trainer_refuses_heads_that_do_not_split(tiny_model_dir: str) -> Non
     with pytest.raises(ValueError, match=f"{KEY}=3 must divide the model's 4 attention heads"):
         enable_sequence_parallel(model, None, 3, 0)
     assert model.config._attn_implementation == before  # left as it was
+
+
+def test_one_rank_emulated_in_one_process_has_a_real_ranks_shapes(tiny_model_dir: str) -> None:
+    """For a per-rank memory measurement without torch.distributed: rank 0 of an SP=2 group, the
+    other rank's data stood in; the decoder runs on half of each row, the logits cover whole rows
+    (odd widths padded), and the backward pass runs."""
+    from nexrl_hpc.models.tiny import load_model
+
+    model = load_model(tiny_model_dir, attn_implementation="sdpa")
+    emulate_sequence_parallel(model, 2)
+    seen: list[tuple[int, ...]] = []
+    model.model.layers[0].mlp.register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape)))
+    tokens = torch.randint(4, 16, (3, 11))
+    out = model(input_ids=tokens, position_ids=torch.arange(11).expand(3, 11), use_cache=False)
+    assert seen == [(3, 6, 128)]  # 11 tokens padded to 12, 6 on this rank
+    assert out.logits.shape == (3, 11, model.config.vocab_size)
+    out.logits.float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert tokens_per_rank(11, 2) == 6
+
+
+def test_flash_attention_gets_its_own_name_and_the_whole_rows_positions(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flash_attention_2 (GPU only) through the wrapper, its kernel stood in by sdpa: it sees its own
+    name in the config (it picks its kernel by it), the whole rows' position ids (varlen packing)
+    and the 2-D padding mask when the rows are padded, none when packed."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from nexrl_hpc.models.tiny import load_model
+
+    seen: list[tuple[str, tuple[int, ...], Any]] = []
+
+    def fake_flash(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        seen.append((module.config._attn_implementation, tuple(kwargs["position_ids"].shape), mask))
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", fake_flash)
+    model = load_model(tiny_model_dir, attn_implementation="sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    emulate_sequence_parallel(model, 2)
+    assert model.config._attn_implementation == "nexrl_ulysses_flash_attention_2"
+    tokens = torch.randint(4, 16, (2, 7))
+    model(input_ids=tokens, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2), use_cache=False)
+    assert [(name, shape) for name, shape, _ in seen] == [("flash_attention_2", (2, 8))] * 2  # 2 layers
+    assert all(mask is None for _, _, mask in seen)
+    seen.clear()
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * 2)
+    model(
+        input_ids=tokens, attention_mask=padding, position_ids=torch.arange(7).expand(2, 7), use_cache=False
+    )
+    assert seen[0][2].tolist() == [[0, 0, 1, 1, 1, 1, 1, 0]] * 2  # padded to 8: the tail masked

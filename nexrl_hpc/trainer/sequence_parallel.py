@@ -32,6 +32,7 @@ those of S/P tokens (``tokens_per_rank``).
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable
@@ -90,8 +91,15 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.size, gather_dim, scatter_dim), None, None, None, None
 
 
+class EmulatedGroup:
+    """Stands for the other ranks of a group in one process (``emulate_sequence_parallel``): what
+    would arrive from them is a copy of this rank's own data, of the same shapes."""
+
+
 def _all_to_all(x: torch.Tensor, group: Any, size: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    if isinstance(group, EmulatedGroup):  # rank 0: every rank's chunk 0 is a copy of its own
+        return torch.cat([send[0].clone() for _ in range(size)], dim=gather_dim)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
@@ -104,6 +112,8 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
         ctx.group, ctx.size, ctx.rank = group, size, rank
+        if isinstance(group, EmulatedGroup):
+            return torch.cat([x.clone() for _ in range(size)], dim=1)
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=1)
@@ -111,7 +121,8 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        if not isinstance(ctx.group, EmulatedGroup):
+            dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
 
 
@@ -156,11 +167,13 @@ def whole_sequence_mask(position_ids: torch.Tensor, padding_mask: torch.Tensor |
 
 class _GroupedHeads:
     """The attention module as the inner implementation sees it after the all-to-all: the local
-    query heads per (replicated) K/V head differ from the module's when K/V heads were replicated."""
+    query heads per (replicated) K/V head differ from the module's when K/V heads were replicated,
+    and its config names the inner implementation (flash attention picks its kernel by it)."""
 
-    def __init__(self, module: Any, groups: int) -> None:
+    def __init__(self, module: Any, groups: int, config: Any) -> None:
         self._module = module
         self.num_key_value_groups = groups
+        self.config = config
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -170,8 +183,9 @@ class SequenceParallel:
     """One model's sequence parallelism: its group, the hooks that split and gather, the state of
     the forward in flight (kept until the next forward: activation checkpointing recomputes)."""
 
-    def __init__(self, group: Any, size: int, rank: int) -> None:
+    def __init__(self, group: Any, size: int, rank: int, inner_config: Any = None) -> None:
         self.group, self.size, self.rank = group, size, rank
+        self.inner_config = inner_config  # the model's config naming the wrapped implementation
         self.state: _ForwardState | None = None
 
     def split_inputs(self, _module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -235,7 +249,7 @@ class SequenceParallel:
         query, key, value = (_AllToAll.apply(t, self.group, self.size, 1, 2) for t in (query, key, value))
         mask = state.mask(kind, query.dtype, query.device)
         kwargs = dict(kwargs, position_ids=state.position_ids.to(query.device))
-        proxy = _GroupedHeads(module, query.shape[1] // key.shape[1])
+        proxy = _GroupedHeads(module, query.shape[1] // key.shape[1], self.inner_config)
         out, _ = inner(proxy, query, key, value, mask, **kwargs)  # [B, S, heads / P, d]
         return _AllToAll.apply(out, self.group, self.size, 1, 2), None
 
@@ -291,7 +305,9 @@ def enable_sequence_parallel(model: Any, group: Any, size: int, rank: int) -> Se
     base = getattr(model, "model", None)
     if base is None:
         raise ValueError(f"{KEY} > 1 needs an HF causal LM with its decoder at .model")
-    sp = SequenceParallel(group, size, rank)
+    inner_config = copy.copy(config)  # shallow: the wrapped implementation's name on a copy
+    inner_config._attn_implementation_internal = kind
+    sp = SequenceParallel(group, size, rank, inner_config)
     for module in model.modules():
         if getattr(module, "config", None) is config:
             setattr(module, _HOLDER, sp)
@@ -299,3 +315,11 @@ def enable_sequence_parallel(model: Any, group: Any, size: int, rank: int) -> Se
     base.register_forward_hook(sp.gather_outputs, with_kwargs=True)
     config._attn_implementation = _register(kind)
     return sp
+
+
+def emulate_sequence_parallel(model: Any, size: int) -> SequenceParallel:
+    """Rank 0 of a group of ``size`` in this one process, without torch.distributed: the other
+    ranks' tokens are stand-ins (copies of this rank's), so the values past this rank's slice are
+    not the model's, but every tensor has the shape it has on a real rank. For a per-rank memory
+    measurement (peak of a training micro-step at ``sequence_parallel_size=size``) on one machine."""
+    return enable_sequence_parallel(model, EmulatedGroup(), size, 0)
