@@ -134,11 +134,14 @@ class _ForwardState:
     padding_mask: torch.Tensor | None  # [B, S_padded] bool (padded rows); None: packed, by position ids
     length: int  # S before padding to a multiple of P
     masks: dict[Any, torch.Tensor] = field(default_factory=dict)  # built once per forward and kind
+    causal: bool | None = None  # every row one sequence, no padding: sdpa needs no mask
 
     def mask(self, kind: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The attention mask of the inner implementation ``kind`` on the whole sequence."""
         if kind.startswith("flash"):  # varlen from the position ids, or the 2-D padding mask
             return None if self.padding_mask is None else self.padding_mask.to(device, torch.int32)
+        if kind == "sdpa" and self.causal_only():
+            return None  # sdpa's is_causal: no [B, S, S] mask
         key = (kind, dtype, device)
         if key not in self.masks:
             allowed = whole_sequence_mask(self.position_ids, self.padding_mask).to(device)[:, None]
@@ -149,6 +152,17 @@ class _ForwardState:
                     ~allowed, torch.finfo(dtype).min
                 )
         return self.masks[key]
+
+    def causal_only(self) -> bool:
+        """Whether a causal mask is the whole story: no padding and one sequence per row before the
+        tail that pads the rows to a multiple of P (it sees only earlier tokens and is cut off)."""
+        if self.causal is None:
+            real = slice(0, self.length)
+            if self.padding_mask is not None:  # transformers detects no packing beside a 2-D mask
+                self.causal = bool(self.padding_mask[:, real].all())
+            else:
+                self.causal = bool((torch.diff(self.position_ids[:, real], dim=-1) == 1).all())
+        return self.causal
 
 
 def whole_sequence_mask(position_ids: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
