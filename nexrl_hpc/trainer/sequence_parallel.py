@@ -120,7 +120,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        grad = grad.contiguous()
+        grad = grad.contiguous().clone()  # reduced in place: not the caller's tensor
         if not isinstance(ctx.group, EmulatedGroup):
             dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
