@@ -48,6 +48,7 @@ from nexrl_hpc.tracking.experiment import ExperimentLogger
 from nexrl_hpc.tracking.plots import read_metrics
 from nexrl_hpc.tracking.run_status import RunStatus
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, NexRLRole
+from nexrl_hpc.weight_sync.verify import canary_prompts, verification_applies
 
 if TYPE_CHECKING:
     from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
@@ -167,6 +168,8 @@ class NexRLController:
         self._wire_modules()
 
         execute(self.train_worker.initialize_workers)
+        if verification_applies(cfg):  # every verified sync scores these (weight_sync/verify.py)
+            execute(self.train_worker.set_canary, canary_prompts(cfg, tokenizer, val_files, train_files))
         if resume_state is not None:  # the trainer's side first: it overlaps the servers' start-up
             assert self.resumed_from is not None
             self._load_resume_checkpoint(self.resumed_from, resume_state)
@@ -176,7 +179,8 @@ class NexRLController:
             execute(service.wait_ready)
             # kept now: when a server dies its rank may not answer any more
             self._health.server_descriptions[execute(service.get_module_name)] = execute(service.describe)
-        execute(self.scheduler.sync_weight_to_rollout_service, self._model_tag)
+        canary = execute(self.train_worker.canary_reference, execute(self.train_worker.get_train_step))
+        execute(self.scheduler.sync_weight_to_rollout_service, self._model_tag, canary)
         if resume_state is not None:
             logger.info("resumed at step %d from %s", resume_step, self.resumed_from)
         settle_after_setup(cfg["runtime"])

@@ -222,6 +222,9 @@ class WeightConfig(TypedDict):
     sync_weight_path: str
     validate_freq: Annotated[int, Ge(0)]
     keep_versions: Annotated[int, Ge(1)]
+    verify_every: Annotated[int, Ge(0)]  # verify every Nth sync (canary log-probs); 0: off
+    verify_prompts: Annotated[int, Ge(1)]  # canary prompts
+    verify_tolerance: Annotated[float, Gt(0.0)] | None  # max |delta log p|; null: by dtype
 
 
 class LocalInferenceConfig(TypedDict):

@@ -189,6 +189,21 @@ class HFEngine:
             self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
         return f"loaded {len(state)} tensors from {model_path} as version {self.weight_version}"
 
+    @torch.no_grad()
+    def prompt_log_probs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """log p(token i | tokens < i) for i >= 1 of each prompt (teacher-forced, the raw
+        log-softmax in fp32, as vLLM's ``prompt_logprobs``): one prompt per forward, no padding,
+        between two generation batches and never across a reload (the model lock)."""
+        self.validate(prompts, SamplingParams(max_tokens=1))
+        out: list[list[float]] = []
+        with self._model_lock:
+            for ids in prompts:
+                tokens = torch.tensor([ids], device=self.device)
+                logits = self.model(input_ids=tokens, use_cache=False).logits[0, :-1].float()
+                log_p = torch.log_softmax(logits, dim=-1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+                out.append(log_p.cpu().tolist())
+        return out
+
     def stop(self) -> None:
         self._stopped = True
         self._queue.put(None)

@@ -41,6 +41,7 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's: each prompt token's log-prob
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     stream: bool = False
@@ -184,6 +185,15 @@ class OpenAIApi:
             choice["token_ids"] = out.token_ids
         return choice
 
+    def _prompt_logprobs(self, ids: list[int], log_probs: list[float]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` shape: None for the first token, then {token id: {logprob, rank,
+        decoded_token}} of the prompt's own token (the top alternatives are not computed)."""
+        tokens = self.token_strings(ids)
+        return [None] + [
+            {str(t): {"logprob": lp, "rank": None, "decoded_token": s}}
+            for t, lp, s in zip(ids[1:], log_probs, tokens[1:])
+        ]
+
     async def completions(self, req: CompletionRequest) -> Response:
         if req.stream:
             return error_response(400, "stream=true is not supported by this server")
@@ -210,6 +220,12 @@ class OpenAIApi:
             self._completion_choice(req, index, out, text)
             for index, (out, text) in enumerate(zip(outputs, texts))
         ]
+        if req.prompt_logprobs is not None:
+            scored = await asyncio.to_thread(self.engine.prompt_log_probs, prompt_ids)
+            for index, choice in enumerate(choices):
+                choice["prompt_logprobs"] = self._prompt_logprobs(
+                    prompt_ids[index // req.n], scored[index // req.n]
+                )
         n_prompt = sum(len(p) for p in prompt_ids) * req.n
         return _json(self.envelope("cmpl", "text_completion", choices, n_prompt, outputs))
 

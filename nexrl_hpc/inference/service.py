@@ -12,6 +12,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+import httpx
+
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
@@ -36,6 +38,7 @@ class InferenceService(NexRLModule):
         self._server: VLLMServer | LocalInferenceServer | None = None
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
+        self._canary_http: httpx.Client | None = None  # weight verification's requests (score_canary)
         self._transport = create_weight_transport(
             self._service["backend"], self._service["request_timeout_s"], self._service["vllm"]["pause_mode"]
         )
@@ -93,6 +96,26 @@ class InferenceService(NexRLModule):
     def reload_weights(self, model_path: str, version: int) -> None:
         """Serve the weights in ``model_path`` as ``version`` (raises WeightSyncError on failure)."""
         self._transport.publish(model_path, version)
+
+    def score_canary(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The engine's log-probs of each canary prompt's tokens after the first (weight verification,
+        weight_sync/verify.py), asked on this rank: the API key never leaves it."""
+        from nexrl_hpc.weight_sync.verify import engine_prompt_log_probs
+
+        base_url = self.wait_ready()
+        if base_url is None:
+            raise RuntimeError(f"{self._module_name}: no server to score the canary with")
+        if self._canary_http is None:
+            self._canary_http = httpx.Client()
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        return engine_prompt_log_probs(
+            self._canary_http,
+            base_url,
+            headers,
+            self._service["model"],
+            prompts,
+            self._service["request_timeout_s"],
+        )
 
     @quick
     def health_check(self) -> bool:

@@ -7,9 +7,12 @@ controller's wiring checks ``RolloutScheduler`` against it. Imports only lower f
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, RolloutServiceStatus
+
+if TYPE_CHECKING:
+    from nexrl_hpc.weight_sync.verify import CanaryReference
 
 
 class RolloutSchedulerRef(Protocol):
@@ -27,7 +30,11 @@ class RolloutSchedulerRef(Protocol):
 
     # --- the train worker: new weights exported, a batch dropped, validation time ----------------
     def train_worker_notify_weight_update(
-        self, worker_name: str, model_tag: ModelTag, version: int | None = None
+        self,
+        worker_name: str,
+        model_tag: ModelTag,
+        version: int | None = None,
+        canary: CanaryReference | None = None,
     ) -> None: ...
 
     def trainer_dropped_batch(self, model_tag: ModelTag) -> None: ...

@@ -51,7 +51,9 @@ from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
 from nexrl_hpc.types import DEFAULT_MODEL_TAG, ModelTag, RolloutServiceStatus
-from nexrl_hpc.weight_sync.publisher import WeightPublisher
+from nexrl_hpc.weight_sync.publisher import WeightPublisher, sync_weight_dir
+from nexrl_hpc.weight_sync.sync_metrics import export_bytes, sync_metrics
+from nexrl_hpc.weight_sync.verify import CanaryReference, WeightVerifier
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.interfaces import DataLoaderRef
@@ -70,6 +72,7 @@ class RolloutScheduler(NexRLModule):
         self._total_steps = config["train_worker"]["total_train_steps"]
         self._batch_items = config["trajectory_pool"]["batch_size"]
         self._publisher = WeightPublisher(weight)
+        self._verifier = WeightVerifier(config)  # each engine computes with the published weights
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._events = 0  # bumped on every new version and validation request (see wait_for_progress)
@@ -93,6 +96,7 @@ class RolloutScheduler(NexRLModule):
     def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
         self._publisher.set_inference_services(services)
+        self._verifier.set_inference_services(services)
 
     # --- the dispatch budget: written here only ---------------------------------------------------
     def _set_budget(self, items: int) -> None:
@@ -186,17 +190,21 @@ class RolloutScheduler(NexRLModule):
 
     # --- new versions ---------------------------------------------------------------------------
     def train_worker_notify_weight_update(
-        self, worker_name: str, model_tag: ModelTag, version: int | None = None
+        self,
+        worker_name: str,
+        model_tag: ModelTag,
+        version: int | None = None,
+        canary: CanaryReference | None = None,
     ) -> None:
-        """The trainer finished a step and exported its weights; publish them, release the next
-        batch and maybe validate.
+        """The trainer finished a step and exported its weights; publish them (verified against
+        ``canary``, the trainer's log-probs, when given), release the next batch and maybe validate.
 
         A pending validation measures its own version: the next one is published after it."""
         with self._progress:
             self._progress.wait_for(lambda: self._waiting_validation is None)
             new_version = version if version is not None else self._train_version.get(model_tag, 0) + 1
             self._train_version[model_tag] = new_version
-        self.sync_weight_to_rollout_service(model_tag)
+        self.sync_weight_to_rollout_service(model_tag, canary)
         with self._lock:
             if self._validation_due(new_version):
                 self._waiting_validation = model_tag
@@ -206,14 +214,24 @@ class RolloutScheduler(NexRLModule):
         with self._lock:
             self._bump()
 
-    def sync_weight_to_rollout_service(self, model_tag: ModelTag) -> None:
-        """Publish the trainer's current version; clients hold new requests while the reload runs.
-        A failed reload raises ``WeightSyncError``: the served version stays where it was."""
+    def sync_weight_to_rollout_service(
+        self, model_tag: ModelTag, canary: CanaryReference | None = None
+    ) -> None:
+        """Publish the trainer's current version; clients hold new requests while the reload (and
+        its verification against ``canary``) runs. A failed reload raises ``WeightSyncError``, a
+        failed verification ``WeightVerificationError``: the served version stays where it was."""
         version = self.get_train_model_version(model_tag)
         with self._lock:
             self._syncing.add(model_tag)
         try:
+            started = time.monotonic()
             self._publisher.publish(version)
+            path = sync_weight_dir(self._publisher.sync_path, version)
+            metrics = sync_metrics(time.monotonic() - started, export_bytes(path))
+            if canary is not None:
+                metrics["weight_sync/verify_max_abs_diff"] = self._verifier.verify(canary)
+            if self._activity_tracker is not None:
+                self._activity_tracker.experiment_logger_post("all", data=metrics, step=version)
         finally:
             with self._lock:
                 self._syncing.discard(model_tag)

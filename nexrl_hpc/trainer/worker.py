@@ -40,6 +40,7 @@ from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 from nexrl_hpc.weight_sync.transport import reload_needs_tied_head
+from nexrl_hpc.weight_sync.verify import CanaryReference, trainer_canary_log_probs, verify_due
 
 if TYPE_CHECKING:
     from nexrl_hpc.data.interfaces import DataLoaderRef
@@ -86,7 +87,10 @@ class TrainWorker(NexRLModule):
         self._stopped_early = False
         self._in_step = False
         self._announcing: Future | None = None  # async modes: the announcement in flight
-        self._announcements: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
+        self._announcements: queue.SimpleQueue[tuple[int, CanaryReference | None, Future]] = (
+            queue.SimpleQueue()
+        )
+        self._canary: list[list[int]] = []  # weight verification's prompts (set_canary)
         self._announcer: threading.Thread | None = None  # made at the first announcement
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
@@ -149,6 +153,20 @@ class TrainWorker(NexRLModule):
         self._stop_requested = True  # read once per step: before the announcement, or the next step
 
     # --- weights / checkpoints used by the controller -------------------------------------------
+    def set_canary(self, prompts: list[list[int]]) -> None:
+        """The canary every verified sync is scored on (weight_sync/verify.py)."""
+        self._canary = [list(p) for p in prompts]
+
+    def canary_due(self, version: int) -> bool:
+        return bool(self._canary) and verify_due(self._config, version)
+
+    def canary_reference(self, version: int) -> CanaryReference | None:
+        """The trainer's canary log-probs with the weights it holds now, taken as ``version``'s
+        (None when that sync is not verified). Asked before anything trains past ``version``."""
+        if not self.canary_due(version):
+            return None
+        return trainer_canary_log_probs(self._client, self._canary, version)
+
     def export_weights(self, version: int) -> str:
         path = sync_weight_dir(self._sync_path, version)
         self._client.export_weights(path)
@@ -270,6 +288,7 @@ class TrainWorker(NexRLModule):
             or checkpoint
             or step + 1 > self._total_steps
             or self._stop_requested
+            or self.canary_due(step)  # the canary must be scored on this step's weights first
         ):
             return None
         t0 = time.monotonic()
@@ -344,7 +363,7 @@ class TrainWorker(NexRLModule):
             self._stopped_early = True
         else:
             t5, wall = time.monotonic(), time.time()
-            self._announce(step)
+            self._announce(step, self.canary_reference(step))
             timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
 
     def _write_samples(self, step: int, batch: Batch) -> None:
@@ -356,7 +375,7 @@ class TrainWorker(NexRLModule):
         write_samples(self._run_dir, step, rows)
         self._activity_tracker.experiment_logger_samples(step, rows)
 
-    def _announce(self, step: int) -> None:
+    def _announce(self, step: int, canary: CanaryReference | None = None) -> None:
         """Tell the weight sync controller that version ``step`` is exported: it publishes it and
         releases the next batch. Sync mode waits (the next batch needs these weights); the async
         modes hand it to the announcement thread once the previous announcement has ended (a daemon
@@ -364,7 +383,7 @@ class TrainWorker(NexRLModule):
         assert self._scheduler is not None
         notify = self._scheduler.train_worker_notify_weight_update
         if not self._async:
-            execute(notify, self._module_name, self._model_tag, step)
+            execute(notify, self._module_name, self._model_tag, step, canary)
             return
         self._wait_announced()
         announced: Future = Future()
@@ -373,18 +392,18 @@ class TrainWorker(NexRLModule):
                 target=self._announce_loop, name=f"{self._module_name}-announce", daemon=True
             )
             self._announcer.start()
-        self._announcements.put((step, announced))
+        self._announcements.put((step, canary, announced))
         self._announcing = announced
 
     def _announce_loop(self) -> None:
         """The announcement thread: one thread for the run (starting a thread per step waits for
         it to run, a GIL hand-off the trainer's thread paid on every step)."""
         while True:
-            step, announced = self._announcements.get()
+            step, canary, announced = self._announcements.get()
             try:
                 assert self._scheduler is not None
                 notify = self._scheduler.train_worker_notify_weight_update
-                announced.set_result(execute(notify, self._module_name, self._model_tag, step))
+                announced.set_result(execute(notify, self._module_name, self._model_tag, step, canary))
             except BaseException as exc:  # handed to the trainer thread, raised at its next wait
                 announced.set_exception(exc)
 

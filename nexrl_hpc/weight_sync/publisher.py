@@ -35,7 +35,7 @@ class WeightPublisher:
     """Reloads a version on every inference service (in parallel); any failure fails the publication."""
 
     def __init__(self, config: WeightConfig):
-        self._sync_path = config["sync_weight_path"]
+        self._sync_path = self.sync_path = config["sync_weight_path"]
         self._keep_versions = config["keep_versions"]
         self._inference_services: list[InferenceServiceRef] = []
 
