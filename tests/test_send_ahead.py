@@ -53,6 +53,10 @@ class QueuedTrainService(NoopTrainService):
 
         return Answer()
 
+    def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
+        self.events.append("canary")  # the group answers it after every update sent before it
+        return super().compute_log_prob(batch)
+
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self.events.append(f"checkpoint {global_step}")
         super().save_checkpoint(local_path, global_step, save_weight_only)
@@ -87,8 +91,10 @@ class Announcements:
     def __init__(self, events: list[str]) -> None:
         self.events = events
 
-    def train_worker_notify_weight_update(self, worker_name: str, model_tag: str, version: int) -> None:
-        self.events.append(f"announce {version}")
+    def train_worker_notify_weight_update(
+        self, worker_name: str, model_tag: str, version: int, canary: Any = None
+    ) -> None:
+        self.events.append(f"announce {version}" + (f" canary {canary['version']}" if canary else ""))
 
     def validation_intervals(self, since: float) -> list[tuple[float, float]]:
         return []
@@ -118,6 +124,7 @@ def run_loop(
     steps: int,
     save_freq: int,
     on_result: Callable[[TrainWorker, int], None] | None = None,
+    canary: list[list[int]] | None = None,
 ) -> list[str]:
     cfg = compose_config(
         [
@@ -137,6 +144,8 @@ def run_loop(
         service.on_result = lambda version: on_result(worker, version)
     worker.set_module_references(ReadyBatches(steps), Announcements(events))  # type: ignore[arg-type]
     worker.set_activity_tracker(Tracker())  # type: ignore[arg-type]
+    if canary is not None:
+        worker.set_canary(canary)
     worker._loop()
     worker._wait_announced()
     return events
@@ -183,6 +192,31 @@ def test_a_stop_request_while_a_batch_is_ahead_ends_the_session_after_that_batch
         "checkpoint 2",
     ]
     assert [e for e in events if e.startswith("announce")] == ["announce 1"]  # 2 ends the session
+
+
+def test_a_verified_sync_takes_the_canary_before_the_batch_sent_ahead(tmp_path: Path) -> None:
+    """Weight verification on every sync: the trainer's canary log-probs of version v are asked
+    for before batch v + 1 goes to the group (which answers in order: they are v's weights), and
+    the next batch is still sent while the trainer trains."""
+    events = run_loop(tmp_path, "fully-async", steps=4, save_freq=0, canary=[[1, 5, 6], [1, 7]])
+    assert [e for e in events if not e.startswith("announce")] == [
+        "send 1",
+        "canary",
+        "send 2",
+        "answer 1",
+        "canary",
+        "send 3",
+        "answer 2",
+        "canary",
+        "send 4",
+        "answer 3",
+        "answer 4",
+        "checkpoint 4",
+        "canary",
+    ]
+    assert [e for e in events if e.startswith("announce")] == [
+        f"announce {v} canary {v}" for v in (1, 2, 3, 4)
+    ]
 
 
 def test_sync_mode_sends_one_batch_at_a_time(tmp_path: Path) -> None:

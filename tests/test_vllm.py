@@ -31,6 +31,14 @@ from nexrl_hpc.tasks.max_digit import generate_splits
 from nexrl_hpc.trainer.policy_trainer import response_log_probs
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.transport import VLLMReloadTransport, WeightSyncError
+from nexrl_hpc.weight_sync.verify import (
+    CanaryReference,
+    WeightVerificationError,
+    WeightVerifier,
+    canary_batch,
+    engine_prompt_log_probs,
+    max_abs_diff,
+)
 from tests.conftest import compose_config, run_train
 
 OVERRIDES = ["seed=1", "service.inference_service.backend=vllm"]
@@ -179,6 +187,53 @@ def test_weight_sync_makes_greedy_outputs_those_of_transformers_with_the_new_wei
     assert ((trainer - engine).abs() * mask).max().item() <= 1e-4
     info = httpx.get(f"{server.base_url}/weight_info", headers=_auth(server)).json()
     assert info["weight_version"] == "1" and transport.served_version == 1
+
+
+def test_weight_verification_scores_the_canary_as_the_trainer_does_and_names_a_stale_server(
+    cfg: dict[str, Any], server: VLLMServer, model_dir: str, transport: VLLMReloadTransport, tmp_path: Path
+) -> None:
+    """vLLM's prompt_logprobs of the canary equal the trainer's log-probs with the weights it was
+    just sent (<= 1e-4, fp32); checked against weights it was not sent, the verifier names it."""
+    tok = load_tokenizer(model_dir)
+    canary = [tok(p)["input_ids"] for p in _prompts(cfg, 2)]
+    new_model = _new_weights(cfg, model_dir, tmp_path / "version_5", init_seed=555)
+    transport.publish(str(tmp_path / "version_5"), 5)
+    with torch.no_grad():
+        trainer = response_log_probs(new_model, canary_batch(canary)).tolist()
+    reference = [row[: len(p) - 1] for row, p in zip(trainer, canary)]
+    svc = cfg["service"]["inference_service"]
+    scored = engine_prompt_log_probs(
+        httpx.Client(), str(server.base_url), _auth(server), svc["model"], canary, 30.0
+    )
+    assert [len(s) for s in scored] == [len(p) - 1 for p in canary]
+    assert max_abs_diff(reference, scored) <= 1e-4
+
+    class OnThisServer:
+        def get_module_name(self) -> str:
+            return "inference_service_1"
+
+        def describe(self) -> str:
+            return str(server.base_url)
+
+        def score_canary(self, prompts: list[list[int]]) -> list[list[float]]:
+            return engine_prompt_log_probs(
+                httpx.Client(), str(server.base_url), _auth(server), svc["model"], prompts, 30.0
+            )
+
+    verifier = WeightVerifier(cfg)  # type: ignore[arg-type]
+    verifier.set_inference_services([OnThisServer()])
+    assert verifier.verify(CanaryReference(version=5, prompts=canary, log_probs=reference)) <= 1e-4
+    old_model = load_model(model_dir, attn_implementation=cfg["model"]["attn_implementation"]).eval()
+    with torch.no_grad():
+        old = [
+            row[: len(p) - 1]
+            for row, p in zip(response_log_probs(old_model, canary_batch(canary)).tolist(), canary)
+        ]
+    with pytest.raises(
+        WeightVerificationError,
+        match=rf"version 6 failed verification: inference_service_1 \({re.escape(str(server.base_url))}\)",
+    ):
+        verifier.verify(CanaryReference(version=6, prompts=canary, log_probs=old))
 
 
 async def _until_generating(server: VLLMServer, wave: list[asyncio.Future], timeout_s: float = 30.0) -> None:
@@ -379,6 +434,9 @@ def test_whole_run_with_vllm_learns(cfg: dict[str, Any], tmp_path: Path) -> None
     # reproducible run to run, so the claim is a clear rise from chance, not a fixed accuracy
     assert val[0] <= 0.3 and val[-1] - val[0] >= 0.3, val
     assert mismatch <= 1e-4
+    # every sync verified: vLLM's canary log-probs are the trainer's, version 0 to 20
+    verified = {r["step"]: r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/seconds" in r}
+    assert sorted(verified) == list(range(21)) and max(verified.values()) <= 1e-4, verified
 
 
 def test_reloads_of_a_tied_model_serve_the_trained_head(

@@ -235,3 +235,26 @@ def test_under_mpirun_the_one_stale_rollout_rank_is_named(tmp_path: Path) -> Non
     syncs = _sync_rows(run_dir)
     assert sorted(syncs) == [0, 1]
     assert all(r["weight_sync/verify_max_abs_diff"] <= FP32_TOLERANCE for r in syncs.values())
+
+
+@pytest.mark.e2e
+def test_under_mpirun_fully_async_every_version_is_verified_on_both_rollout_ranks(tmp_path: Path) -> None:
+    """mpirun -n 4, fully-async: the trainer rank's canary log-probs are taken while the next batch
+    may already be queued behind the update (the trainer group answers in order), and every
+    version's sync passes on both engines."""
+    run_dir = tmp_path / "run"
+    args = [
+        f"run_dir={run_dir}",
+        "seed=3",
+        "weight.sync_mode=fully-async",
+        "train_worker.total_train_steps=4",
+        *FAST,
+    ]
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "launch.train", "launch_mode=mpi", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    syncs = _sync_rows(run_dir)
+    assert sorted(syncs) == [0, 1, 2, 3, 4]
+    assert all(r["weight_sync/verify_max_abs_diff"] <= FP32_TOLERANCE for r in syncs.values()), syncs
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else proc.stderr
+    assert log.count("verified on 2 engine(s)") >= 5

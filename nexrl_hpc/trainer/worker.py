@@ -3,8 +3,9 @@
 One training step: (optionally) recompute old log-probs -> (on-policy distillation) the teacher's
 log-probs of the sampled tokens become per-token advantages -> ``update_actor`` and the export of
 the new weights to ``sync_weight_path/version_<step>`` (one ``start_update_actor``) -> one
-metrics line -> checkpoint every ``save_freq`` steps and at the last step -> tell the weight sync
-controller. A backend that queues updates (a trainer group on ranks of its own) gets the next
+metrics line -> checkpoint every ``save_freq`` steps and at the last step -> the trainer's
+log-probs of the weight-verification canary (a verified sync, weight_sync/verify.py: taken before
+anything trains past this step, so before a batch sent ahead) -> tell the weight sync controller. A backend that queues updates (a trainer group on ranks of its own) gets the next
 step's batch while it trains this one, in the async modes (``_send_ahead``).
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
@@ -288,7 +289,6 @@ class TrainWorker(NexRLModule):
             or checkpoint
             or step + 1 > self._total_steps
             or self._stop_requested
-            or self.canary_due(step)  # the canary must be scored on this step's weights first
         ):
             return None
         t0 = time.monotonic()
@@ -298,6 +298,10 @@ class TrainWorker(NexRLModule):
         self._timeline.add("timing/update_s", time.monotonic() - t0)  # waiting while the trainer trains
         if batch is None:
             return None
+        if self.canary_due(step):  # scored on this step's weights: queued before the next update
+            t1 = time.monotonic()
+            current.canary = self.canary_reference(step)
+            self._timeline.add("timing/weight_sync_s", time.monotonic() - t1)
         ahead = self._start_step(batch, step + 1)
         if ahead is not None:
             ahead.metrics["train/sent_ahead"] = 1.0
@@ -363,7 +367,8 @@ class TrainWorker(NexRLModule):
             self._stopped_early = True
         else:
             t5, wall = time.monotonic(), time.time()
-            self._announce(step, self.canary_reference(step))
+            canary = started.canary if started.canary is not None else self.canary_reference(step)
+            self._announce(step, canary)
             timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
 
     def _write_samples(self, step: int, batch: Batch) -> None:
@@ -380,10 +385,8 @@ class TrainWorker(NexRLModule):
         releases the next batch. Sync mode waits (the next batch needs these weights); the async
         modes hand it to the announcement thread once the previous announcement has ended (a daemon
         thread: one stuck behind a validation that never ends must not hold the process's exit)."""
-        assert self._scheduler is not None
-        notify = self._scheduler.train_worker_notify_weight_update
         if not self._async:
-            execute(notify, self._module_name, self._model_tag, step, canary)
+            self._notify(step, canary)
             return
         self._wait_announced()
         announced: Future = Future()
@@ -401,11 +404,19 @@ class TrainWorker(NexRLModule):
         while True:
             step, canary, announced = self._announcements.get()
             try:
-                assert self._scheduler is not None
-                notify = self._scheduler.train_worker_notify_weight_update
-                announced.set_result(execute(notify, self._module_name, self._model_tag, step, canary))
+                self._notify(step, canary)
+                announced.set_result(None)
             except BaseException as exc:  # handed to the trainer thread, raised at its next wait
                 announced.set_exception(exc)
+
+    def _notify(self, step: int, canary: CanaryReference | None) -> None:
+        """The announcement itself (with the trainer's canary log-probs when the sync is verified)."""
+        assert self._scheduler is not None
+        notify = self._scheduler.train_worker_notify_weight_update
+        if canary is None:
+            execute(notify, self._module_name, self._model_tag, step)
+        else:
+            execute(notify, self._module_name, self._model_tag, step, canary)
 
     def _wait_announced(self) -> None:
         """The announcement in flight has ended (its error, e.g. a failed publication, is raised here)."""
@@ -424,6 +435,7 @@ class _StartedStep:
     metrics: dict[str, Any]
     update: UpdateInFlight
     exported_in_send_s: float  # a backend that does not queue: the send's seconds (update + export)
+    canary: CanaryReference | None = None  # taken before the next step was sent behind this one
 
 
 def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
