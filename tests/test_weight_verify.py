@@ -86,6 +86,19 @@ def test_the_local_server_answers_prompt_logprobs_equal_to_the_trainers(
     assert scored[0][0] == pytest.approx(entries[1][str(prompts[0][1])]["logprob"])
 
 
+def test_a_long_prompt_is_scored_a_chunk_at_a_time_to_the_same_log_probs(
+    engine: HFEngine, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nexrl_hpc.inference.engine as engine_module
+
+    prompts = _ids(tiny_model_dir, ["max of 3 9 1 4 7 2 8 5 6 0:", "1 2"])
+    whole = engine.prompt_log_probs(prompts)
+    monkeypatch.setattr(engine_module, "PROMPT_LOGPROBS_CHUNK", 4)  # logits of 4 positions at a time
+    chunked = engine.prompt_log_probs(prompts)
+    assert [len(c) for c in chunked] == [len(p) - 1 for p in prompts]
+    assert max_abs_diff(whole, chunked) <= 1e-5
+
+
 def test_the_canary_is_the_first_validation_prompts_or_else_the_first_training_prompts(
     tmp_path: Path, tiny_model_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -23,6 +23,8 @@ from nexrl_hpc.models.tiny import load_model, load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions per forward when scoring a prompt (its logits' rows)
+
 
 @dataclass
 class SamplingParams:
@@ -198,11 +200,21 @@ class HFEngine:
         out: list[list[float]] = []
         with self._model_lock:
             for ids in prompts:
-                tokens = torch.tensor([ids], device=self.device)
-                logits = self.model(input_ids=tokens, use_cache=False).logits[0, :-1].float()
-                log_p = torch.log_softmax(logits, dim=-1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
-                out.append(log_p.cpu().tolist())
+                out.append(self._prompt_log_probs(torch.tensor(ids, device=self.device)))
         return out
+
+    def _prompt_log_probs(self, tokens: torch.Tensor) -> list[float]:
+        """One prompt, ``PROMPT_LOGPROBS_CHUNK`` positions at a time through the KV cache: the
+        logits held at once stay [chunk, vocab], whatever the prompt's length."""
+        chunk, cache, pieces = PROMPT_LOGPROBS_CHUNK, None, []
+        for start in range(0, len(tokens) - 1, chunk):
+            part = tokens[start : start + chunk]
+            out = self.model(input_ids=part[None], past_key_values=cache, use_cache=len(tokens) - 1 > chunk)
+            cache = out.past_key_values
+            targets = tokens[start + 1 : start + 1 + len(part)]
+            log_p = torch.log_softmax(out.logits[0, : len(targets)].float(), dim=-1)
+            pieces.append(log_p.gather(-1, targets[:, None]).squeeze(-1))
+        return torch.cat(pieces).cpu().tolist()
 
     def stop(self) -> None:
         self._stopped = True

@@ -128,6 +128,8 @@ class InferenceService(NexRLModule):
         return str(self._base_url)
 
     def stop(self) -> None:
+        if self._canary_http is not None:
+            self._canary_http.close()
         if self._server is not None:
             self._server.stop()
 
