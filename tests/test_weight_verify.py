@@ -129,7 +129,10 @@ def test_tolerance_follows_the_dtypes_unless_set_and_verify_every_picks_the_sync
     half = copy.deepcopy(cfg)
     half["service"]["inference_service"]["backend"] = "vllm"
     half["service"]["inference_service"]["vllm"]["dtype"] = "bfloat16"
-    assert verify_tolerance(half) == HALF_TOLERANCE
+    assert verify_tolerance(half) == HALF_TOLERANCE == 1.0
+    local_bf16 = copy.deepcopy(cfg)
+    local_bf16["service"]["train_service"]["dtype"] = "bfloat16"  # the local engine computes in the trainer's
+    assert verify_tolerance(local_bf16) == HALF_TOLERANCE
     half["weight"]["verify_tolerance"] = 0.03
     assert verify_tolerance(half) == 0.03
     assert [v for v in range(7) if verify_due(cfg, v)] == list(range(7))  # default: every sync
