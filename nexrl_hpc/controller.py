@@ -195,6 +195,7 @@ class NexRLController:
         scheduler = self.scheduler
         execute(scheduler.set_module_references, self.dataloader, self.trajectory_pool)
         execute(scheduler.set_inference_services, self._inference_services)
+        execute(scheduler.set_weight_source, self.train_worker)
         execute(self.trajectory_pool.set_module_references, self.dataloader, scheduler)
         execute(self.algorithm_processor.set_module_references, self.trajectory_pool, self.train_batch_pool)
         execute(self.train_worker.set_module_references, self.train_batch_pool, scheduler, self.dataloader)

@@ -219,6 +219,11 @@ class WeightConfig(TypedDict):
     staleness_threshold: Annotated[int, Ge(0)]
     stale_policy: Literal["drop", "keep"]
     sync_method: Literal["disk"]
+    transport: Literal["broadcast", "disk"]  # weight_sync/transport.py: which engines can broadcast
+    bucket_mb: Annotated[int, Ge(1)]
+    broadcast_backend: Literal["gloo", "nccl"]
+    broadcast_host: str
+    broadcast_timeout_s: Annotated[float, Gt(0.0)]
     sync_weight_path: str
     validate_freq: Annotated[int, Ge(0)]
     keep_versions: Annotated[int, Ge(1)]

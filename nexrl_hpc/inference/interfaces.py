@@ -8,7 +8,7 @@ controller's wiring checks ``InferenceService`` against it. Imports only lower f
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class InferenceServiceRef(Protocol):
@@ -21,3 +21,7 @@ class InferenceServiceRef(Protocol):
     def score_canary(self, prompts: list[list[int]]) -> list[list[float]]: ...
 
     def describe(self) -> str: ...
+
+    def weight_receivers(self) -> int: ...
+
+    def receive_weights(self, spec: dict[str, Any], rank_offset: int, version: int) -> None: ...

@@ -68,6 +68,12 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: int | str | None = None
 
 
+class BroadcastWeightsRequest(BaseModel):
+    group: dict[str, Any]  # weight_sync/wire.py's group spec
+    rank: int
+    weight_version: int
+
+
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": err_type, "code": status}}
@@ -289,6 +295,20 @@ class OpenAIApi:
         if req.return_token_ids:
             payload["prompt_token_ids"] = list(prompt)
         return _json(payload)
+
+    async def update_weights_from_broadcast(self, req: BroadcastWeightsRequest) -> Response:
+        from nexrl_hpc.inference.broadcast_receive import receive_into_engine
+
+        try:
+            message = await asyncio.to_thread(
+                receive_into_engine, self.engine, req.group, req.rank, req.weight_version
+            )
+        except Exception as exc:
+            logger.error("weight broadcast (version %d) failed: %s", req.weight_version, exc)
+            return JSONResponse(
+                status_code=400, content={"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            )
+        return _json({"success": True, "message": message, "weight_version": self.engine.weight_version})
 
     async def update_weights_from_disk(self, req: UpdateWeightsRequest) -> Response:
         engine = self.engine

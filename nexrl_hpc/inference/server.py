@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from nexrl_hpc.inference.engine import HFEngine
 from nexrl_hpc.inference.openai_api import (
     CONFIG_KEY,
+    BroadcastWeightsRequest,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIApi,
@@ -161,6 +162,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         return await api.chat_completions(req)
+
+    @app.post("/update_weights_from_broadcast")
+    async def update_weights_from_broadcast(req: BroadcastWeightsRequest) -> Response:
+        return await api.update_weights_from_broadcast(req)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsRequest) -> Response:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
-from nexrl_hpc.weight_sync.transport import create_weight_transport
+from nexrl_hpc.weight_sync.transport import create_weight_transport, uses_broadcast
 
 if TYPE_CHECKING:
     from nexrl_hpc.inference.local_server import LocalInferenceServer
@@ -39,8 +39,15 @@ class InferenceService(NexRLModule):
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
         self._canary_http: httpx.Client | None = None  # weight verification's requests (score_canary)
+        self._broadcast = uses_broadcast(
+            config["weight"]["transport"], self._service["backend"], self._service["base_url"]
+        )
         self._transport = create_weight_transport(
-            self._service["backend"], self._service["request_timeout_s"], self._service["vllm"]["pause_mode"]
+            self._service["backend"],
+            self._service["request_timeout_s"],
+            self._service["vllm"]["pause_mode"],
+            broadcast=self._broadcast,
+            tensor_parallel=self._service["vllm"]["tensor_parallel_size"],
         )
 
     @property
@@ -61,6 +68,7 @@ class InferenceService(NexRLModule):
                 self._service["model"],
                 log_name=f"{self._module_name}.log",
                 keep_alive_s=self._runtime["rpc"]["preauth_timeout_s"],
+                weight_broadcast=self._broadcast,
             )
             self._server.launch()
             return
@@ -116,6 +124,14 @@ class InferenceService(NexRLModule):
             prompts,
             self._service["request_timeout_s"],
         )
+
+    def weight_receivers(self) -> int:
+        """Ranks this server takes in a weight broadcast group (0: it reloads from disk)."""
+        return self._transport.receivers() if self._transport.broadcast else 0
+
+    def receive_weights(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
+        """Serve what the trainer broadcasts to the group ``spec`` as ``version`` (raises WeightSyncError)."""
+        self._transport.receive(spec, rank_offset, version)
 
     @quick
     def health_check(self) -> bool:

@@ -20,6 +20,7 @@ head, and how many such connections wait at once (docs/security.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -35,7 +36,7 @@ import time
 import httpx
 
 from nexrl_hpc.config.schema import VLLMInferenceConfig
-from nexrl_hpc.inference import vllm_guard
+from nexrl_hpc.inference import vllm_guard, vllm_weight_plugin
 from nexrl_hpc.inference.local_server import InferenceServerStartError, kill_process_group, log_tail
 from nexrl_hpc.runtime.network import resolve_bind_address
 
@@ -83,6 +84,7 @@ class VLLMServer:
         served_model_name: str,
         log_name: str = "vllm_server.log",
         keep_alive_s: float = 5.0,
+        weight_broadcast: bool = False,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -95,6 +97,9 @@ class VLLMServer:
         self._deadline = 0.0
         self._guard_dir: str | None = None
         self.keep_alive_s = keep_alive_s  # runtime.rpc.preauth_timeout_s of the run
+        self.weight_broadcast = (
+            weight_broadcast  # weight.transport=broadcast: the run's weight-transfer engine
+        )
 
     def command(self, port: int, host: str | None = None) -> list[str]:
         """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
@@ -122,6 +127,8 @@ class VLLMServer:
             "--middleware",
             f"{GUARD_MODULE}.RequireKey",
         ]
+        if self.weight_broadcast:  # registered by the plugin in the private PYTHONPATH directory
+            cmd += ["--weight-transfer-config", json.dumps({"backend": vllm_weight_plugin.ENGINE_NAME})]
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]
         if cfg["tensor_parallel_size"] != 1:
@@ -168,6 +175,8 @@ class VLLMServer:
         self.base_url = f"http://{url_host}:{port}"
         self._guard_dir = tempfile.mkdtemp(prefix="nexrl_vllm_guard_")  # 0700: only this user reads it
         shutil.copyfile(vllm_guard.__file__, os.path.join(self._guard_dir, f"{GUARD_MODULE}.py"))
+        if self.weight_broadcast:
+            install_weight_plugin(self._guard_dir)
         env = self.environment(dict(os.environ), self._guard_dir)
         cmd = [sys.executable, "-m", "nexrl_hpc.inference.supervise", str(os.getpid()), "--"]
         cmd += self.command(port, host)
@@ -241,6 +250,21 @@ class VLLMServer:
         logger.warning("vLLM server group %d still running after %.0fs: SIGKILL", pgid, timeout)
         _signal_group(pgid, signal.SIGKILL)
         self.process.wait(timeout=timeout)
+
+
+def install_weight_plugin(directory: str) -> None:
+    """The broadcast weight-transfer plugin, its wire and its entry point into ``directory`` (on the
+    server's PYTHONPATH): vLLM finds the entry point there in each of its processes."""
+    from nexrl_hpc.weight_sync import wire
+
+    plugin = vllm_weight_plugin
+    shutil.copyfile(plugin.__file__, os.path.join(directory, f"{plugin.PLUGIN_MODULE}.py"))
+    shutil.copyfile(wire.__file__, os.path.join(directory, f"{plugin.WIRE_MODULE}.py"))
+    dist_info = os.path.join(directory, "nexrl_vllm_weight_plugin-0.dist-info")
+    os.makedirs(dist_info, exist_ok=True)
+    for name, text in plugin.dist_info_files().items():
+        with open(os.path.join(dist_info, name), "w") as f:
+            f.write(text)
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from nexrl_hpc.data.interfaces import DataLoaderRef
     from nexrl_hpc.inference.interfaces import InferenceServiceRef
     from nexrl_hpc.pool.interfaces import TrajectoryPoolRef
+    from nexrl_hpc.weight_sync.interfaces import WeightSourceRef
 
 
 class RolloutScheduler(NexRLModule):
@@ -97,6 +98,10 @@ class RolloutScheduler(NexRLModule):
         """The inference services that must serve every new version (all rollout ranks' engines)."""
         self._publisher.set_inference_services(services)
         self._verifier.set_inference_services(services)
+
+    def set_weight_source(self, source: WeightSourceRef) -> None:
+        """The train worker: with weight.transport=broadcast it sends each version to the engines."""
+        self._publisher.set_weight_source(source)
 
     # --- the dispatch budget: written here only ---------------------------------------------------
     def _set_budget(self, items: int) -> None:

@@ -63,7 +63,8 @@ class TrainBackend(ABC):
         (the trainer starts it when this one is exported); this one does both before returning."""
         answer = self.update_actor(batch)
         started = time.monotonic()
-        self.export_weights(export_path)
+        if export_path:  # empty: weight.transport=broadcast, nothing written
+            self.export_weights(export_path)
         answer.setdefault("meta_info", {})["export_s"] = time.monotonic() - started
         return _DoneUpdate(answer)
 
@@ -78,6 +79,10 @@ class TrainBackend(ABC):
     @abstractmethod
     def export_weights(self, path: str) -> None:
         """Write the current weights as an HF-layout directory (what inference servers reload)."""
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Send the current weights to the broadcast group ``spec`` (``weight_sync/wire.py``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot broadcast its weights")
 
     def health(self) -> bool:
         return True

@@ -21,13 +21,14 @@ import os
 import socket
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nexrl_hpc.trainer.parallel import ParallelStrategy
+from nexrl_hpc.weight_sync.wire import plan_buckets
 
 # DeepSpeed 0.19 calls a collective torch 2.13 deprecates, once per step per rank: noise in every log
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
@@ -197,6 +198,22 @@ class DeepSpeedZeRO(ParallelStrategy):
             k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype)
             for k, v in state.items()
         }
+
+    def weight_buckets(
+        self, model: torch.nn.Module, bucket_bytes: int, skip: set[str]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """ZeRO-3: each bucket's parameters gathered together (``GatheredParameters``) while it is
+        sent, then partitioned again; stages 0-2 hold whole parameters on every rank."""
+        if self.stage != 3:
+            yield from super().weight_buckets(model, bucket_bytes, skip)
+            return
+        import deepspeed
+
+        params = {n: p for n, p in self.engine.module.named_parameters() if n not in skip}
+        sizes = [(n, int(p.ds_numel) * p.element_size()) for n, p in params.items()]
+        for names in plan_buckets(sizes, bucket_bytes):
+            with deepspeed.zero.GatheredParameters([params[n] for n in names]):
+                yield [(n, params[n].data) for n in names]
 
     def full_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         """ZeRO-3 parameters are empty outside a gather: their whole shape is ``ds_shape``."""

@@ -231,7 +231,8 @@ class TrainGroupClient(TrainBackend):
     def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
         """Send the batch with its export path and return: rank 0 takes messages one at a time, so
         a batch sent behind this one starts when this one is exported (``_GroupUpdate.result``)."""
-        op_id, start = self._send_batch("update_actor", batch["batch"], {"export_path": export_path})
+        args = {"export_path": export_path} if export_path else {}  # none: the weights are broadcast
+        op_id, start = self._send_batch("update_actor", batch["batch"], args)
         return _GroupUpdate(self, op_id, start)
 
     def answered(self, op_id: str) -> bool:
@@ -256,6 +257,9 @@ class TrainGroupClient(TrainBackend):
 
     def export_weights(self, path: str) -> None:
         self._call("export_weights", path=path)
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._call("broadcast_weights", spec=spec))
 
     def health(self) -> bool:
         try:

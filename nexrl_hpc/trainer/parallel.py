@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+
+from nexrl_hpc.weight_sync.wire import plan_buckets
 
 
 class ParallelStrategy(ABC):
@@ -154,6 +156,17 @@ class ParallelStrategy(ABC):
         if self.world_size > 1:
             dist.barrier()
 
+    def weight_buckets(
+        self, model: torch.nn.Module, bucket_bytes: int, skip: set[str]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full weights (HF names, ``skip`` left out), one bucket of at most ``bucket_bytes`` at a
+        time; a collective on every rank, in the same order. A sharded tensor (FSDP2's DTensor) is
+        gathered when its bucket comes, so no rank holds more than one bucket beyond its shards."""
+        state = self.unwrap(model).state_dict()
+        sizes = [(k, v.numel() * v.element_size()) for k, v in state.items() if k not in skip]
+        for names in plan_buckets(sizes, bucket_bytes):
+            yield [(k, _full_tensor(state[k])) for k in names]
+
 
 class SingleProcess(ParallelStrategy):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -249,6 +262,12 @@ class FSDP2(ParallelStrategy):
                         stride=param.stride(),
                     )
         set_optimizer_state_dict(model, optimizer, state)
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (an all-gather), any other tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor.detach()
 
 
 def _local_shards(value: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
-from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
+from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO, tied_weight_names
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
@@ -35,6 +35,7 @@ from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
 from nexrl_hpc.trainer.sequence_parallel import enable_sequence_parallel, new_sequence_parallel_group
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
+from nexrl_hpc.trainer.weight_broadcast import broadcast_weights
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +427,12 @@ class PolicyTrainer(TrainBackend):
     def export_weights(self, path: str) -> None:
         io = self._checkpoint_io(self._require_parallel())
         io.write_model(path, fsync=False, tied_head=self._require_cfg()["export_tied_head"])
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The weights to the engines of one sync (weight.transport=broadcast), a tied weight once."""
+        par = self._require_parallel()
+        skip = set(tied_weight_names(par.unwrap(self.model)))
+        return broadcast_weights(par, self.model, spec, skip)
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self._checkpoint_io(self._require_parallel()).save(local_path, global_step, save_weight_only)

@@ -37,6 +37,7 @@ CALL_OPERATIONS = (
     "save_checkpoint",
     "load_checkpoint",
     "export_weights",
+    "broadcast_weights",
     "ping",
 )
 

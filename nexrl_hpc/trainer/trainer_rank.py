@@ -303,6 +303,8 @@ class TrainerRank:
                 trainer.load_checkpoint(args["local_path"], args.get("load_optimizer", True))
             elif op == "export_weights":
                 trainer.export_weights(args["path"])
+            elif op == "broadcast_weights":
+                out["value"] = trainer.broadcast_weights(args["spec"])
             else:
                 raise ValueError(f"unknown operation {op!r}")
         except Exception as exc:

@@ -40,7 +40,7 @@ from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
-from nexrl_hpc.weight_sync.transport import reload_needs_tied_head
+from nexrl_hpc.weight_sync.transport import reload_needs_tied_head, uses_broadcast
 from nexrl_hpc.weight_sync.verify import CanaryReference, trainer_canary_log_probs, verify_due
 
 if TYPE_CHECKING:
@@ -65,6 +65,11 @@ class TrainWorker(NexRLModule):
         self._long_poll_s = tw["long_poll_s"]
         self._ahead_poll_s = tw["send_ahead_poll_s"]
         self._sync_path = config["weight"]["sync_weight_path"]
+        inference = config["service"]["inference_service"]
+        # weights reach the engines by broadcast: nothing exported, the scheduler asks for them
+        self._broadcast = uses_broadcast(
+            config["weight"]["transport"], inference["backend"], inference["base_url"]
+        )
         self._model_tag = config["service"]["train_service"]["model_tag"]
         algo = config["algorithm"]
         self._recompute = algo["recompute_old_log_prob"]
@@ -73,8 +78,13 @@ class TrainWorker(NexRLModule):
         weight = config["weight"]
         self._async = weight["sync_mode"] != "sync"
         # the next batch may go to the trainer while it trains the current one (see _send_ahead)
+        # (not with broadcast: the next update would change the weights before they are sent)
         self._send_ahead_enabled = (
-            self._async and not self._recompute and teacher is None and client.queues_updates
+            self._async
+            and not self._recompute
+            and teacher is None
+            and client.queues_updates
+            and not self._broadcast
         )
         self._staleness = StalenessBound.from_config(weight)
         self._dump_rollouts = config["logger"]["dump_rollouts"]
@@ -169,9 +179,16 @@ class TrainWorker(NexRLModule):
         return trainer_canary_log_probs(self._client, self._canary, version)
 
     def export_weights(self, version: int) -> str:
+        """Version ``version`` written for the engines to reload ("" with broadcast: nothing written)."""
+        if self._broadcast:
+            return ""
         path = sync_weight_dir(self._sync_path, version)
         self._client.export_weights(path)
         return path
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The trainer's current weights to the sync's group (the weight publisher asks, the engines listen)."""
+        return self._client.broadcast_weights(spec)
 
     def load_checkpoint(self, path: str) -> None:
         self._client.load_checkpoint(path, load_optimizer=True)
@@ -263,9 +280,11 @@ class TrainWorker(NexRLModule):
         t1 = time.monotonic()
         self._timeline.add("timing/old_log_prob_s", t_teacher - t0)
         self._timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)
+        if self._broadcast:  # the previous version is sent before this update changes the weights
+            self._wait_announced()
         update = self._client.start_update_actor(
             {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}},
-            sync_weight_dir(self._sync_path, step),
+            "" if self._broadcast else sync_weight_dir(self._sync_path, step),
         )
         # sending (a backend that does not queue: the whole update and export, split at the finish)
         sent_s = time.monotonic() - t1

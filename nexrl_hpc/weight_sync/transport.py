@@ -27,12 +27,23 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightTransport(ABC):
+    broadcast = False  # True: ``receive`` takes the weights from the trainer's broadcast (broadcast.py)
+
     @abstractmethod
     def publish(self, model_path: str, version: int) -> None:
         """Make the inference service serve the weights in ``model_path`` as ``version``."""
 
     def set_endpoint(self, base_url: str, api_key: str | None) -> None:  # noqa: B027 - optional
         pass
+
+    def receivers(self) -> int:
+        """How many ranks of the broadcast group this server's workers take (broadcast transports)."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive broadcasts")
+
+    def receive(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
+        """Join the sync's group (``spec``) at ``rank_offset`` and serve what the trainer sends as
+        ``version`` (broadcast transports; raises ``WeightSyncError`` naming the server)."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive broadcasts")
 
 
 class DiskReloadTransport(WeightTransport):
@@ -183,7 +194,21 @@ def reload_needs_tied_head(backend: str) -> bool:
     return backend == "vllm"
 
 
-def create_weight_transport(backend: str, timeout_s: float, vllm_pause_mode: str) -> WeightTransport:
+def uses_broadcast(transport: str, backend: str, base_url: str | None) -> bool:
+    """Whether the weights reach this engine by broadcast: ``weight.transport=broadcast`` and an
+    engine the run starts itself (local, vLLM); SGLang and a server given by ``base_url`` load from disk."""
+    return transport == "broadcast" and backend in ("local", "vllm") and not base_url
+
+
+def create_weight_transport(
+    backend: str, timeout_s: float, vllm_pause_mode: str, broadcast: bool = False, tensor_parallel: int = 1
+) -> WeightTransport:
+    if broadcast:
+        from nexrl_hpc.weight_sync.broadcast import LocalBroadcastTransport, VLLMBroadcastTransport
+
+        if backend == "local":
+            return LocalBroadcastTransport(timeout_s)
+        return VLLMBroadcastTransport(timeout_s, vllm_pause_mode, tensor_parallel)
     if backend == "local":
         return DiskReloadTransport(timeout_s)
     if backend == "sglang":

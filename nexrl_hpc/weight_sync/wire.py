@@ -1,0 +1,140 @@
+"""The broadcast transport's wire: one process group, buckets of named tensors, from rank 0 to all.
+
+Self-contained (torch and the standard library only) because it runs in three kinds of process:
+the trainer (the sender, rank 0), nexrl_hpc's local inference server, and vLLM's worker processes
+in vLLM's own venv (``vllm_weight_plugin`` is copied there with this file beside it). All of them
+speak exactly this format, so the trainer never needs to know which engine listens.
+
+The group: a fresh ``torch.distributed`` process group per sync, separate from any group the
+process already has (the trainer's own, vLLM's), made from a ``TCPStore`` the publisher hosts
+(``host``/``port``) under a ``prefix`` unique to the sync. gloo on CPU, NCCL on GPUs; every
+collective is bounded by ``timeout_s``, so a peer that dies or never comes fails the sync instead
+of hanging it.
+
+The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
+then each tensor broadcast in place (no packing copy on the sender). A length of 0 ends the stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+GroupSpec = dict[str, Any]  # backend, host, port, prefix, world_size, timeout_s
+
+
+class BroadcastGroup:
+    """One sync's process group; rank 0 sends. ``device``: where tensors live for the backend."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device: str = "cpu"):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
+        self.rank = rank
+        self.device = torch.device(device)
+        store = dist.TCPStore(
+            spec["host"], int(spec["port"]), None, False, timeout=timeout, wait_for_workers=False
+        )
+        prefixed = dist.PrefixStore(str(spec["prefix"]), store)
+        world = int(spec["world_size"])
+        if spec["backend"] == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+        elif spec["backend"] == "gloo":
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        else:
+            raise ValueError(f"weight broadcast backend {spec['backend']!r}: expected 'gloo' or 'nccl'")
+        self._store = store
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        opts = _broadcast_options()
+        self._pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self._pg, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # a broken group: nothing left to release cleanly
+                pass
+        self._pg = None
+
+
+def _broadcast_options() -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def send_bucket(group: BroadcastGroup, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Rank 0: one bucket (header, then each tensor); returns its bytes."""
+    header = [[name, _dtype_name(t.dtype), list(t.shape)] for name, t in named]
+    _send_header(group, json.dumps(header).encode())
+    sent = 0
+    for _, tensor in named:
+        wire = tensor.detach()
+        if wire.device != group.device or not wire.is_contiguous():
+            wire = wire.to(group.device).contiguous()
+        group.broadcast(wire)
+        sent += wire.numel() * wire.element_size()
+    return sent
+
+
+def send_end(group: BroadcastGroup) -> None:
+    _send_header(group, b"")
+
+
+def _send_header(group: BroadcastGroup, payload: bytes) -> None:
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=group.device)
+    group.broadcast(length)
+    if payload:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(group.device)
+        group.broadcast(data)
+
+
+def receive_buckets(group: BroadcastGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Ranks > 0: every bucket as ``[(name, tensor)]`` until the sender ends the stream."""
+    while True:
+        length = torch.zeros(1, dtype=torch.int64, device=group.device)
+        group.broadcast(length)
+        size = int(length.item())
+        if size == 0:
+            return
+        data = torch.empty(size, dtype=torch.uint8, device=group.device)
+        group.broadcast(data)
+        header = json.loads(bytes(data.cpu().tolist()).decode())
+        bucket = []
+        for name, dtype, shape in header:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
+            group.broadcast(tensor)
+            bucket.append((name, tensor))
+        yield bucket
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped so each group's bytes stay within ``bucket_bytes`` (a tensor larger
+    than that is a bucket of its own)."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    held = 0
+    for name, nbytes in sizes:
+        if current and held + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, held = [], 0
+        current.append(name)
+        held += nbytes
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,173 @@
+"""The broadcast weight transport with nexrl_hpc's local server: the same weights as a disk reload,
+nothing written, and a server killed mid-broadcast fails the sync naming it, within the timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nexrl_hpc.algorithm.batching import pack_trajectories
+from nexrl_hpc.checkpoint.hf import write_hf_model_dir
+from nexrl_hpc.checkpoint.trainer_io import tied_weight_names
+from nexrl_hpc.inference.client import LLMServiceClient
+from nexrl_hpc.inference.service import InferenceService
+from nexrl_hpc.models.tiny import build_tiny_model, materialize_base_model
+from nexrl_hpc.trainer.parallel import SingleProcess
+from nexrl_hpc.trainer.policy_trainer import response_log_probs
+from nexrl_hpc.trainer.weight_broadcast import broadcast_weights
+from nexrl_hpc.types import Batch
+from nexrl_hpc.weight_sync.publisher import WeightPublisher
+from nexrl_hpc.weight_sync.transport import WeightSyncError
+from nexrl_hpc.weight_sync.wire import plan_buckets
+from tests.conftest import compose_config
+
+
+class _Source:
+    """The trainer's side in one process: ``model`` broadcast through ``par``."""
+
+    def __init__(self, model: torch.nn.Module, par: SingleProcess | None = None):
+        self.model, self.par = model, par or SingleProcess()
+        self.sent: list[dict[str, Any]] = []
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        result = broadcast_weights(self.par, self.model, spec, set(tied_weight_names(self.model)))
+        self.sent.append(result)
+        return result
+
+
+def _services(cfg: dict[str, Any], model_dir: str, run_dir: Path, names: list[str]) -> list[InferenceService]:
+    services = []
+    for name in names:
+        service = InferenceService(cfg, model_dir, str(run_dir))  # type: ignore[arg-type]
+        service.set_module_name(name)
+        service.launch()
+        services.append(service)
+    for service in services:
+        service.wait_ready()
+    return services
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=15"])
+    yield cfg, materialize_base_model(cfg["model"], str(tmp_path / "base"))
+
+
+def _new_model(cfg: dict[str, Any]) -> Any:
+    model, _ = build_tiny_model(dict(cfg["model"]["tiny"], init_seed=7))
+    return model.eval()
+
+
+def _gap(cfg: dict[str, Any], service: InferenceService, model: Any) -> float:
+    """Largest |engine - trainer| log-prob of sampled response tokens."""
+    url, key = service.get_endpoint()
+    client = LLMServiceClient(cfg["service"]["inference_service"], base_url=url, api_key=key)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13], [14, 15]]
+
+    async def run() -> list[Any]:
+        try:
+            return await asyncio.gather(
+                *(client.acompletion(p, max_tokens=6, temperature=1.0) for p in prompts)
+            )
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(run())
+    batch = Batch(
+        values={
+            "prompt_ids": [r["prompt_ids"] for r in results],
+            "response_ids": [r["response_ids"] for r in results],
+            "behaviour_log_probs": [r["logprobs"] for r in results],
+        }
+    )
+    packed = pack_trajectories(batch, 0)
+    with torch.no_grad():
+        trainer = response_log_probs(model, packed)
+    return float(((trainer - packed["behaviour_log_probs"]).abs() * packed["response_mask"]).max())
+
+
+def test_local_server_by_broadcast_serves_what_a_disk_reload_serves(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    cfg, model_dir = setup
+    disk_cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.transport=disk"])
+    (by_broadcast,) = _services(cfg, model_dir, tmp_path, ["inference_service_0"])
+    (by_disk,) = _services(disk_cfg, model_dir, tmp_path, ["inference_service_1"])
+    try:
+        model = _new_model(cfg)
+        exported = tmp_path / "v1"
+        write_hf_model_dir(model.state_dict(), model_dir, str(exported), max_shard_bytes=1 << 30)
+        by_disk.reload_weights(str(exported), 1)
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([by_broadcast])
+        source = _Source(model)
+        publisher.set_weight_source(source)
+        publisher.publish(1)
+        assert source.sent[0]["bytes"] == sum(
+            v.numel() * v.element_size()
+            for k, v in model.state_dict().items()
+            if k not in tied_weight_names(model)
+        )
+        assert publisher.last_sync["bytes"] == source.sent[0]["bytes"]
+        assert not os.path.exists(cfg["weight"]["sync_weight_path"])  # nothing written
+        assert _gap(cfg, by_broadcast, model) <= 1e-4
+        assert _gap(disk_cfg, by_disk, model) <= 1e-4
+        publisher.publish(2)  # a new group per sync: the same server takes the next one
+        assert len(source.sent) == 2
+    finally:
+        by_broadcast.stop()
+        by_disk.stop()
+
+
+class _KillsAfterFirstBucket(SingleProcess):
+    """Sends 64 KiB buckets (the tiny model is a few of them); after the first it SIGKILLs
+    ``victim``'s server and goes on sending."""
+
+    def __init__(self, victim: InferenceService):
+        self.victim = victim
+
+    def weight_buckets(self, model: Any, bucket_bytes: int, skip: set[str]) -> Iterator[Any]:
+        for i, bucket in enumerate(super().weight_buckets(model, 64 << 10, skip)):
+            if i == 1:
+                server = self.victim._server
+                assert server is not None and server.process is not None
+                os.killpg(server.process.pid, signal.SIGKILL)
+                server.process.wait()
+            yield bucket
+
+
+def test_server_killed_mid_broadcast_fails_the_sync_naming_it_within_the_timeout(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=20"])
+    model_dir = setup[1]
+    keeps, dies = _services(cfg, model_dir, tmp_path, ["inference_service_0", "inference_service_1"])
+    try:
+        model = _new_model(cfg)
+        sizes = [(k, v.numel() * v.element_size()) for k, v in model.state_dict().items()]
+        assert len(plan_buckets(sizes, 64 << 10)) >= 3  # the kill lands mid-stream
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([keeps, dies])
+        publisher.set_weight_source(_Source(model, _KillsAfterFirstBucket(dies)))
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as failed:
+            publisher.publish(1)
+        assert time.monotonic() - started < cfg["weight"]["broadcast_timeout_s"] + 15
+        message = str(failed.value)
+        assert "weight version 1 not broadcast" in message and "inference_service_1:" in message
+        # the survivor takes the next sync, with a new group of the services that are left
+        publisher.set_inference_services([keeps])
+        publisher.set_weight_source(_Source(model))
+        publisher.publish(2)
+        assert _gap(cfg, keeps, model) <= 1e-4
+    finally:
+        keeps.stop()
+        dies.stop()
