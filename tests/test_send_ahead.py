@@ -35,7 +35,12 @@ class QueuedTrainService(NoopTrainService):
         self.on_result = on_result
 
     def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
-        version = int(export_path.rsplit("_", 1)[-1])
+        # weight.transport=broadcast exports nothing: the versions are counted
+        version = (
+            int(export_path.rsplit("_", 1)[-1])
+            if export_path
+            else 1 + sum(e.startswith("send") for e in self.events)
+        )
         self.events.append(f"send {version}")
         service = self
 
@@ -125,6 +130,7 @@ def run_loop(
     save_freq: int,
     on_result: Callable[[TrainWorker, int], None] | None = None,
     canary: list[list[int]] | None = None,
+    transport: str = "disk",
 ) -> list[str]:
     cfg = compose_config(
         [
@@ -135,6 +141,7 @@ def run_loop(
             f"train_worker.save_freq={save_freq}",
             "train_worker.max_ckpt_to_keep=null",
             "logger.samples_per_step=0",  # the batches hold only what the trainer reads
+            f"weight.transport={transport}",  # send-ahead needs an export per version (broadcast: see below)
         ]
     )
     events: list[str] = []
@@ -173,6 +180,27 @@ def test_fully_async_sends_the_next_batch_while_the_trainer_trains_but_never_pas
     # a version is announced only after its own answer (its weights are exported)
     for v in (1, 2, 3, 4):
         assert events.index(f"announce {v}") > events.index(f"answer {v}")
+
+
+def test_with_broadcast_a_version_is_announced_before_the_next_update_changes_the_weights(
+    tmp_path: Path,
+) -> None:
+    """weight.transport=broadcast: the trainer sends a version while the engines receive it, so the
+    next update waits for the announcement (nothing goes ahead) and nothing is exported."""
+    events = run_loop(tmp_path, "fully-async", steps=3, save_freq=0, transport="broadcast")
+    assert events == [
+        "send 1",
+        "answer 1",
+        "announce 1",
+        "send 2",
+        "answer 2",
+        "announce 2",
+        "send 3",
+        "answer 3",
+        "checkpoint 3",  # the last step
+        "announce 3",
+    ]
+    assert not (tmp_path / "weights").exists()
 
 
 def test_a_stop_request_while_a_batch_is_ahead_ends_the_session_after_that_batch(tmp_path: Path) -> None:
