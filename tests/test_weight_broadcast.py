@@ -171,3 +171,29 @@ def test_server_killed_mid_broadcast_fails_the_sync_naming_it_within_the_timeout
     finally:
         keeps.stop()
         dies.stop()
+
+
+@pytest.mark.e2e
+def test_mpi_run_with_two_rollout_ranks_learns_by_broadcast_and_writes_no_weights(tmp_path: Path) -> None:
+    """mpirun -n 4 (driver, trainer, two rollout ranks with a local server each), the default task,
+    weight.transport=broadcast (the default): it learns as the default run does, and nothing but
+    checkpoints holds weights on disk."""
+    import subprocess
+
+    from tests.conftest import REPO
+    from tests.test_mpi import metrics, mpirun
+
+    run_dir = tmp_path / "run"
+    quiet = ["validate.validate_before_train=false", "validate.eval.validate_freq=0", "logger.backend=[]"]
+    args = [f"run_dir={run_dir}", "seed=5", "weight.transport=broadcast", *quiet]  # validated at the end
+    proc = subprocess.run(mpirun(4, args), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    placement = (run_dir / "train.log").read_text()
+    assert "rollout_worker_0, inference_service_0" in placement
+    assert "rollout_worker_1, inference_service_1" in placement
+    rows = metrics(run_dir)
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    assert not (run_dir / "weights").exists()
+    weight_files = [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts]
+    assert [p for p in weight_files if "base_model" not in p.parts] == []
