@@ -191,7 +191,8 @@ def raw_broadcast(model: Any, reps: int) -> list[float]:
 
     skip = set(tied_weight_names(model))
     tensors = [t.detach() for k, t in model.state_dict().items() if k not in skip]
-    spec = BroadcastRendezvous("127.0.0.1", "gloo", 300.0, 256).spec(3, 0)
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 300.0, 256)  # kept: it hosts the store
+    spec = rendezvous.spec(3, 0)
     shapes = json.dumps([list(t.shape) for t in tensors])
     code = "import json,sys; from bench.weight_sync import raw_receiver; a=sys.argv; "
     code += "raw_receiver(json.loads(a[1]), int(a[2]), json.loads(a[3]), int(a[4]))"

@@ -251,6 +251,7 @@ _OPERATIONS = {
     "save_checkpoint": "save_checkpoint",
     "load_checkpoint": "load_checkpoint",
     "export_weights": "export_weights",
+    "broadcast_weights": "broadcast_weights",
 }
 
 

@@ -293,6 +293,7 @@ class ApiServerControl(Control):
         "save_checkpoint": "save_checkpoint",
         "load_checkpoint": "load_checkpoint",
         "export_weights": "export_weights",
+        "broadcast_weights": "broadcast_weights",
     }
 
     def __init__(self, url: str, token: str, identifier: str, heartbeat_timeout_s: float):
