@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from nexrl_hpc.config.schema import WeightConfig
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.runtime.network import resolve_bind_address
+from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
 from nexrl_hpc.weight_sync.transport import WeightSyncError
 
 if TYPE_CHECKING:
     from nexrl_hpc.inference.interfaces import InferenceServiceRef
-    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
     from nexrl_hpc.weight_sync.interfaces import WeightSourceRef
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,6 @@ class WeightPublisher:
 
     def _broadcast(self, version: int, receivers: list[tuple[InferenceServiceRef, int]]) -> None:
         """One group: the trainer at rank 0, each service's workers at their offsets, all at once."""
-        from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
-
         cfg = self._config
         if any(n == 0 for _, n in receivers):
             raise WeightSyncError(

@@ -7,6 +7,11 @@ local server implements too; ``SGLangDiskTransport`` is the same class). ``VLLMR
 weights from the directory, drop the prefix cache (its KV was computed with the old weights),
 resume. vLLM has no weight version: the transport records which version it made the server serve.
 Any failure raises ``WeightSyncError`` naming the server, so the caller does not bump the version.
+
+With ``weight.transport=broadcast`` (``uses_broadcast``) nothing is reloaded from disk: the
+publisher has the trainer broadcast the weights (broadcast.py, wire.py) and each service's
+transport ``receive``s them — ``LocalBroadcastTransport`` (the local server's
+``/update_weights_from_broadcast``) or ``VLLMBroadcastTransport`` (vLLM's weight-transfer API).
 """
 
 from __future__ import annotations
@@ -179,6 +184,101 @@ class VLLMReloadTransport(WeightTransport):
         self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
 
 
+class LocalBroadcastTransport(WeightTransport):
+    """POST /update_weights_from_broadcast {spec, rank, weight_version} to nexrl_hpc's local server."""
+
+    broadcast = True
+
+    def __init__(self, timeout_s: float):
+        self._timeout = timeout_s
+        self._base_url: str | None = None
+        self._headers: dict[str, str] = {}
+        self._http = _http_client()
+
+    def set_endpoint(self, base_url: str, api_key: str | None) -> None:
+        self._base_url = base_url.rstrip("/").removesuffix("/v1")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def publish(self, model_path: str, version: int) -> None:
+        raise WeightSyncError(f"{self._base_url}: weight.transport=broadcast does not reload {model_path}")
+
+    def receivers(self) -> int:
+        return 1
+
+    def receive(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
+        if self._base_url is None:
+            raise WeightSyncError("no inference endpoint set for weight sync")
+        url = f"{self._base_url}/update_weights_from_broadcast"
+        body = {"group": spec, "rank": rank_offset, "weight_version": version}
+        try:  # the group's own timeout bounds the wait; the HTTP one only outlives it
+            resp = self._http.post(
+                url, json=body, headers=self._headers, timeout=self._timeout + spec["timeout_s"]
+            )
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"weight broadcast to {url} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = {"success": False, "message": resp.text[:500]}
+        if resp.status_code != 200 or not answer.get("success"):
+            raise WeightSyncError(
+                f"weight broadcast to {url} refused ({resp.status_code}): {answer.get('message')}"
+            )
+        if int(answer.get("weight_version", -1)) != version:
+            raise WeightSyncError(
+                f"{url} reports version {answer.get('weight_version')} after receiving {version}"
+            )
+
+
+class VLLMBroadcastTransport(VLLMReloadTransport):
+    """vLLM's weight-transfer API with the run's engine; the server stays paused after a failure (its
+    weights may be half replaced), as the disk reload leaves it."""
+
+    broadcast = True
+
+    def __init__(self, timeout_s: float, pause_mode: str, tensor_parallel: int):
+        super().__init__(timeout_s, pause_mode)
+        self._request_timeout_s = timeout_s
+        self._workers = tensor_parallel
+
+    def publish(self, model_path: str, version: int) -> None:
+        raise WeightSyncError(f"{self._base_url}: weight.transport=broadcast does not reload {model_path}")
+
+    def receivers(self) -> int:
+        return self._workers
+
+    def receive(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
+        if self._base_url is None:
+            raise WeightSyncError("no inference endpoint set for weight sync")
+        self._timeout = self._request_timeout_s + spec["timeout_s"]  # joining and receiving wait on the group
+        t0 = time.perf_counter()
+        self._call("POST", "/pause", params={"mode": self._pause_mode})
+        init = dict(spec, rank_offset=rank_offset)
+        self._call("POST", "/init_weight_transfer_engine", json={"init_info": init})
+        t1 = time.perf_counter()
+        self._call("POST", "/start_weight_update")
+        self._call("POST", "/update_weights", json={"update_info": {}})
+        self._call("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        t2 = time.perf_counter()
+        self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        served = (self._call("GET", "/weight_info") or {}).get("weight_version")
+        if served != str(version):
+            raise WeightSyncError(
+                f"{self._base_url}/weight_info reports version {served!r} after receiving version {version}; "
+                "server left paused"
+            )
+        self._call("POST", "/reset_prefix_cache")  # cached KV was computed with the old weights
+        self._call("POST", "/resume")
+        t3 = time.perf_counter()
+        self.served_version = version
+        self.last_timings = {
+            "pause_join": t1 - t0,
+            "receive": t2 - t1,
+            "version_resume": t3 - t2,
+            "total": t3 - t0,
+        }
+
+
 class NoopTransport(WeightTransport):
     """For the fake inference backend (benchmarks, tests): nothing to reload."""
 
@@ -204,8 +304,6 @@ def create_weight_transport(
     backend: str, timeout_s: float, vllm_pause_mode: str, broadcast: bool = False, tensor_parallel: int = 1
 ) -> WeightTransport:
     if broadcast:
-        from nexrl_hpc.weight_sync.broadcast import LocalBroadcastTransport, VLLMBroadcastTransport
-
         if backend == "local":
             return LocalBroadcastTransport(timeout_s)
         return VLLMBroadcastTransport(timeout_s, vllm_pause_mode, tensor_parallel)
