@@ -42,6 +42,7 @@ GPU_KEYS = {
     "service.inference_service.vllm.gpu_memory_utilization": (None, 0.85),
     "service.inference_service.vllm.tensor_parallel_size": (1, 1),
     "service.inference_service.vllm.extra_args": (["--enforce-eager"], []),
+    "weight.broadcast_backend": ("gloo", "nccl"),
 }
 
 

@@ -197,3 +197,15 @@ def test_mpi_run_with_two_rollout_ranks_learns_by_broadcast_and_writes_no_weight
     assert not (run_dir / "weights").exists()
     weight_files = [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts]
     assert [p for p in weight_files if "base_model" not in p.parts] == []
+
+
+def test_config_names_the_transport_keys() -> None:
+    from nexrl_hpc.config.validate import ConfigError
+
+    with pytest.raises(ConfigError) as bad:
+        compose_config(["weight.broadcast_backend=nccl"])  # a CPU trainer
+    assert "weight.broadcast_backend" in str(bad.value) and "nccl" in str(bad.value)
+    with pytest.raises(ConfigError) as bad:
+        compose_config(["weight.transport=nfs"])
+    assert "weight.transport" in str(bad.value)
+    assert compose_config(["hardware=gpu"])["weight"]["broadcast_backend"] == "nccl"

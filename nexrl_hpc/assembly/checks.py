@@ -14,7 +14,11 @@ from nexrl_hpc.checkpoint.checks import resume_problems
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigProblem
 from nexrl_hpc.data.checks import data_files_problems, input_file_problems
-from nexrl_hpc.inference.checks import coalesce_problems, inference_backend_problems
+from nexrl_hpc.inference.checks import (
+    coalesce_problems,
+    inference_backend_problems,
+    weight_broadcast_problems,
+)
 from nexrl_hpc.models.checks import (
     model_path_problems,
     tiny_model_callable_problems,
@@ -61,6 +65,7 @@ ROOM_CHECKS: tuple[ConfigCheck, ...] = (
     deepspeed_problems,
     hardware_problems,
     inference_backend_problems,
+    weight_broadcast_problems,
 )
 """The rooms' checks in the order their problems are listed (the input files and the tiny model's
 shape come last, see ``semantic_problems``)."""

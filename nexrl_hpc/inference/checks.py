@@ -49,3 +49,17 @@ def inference_backend_problems(cfg: Mapping) -> list[ConfigProblem]:
             )
         )
     return problems
+
+
+def weight_broadcast_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """weight.broadcast_backend=nccl sends from the trainer's GPU: it needs a CUDA trainer."""
+    device = g_safe(cfg, "service.train_service.device")
+    return rule_problems(
+        lambda: (
+            g_safe(cfg, "weight.transport") != "broadcast"
+            or g_safe(cfg, "weight.broadcast_backend") != "nccl"
+            or device == "cuda"
+        ),
+        "weight.broadcast_backend",
+        f"nccl broadcasts between GPUs, and the trainer runs on {device!r}: use gloo (or hardware=gpu)",
+    )
