@@ -209,3 +209,11 @@ def test_config_names_the_transport_keys() -> None:
         compose_config(["weight.transport=nfs"])
     assert "weight.transport" in str(bad.value)
     assert compose_config(["hardware=gpu"])["weight"]["broadcast_backend"] == "nccl"
+
+
+def test_local_mode_broadcasts_over_gloo_whatever_the_hardware() -> None:
+    """One GPU cannot hold two ranks of one NCCL group: local mode (trainer and engine on one
+    machine) uses gloo; mpi mode takes hardware=gpu's nccl."""
+    gpu = compose_config(["hardware=gpu"])
+    assert WeightPublisher(gpu["weight"], "local")._broadcast_backend == "gloo"
+    assert WeightPublisher(gpu["weight"], "mpi")._broadcast_backend == "nccl"

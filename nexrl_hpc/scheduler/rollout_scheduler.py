@@ -72,7 +72,7 @@ class RolloutScheduler(NexRLModule):
         self._validate_at_end = config["validate"]["validate_at_end"]
         self._total_steps = config["train_worker"]["total_train_steps"]
         self._batch_items = config["trajectory_pool"]["batch_size"]
-        self._publisher = WeightPublisher(weight)
+        self._publisher = WeightPublisher(weight, config["launch_mode"])
         self._verifier = WeightVerifier(config)  # each engine computes with the published weights
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)

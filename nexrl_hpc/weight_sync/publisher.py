@@ -24,7 +24,7 @@ from nexrl_hpc.config.schema import WeightConfig
 from nexrl_hpc.core.execute import execute, execute_async
 from nexrl_hpc.runtime.network import resolve_bind_address
 from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
-from nexrl_hpc.weight_sync.transport import WeightSyncError
+from nexrl_hpc.weight_sync.transport import WeightSyncError, broadcast_backend
 
 if TYPE_CHECKING:
     from nexrl_hpc.inference.interfaces import InferenceServiceRef
@@ -41,10 +41,11 @@ def sync_weight_dir(base: str, version: int) -> str:
 class WeightPublisher:
     """Reloads a version on every inference service (in parallel); any failure fails the publication."""
 
-    def __init__(self, config: WeightConfig):
+    def __init__(self, config: WeightConfig, launch_mode: str = "mpi"):
         self._sync_path = self.sync_path = config["sync_weight_path"]
         self._keep_versions = config["keep_versions"]
         self._config = config
+        self._broadcast_backend = broadcast_backend(config["broadcast_backend"], launch_mode)
         self._inference_services: list[InferenceServiceRef] = []
         self._source: WeightSourceRef | None = None  # set: the engines that can receive a broadcast get one
         self._rendezvous: BroadcastRendezvous | None = None
@@ -91,7 +92,7 @@ class WeightPublisher:
         if self._rendezvous is None:
             host = resolve_bind_address(cfg["broadcast_host"], "weight.broadcast_host").address
             self._rendezvous = BroadcastRendezvous(
-                host, cfg["broadcast_backend"], cfg["broadcast_timeout_s"], cfg["bucket_mb"]
+                host, self._broadcast_backend, cfg["broadcast_timeout_s"], cfg["bucket_mb"]
             )
         spec = self._rendezvous.spec(1 + sum(n for _, n in receivers), version)
         assert self._source is not None

@@ -300,6 +300,13 @@ def uses_broadcast(transport: str, backend: str, base_url: str | None) -> bool:
     return transport == "broadcast" and backend in ("local", "vllm") and not base_url
 
 
+def broadcast_backend(configured: str, launch_mode: str) -> str:
+    """The group's backend: ``weight.broadcast_backend``, but gloo in local mode, where the trainer
+    and its engines share the machine's (usually one) GPU: one GPU cannot hold two ranks of one
+    NCCL group."""
+    return "gloo" if launch_mode == "local" else configured
+
+
 def create_weight_transport(
     backend: str, timeout_s: float, vllm_pause_mode: str, broadcast: bool = False, tensor_parallel: int = 1
 ) -> WeightTransport:

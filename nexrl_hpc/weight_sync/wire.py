@@ -41,10 +41,13 @@ class BroadcastGroup:
         )
         prefixed = dist.PrefixStore(str(spec["prefix"]), store)
         world = int(spec["world_size"])
-        if spec["backend"] == "nccl":
+        if spec["backend"] == "nccl" and _shares_a_gpu(prefixed, rank, world, self.device):
+            self.device = torch.device("cpu")  # one GPU cannot hold two ranks of one NCCL group
+            self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        elif spec["backend"] == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
         elif spec["backend"] == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         else:
@@ -63,6 +66,20 @@ class BroadcastGroup:
             except Exception:  # a broken group: nothing left to release cleanly
                 pass
         self._pg = None
+
+
+def _shares_a_gpu(store: Any, rank: int, world: int, device: torch.device) -> bool:
+    """Whether two ranks of the group sit on one GPU (every rank computes the same answer from
+    what all of them wrote): then the group falls back to gloo through host memory."""
+    import socket
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    identity = f"{socket.gethostname()}/{torch.cuda.get_device_properties(index).uuid}"
+    store.set(f"gpu/{rank}", identity)
+    keys = [f"gpu/{r}" for r in range(world)]
+    store.wait(keys)
+    identities = [store.get(key).decode() for key in keys]
+    return len(set(identities)) < world
 
 
 def _broadcast_options() -> Any:
