@@ -257,7 +257,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
         }  # type: ignore[typeddict-item]
     )
     source = Source(model)
-    publisher.set_inference_services(services(args, servers, broadcast=True))  # type: ignore[arg-type]
+    receiving = services(args, servers, broadcast=True)
+    publisher.set_inference_services(receiving)  # type: ignore[arg-type]
     publisher.set_weight_source(source)
     disk = services(args, servers, broadcast=False)
     rows: dict[str, list[float]] = {"broadcast": [], "disk": []}
@@ -281,7 +282,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
             server.stop()
     rows["raw"] = raw_broadcast(model.cpu(), args.reps)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    return {"size": size, "med": med, "rows": rows, "peak_extra": source.peak_extra}
+    steps = [getattr(s.transport, "last_timings", {}) for s in receiving]
+    return {"size": size, "med": med, "rows": rows, "peak_extra": source.peak_extra, "steps": steps}
 
 
 def main() -> None:
@@ -317,6 +319,9 @@ def main() -> None:
         f"trainer peak extra memory during a broadcast: {peak / 2**20:.0f} MiB (goal <= {1.1 * bucket / 2**20:.0f} MiB: {verdict})"
     )
     print("all (s):", {k: [round(x, 3) for x in v] for k, v in r["rows"].items()})
+    for i, steps in enumerate(r["steps"]):
+        if steps:
+            print(f"server {i}, last broadcast (s):", {k: round(v, 3) for k, v in steps.items()})
 
 
 if __name__ == "__main__":
