@@ -217,3 +217,20 @@ def test_local_mode_broadcasts_over_gloo_whatever_the_hardware() -> None:
     gpu = compose_config(["hardware=gpu"])
     assert WeightPublisher(gpu["weight"], "local")._broadcast_backend == "gloo"
     assert WeightPublisher(gpu["weight"], "mpi")._broadcast_backend == "nccl"
+
+
+def test_prefetched_buckets_keep_their_order_and_raise_where_the_stream_broke() -> None:
+    from nexrl_hpc.weight_sync.wire import prefetched
+
+    buckets = [[(f"w{i}", torch.full((2,), float(i)))] for i in range(5)]
+    assert [b[0][0] for b in prefetched(iter(buckets))] == [f"w{i}" for i in range(5)]
+
+    def broken() -> Iterator[Any]:
+        yield buckets[0]
+        raise RuntimeError("peer closed the connection")
+
+    seen = []
+    with pytest.raises(RuntimeError, match="peer closed"):
+        for bucket in prefetched(broken()):
+            seen.append(bucket[0][0])
+    assert seen == ["w0"]

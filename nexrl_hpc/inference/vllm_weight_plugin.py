@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 try:  # in vLLM's venv: the copy beside this file
-    from nexrl_weight_wire import BroadcastGroup, receive_buckets  # type: ignore[import-not-found]
+    from nexrl_weight_wire import BroadcastGroup, prefetched, receive_buckets  # type: ignore[import-not-found]
 except ImportError:  # in the project (tests, mypy)
-    from nexrl_hpc.weight_sync.wire import BroadcastGroup, receive_buckets
+    from nexrl_hpc.weight_sync.wire import BroadcastGroup, prefetched, receive_buckets
 
 ENGINE_NAME = "nexrl_broadcast"
 PLUGIN_MODULE = "nexrl_vllm_weight_plugin"  # this file's name in the server's PYTHONPATH directory
@@ -96,7 +96,7 @@ def _engine_class() -> type:
                 raise RuntimeError("no weight broadcast group: call /init_weight_transfer_engine first")
             try:
                 tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
-                for bucket in receive_buckets(self._group):
+                for bucket in prefetched(receive_buckets(self._group)):  # loads while the next arrives
                     self.model.load_weights(_with_tied_head(bucket, tied, self.device))
             finally:
                 self.shutdown()

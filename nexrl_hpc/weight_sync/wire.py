@@ -140,6 +140,36 @@ def receive_buckets(group: BroadcastGroup) -> Iterator[list[tuple[str, torch.Ten
         yield bucket
 
 
+def prefetched(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``buckets`` received one ahead on a thread of their own: the next bucket crosses the wire
+    while the engine loads this one (one bucket more in memory). An error on the thread is raised
+    here, at the bucket it stopped at."""
+    import queue
+    import threading
+
+    handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+    done = object()
+
+    def receive() -> None:
+        try:
+            for bucket in buckets:
+                handoff.put(bucket)
+            handoff.put(done)
+        except BaseException as exc:  # handed to the loading thread
+            handoff.put(exc)
+
+    thread = threading.Thread(target=receive, name="weight-receive", daemon=True)
+    thread.start()
+    while True:
+        item = handoff.get()
+        if item is done:
+            break
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()
+
+
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
     """Consecutive names grouped so each group's bytes stay within ``bucket_bytes`` (a tensor larger
     than that is a bucket of its own)."""
