@@ -194,6 +194,10 @@ def test_mpi_run_with_two_rollout_ranks_learns_by_broadcast_and_writes_no_weight
     rows = metrics(run_dir)
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    syncs = [r for r in rows if "weight_sync/seconds" in r]
+    assert [r["step"] for r in syncs] == list(range(51))  # the initial weights, then every step
+    assert all(r["weight_sync/verify_max_abs_diff"] <= 1e-4 for r in syncs)  # verified after each broadcast
+    assert len({r["weight_sync/bytes"] for r in syncs}) == 1 and syncs[0]["weight_sync/bytes"] > 0
     assert not (run_dir / "weights").exists()
     weight_files = [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts]
     assert [p for p in weight_files if "base_model" not in p.parts] == []

@@ -232,7 +232,10 @@ class RolloutScheduler(NexRLModule):
             started = time.monotonic()
             self._publisher.publish(version)
             path = sync_weight_dir(self._publisher.sync_path, version)
-            metrics = sync_metrics(time.monotonic() - started, export_bytes(path))
+            sent = self._publisher.last_sync.get("bytes")  # a broadcast's (no export to measure)
+            metrics = sync_metrics(
+                time.monotonic() - started, sent if sent is not None else export_bytes(path)
+            )
             if canary is not None:
                 metrics["weight_sync/verify_max_abs_diff"] = self._verifier.verify(canary)
             if self._activity_tracker is not None:

@@ -49,7 +49,9 @@ class WeightPublisher:
         self._inference_services: list[InferenceServiceRef] = []
         self._source: WeightSourceRef | None = None  # set: the engines that can receive a broadcast get one
         self._rendezvous: BroadcastRendezvous | None = None
-        self.last_sync: dict[str, Any] = {}  # the last broadcast: bytes, seconds (metrics, benchmarks)
+        self.last_sync: dict[
+            str, Any
+        ] = {}  # the last broadcast's bytes, buckets, seconds ({} after a disk sync)
 
     def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
@@ -61,6 +63,7 @@ class WeightPublisher:
 
     def publish(self, version: int) -> None:
         """Every service serves ``version``; raises ``WeightSyncError`` naming the services that do not."""
+        self.last_sync = {}
         if self._source is not None and self._inference_services:
             receivers = [(s, execute(s.weight_receivers)) for s in self._inference_services]
             if any(n > 0 for _, n in receivers):

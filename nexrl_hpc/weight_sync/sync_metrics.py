@@ -2,8 +2,8 @@
 
 ``seconds``: from the publication's start until every engine serves the version (the verification
 after it not included). ``bytes``: one copy of the weights (each engine receives that much, all of
-them at once), read from the export's safetensors files; ``gbps``: bytes x 8 / seconds / 1e9, the
-delivery rate per engine. A transport that writes no export reports no bytes (and no rate).
+them at once), read from the export's safetensors files, or for ``weight.transport=broadcast`` the bytes the
+trainer sent; ``gbps``: bytes x 8 / seconds / 1e9, the delivery rate per engine.
 """
 
 from __future__ import annotations
