@@ -194,7 +194,12 @@ def test_a_default_run_verifies_every_sync_and_logs_what_each_moved(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     syncs = _sync_rows(run_dir)
     assert sorted(syncs) == [0, 1, 2, 3]  # the initial weights and every step's
-    exported = sum(f.stat().st_size for f in (run_dir / "weights" / "version_3").glob("*.safetensors"))
+    # weight.transport=broadcast (the default): the bytes the trainer sent, one copy of its weights
+    from nexrl_hpc.checkpoint.hf import read_safetensors_dir
+
+    model = read_safetensors_dir(str(run_dir / "checkpoints" / "global_step_3" / "model"))
+    exported = sum(t.numel() * t.element_size() for t in model.values())
+    assert not (run_dir / "weights").exists()
     for step, row in syncs.items():
         assert 0.0 <= row["weight_sync/verify_max_abs_diff"] <= FP32_TOLERANCE, (step, row)
         assert row["weight_sync/seconds"] > 0 and row["weight_sync/bytes"] == exported

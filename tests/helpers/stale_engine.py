@@ -1,16 +1,18 @@
 """An engine that serves stale weights under the new version's label (weight verification's tests).
 
 ``install()`` (run by a ``sitecustomize`` the tests put on ``PYTHONPATH``, so it reaches every
-process of a run, mpirun's ranks included) patches the disk transport: when it publishes version
-``V`` of ``NEXRL_STALE_ENGINE="V"`` or ``"V:RANK"`` (on MPI rank RANK only, ``PMI_RANK``), the
-server reloads version ``V - 1``'s export but is told it serves ``V`` — the failure a version
-label cannot see. Nothing else changes.
+process of a run, mpirun's ranks and their local servers included) patches both transports: when
+version ``V`` of ``NEXRL_STALE_ENGINE="V"`` or ``"V:RANK"`` (on MPI rank RANK only, ``PMI_RANK``)
+is published, a disk reload loads version ``V - 1``'s export, and a broadcast is received by the
+local server but not loaded; either way the server then says it serves ``V`` — the failure a
+version label cannot see. Nothing else changes.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 ENV = "NEXRL_STALE_ENGINE"
 
@@ -33,6 +35,31 @@ def install() -> None:
         publish(self, model_path, version)
 
     DiskReloadTransport.publish = publish_stale  # type: ignore[method-assign]
+    _receive_broadcasts_without_loading(stale_version)
+
+
+def _receive_broadcasts_without_loading(stale_version: int) -> None:
+    """The local server's broadcast receive, for ``stale_version``: every bucket taken off the wire
+    (the trainer's send succeeds), none loaded, the version label set."""
+    from nexrl_hpc.inference import broadcast_receive
+
+    receive = broadcast_receive.receive_into_engine
+
+    def receive_stale(engine: Any, spec: dict[str, Any], rank: int, version: int) -> str:
+        if version != stale_version:
+            return receive(engine, spec, rank, version)
+        from nexrl_hpc.weight_sync.wire import BroadcastGroup, receive_buckets
+
+        group = BroadcastGroup(spec, rank=rank)
+        try:
+            for _ in receive_buckets(group):
+                pass
+        finally:
+            group.close()
+        engine.weight_version = version
+        return f"received version {version}, loaded nothing"
+
+    broadcast_receive.receive_into_engine = receive_stale
 
 
 def sitecustomize_dir(tmp_path: Path) -> Path:
