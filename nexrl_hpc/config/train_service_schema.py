@@ -87,4 +87,5 @@ class TrainServiceConfig(TypedDict):
     dtype: Literal["float32", "bfloat16"]
     dist_backend: Literal["gloo", "nccl"]  # torch.distributed backend of the trainer group
     export_max_shard_mb: Annotated[int, Ge(1)]
+    logprob_chunk_tokens: Annotated[int, Ge(0)]  # LM head positions per chunk; 0: materialised log-softmax
     actor: ActorConfig

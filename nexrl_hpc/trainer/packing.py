@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from nexrl_hpc.trainer.logprobs import scores_through_head
+
 
 def micro_batch_ranges(lengths: list[int], max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
     """Consecutive row ranges [a, b) of one rank's mini-batch slice: ``max_rows`` rows each, or,
@@ -401,10 +403,12 @@ def packed_response_log_probs_and_entropy(
     entropy_grad: bool,
     bins: list[list[int]] | None = None,
     share_prompt: bool = False,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token | prefix) and (``with_entropy``) the policy's entropy at every response
     position, both [rows, response_len] in fp32 and 0 past each response, from one packed forward
-    (``share_prompt``: ``bins`` are families of rows with one prompt, computed once)."""
+    (``share_prompt``: ``bins`` are families of rows with one prompt, computed once);
+    ``chunk_tokens`` > 0: the LM head scores that many positions at a time (``trainer.logprobs``)."""
     device = micro["input_ids"].device
     if share_prompt:
         assert bins is not None, "shared prompts are packed by the plan's families"
@@ -414,17 +418,28 @@ def packed_response_log_probs_and_entropy(
     else:
         packed = pack_sequences(micro, bins)
         attention_mask = None  # the position ids carry the sequence boundaries
-    out = model(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=attention_mask,
-        position_ids=packed.position_ids.to(device),
-        use_cache=False,
-    )
-    logits = out.logits[packed.bin_row.to(device), packed.bin_col.to(device)]  # [N, V]
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    kwargs = {
+        "input_ids": packed.input_ids.to(device),
+        "attention_mask": attention_mask,
+        "position_ids": packed.position_ids.to(device),
+        "use_cache": False,
+    }
     seq, pos = packed.seq.to(device), packed.pos.to(device)
     shape = micro["responses"].shape
     tokens = micro["responses"][seq, pos]
+    bin_row, bin_col = packed.bin_row.to(device), packed.bin_col.to(device)
+    if chunk_tokens:
+        return _chunked_packed_scores(
+            model,
+            kwargs,
+            (bin_row, bin_col, seq, pos, tokens),
+            shape,
+            chunk_tokens,
+            with_entropy,
+            entropy_grad,
+        )
+    logits = model(**kwargs).logits[bin_row, bin_col]  # [N, V]
+    log_p = torch.log_softmax(logits.float(), dim=-1)
     logp = torch.zeros(shape, dtype=torch.float32, device=device).index_put(
         (seq, pos), log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     )
@@ -434,3 +449,29 @@ def packed_response_log_probs_and_entropy(
         token_entropy = -(log_p.exp() * log_p).sum(-1)
         entropy = torch.zeros(shape, dtype=torch.float32, device=device).index_put((seq, pos), token_entropy)
     return logp, entropy
+
+
+def _chunked_packed_scores(
+    model: Any,
+    forward_kwargs: dict[str, Any],
+    where: tuple[torch.Tensor, ...],
+    shape: torch.Size,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed forward's log-probs (and entropy) with the LM head in bounded memory, scattered
+    back to ``shape``; ``where``: each response token's (packed row, column, row, position, token)."""
+    bin_row, bin_col, seq, pos, tokens = where
+
+    def select(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden[bin_row, bin_col], tokens
+
+    logp, entropy = scores_through_head(
+        model, forward_kwargs, select, chunk_tokens, with_entropy, entropy_grad
+    )
+    device = tokens.device
+    logp_full = torch.zeros(shape, dtype=torch.float32, device=device).index_put((seq, pos), logp)
+    if entropy is None:
+        return logp_full, None
+    return logp_full, torch.zeros(shape, dtype=torch.float32, device=device).index_put((seq, pos), entropy)

@@ -29,6 +29,7 @@ from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO, tied_weight_nam
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
+from nexrl_hpc.trainer.logprobs import padded_response_scores
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
@@ -53,18 +54,26 @@ def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor]) -> torch.T
     return torch.log_softmax(out.logits[:, :-1, :].float(), dim=-1)
 
 
-def response_log_probs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log pi(response token | prefix) for every response position, [B, R], in fp32."""
+def response_log_probs(model: Any, micro: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
+    """log pi(response token | prefix) for every response position, [B, R], in fp32;
+    ``chunk_tokens`` > 0: that many positions at a time through the LM head (``trainer.logprobs``),
+    0: the whole vocabulary materialised at once."""
+    if chunk_tokens:
+        return padded_response_scores(model, micro, chunk_tokens, with_entropy=False, entropy_grad=False)[0]
     log_p = _response_log_softmax(model, micro)
     return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
 
 
 def response_log_probs_and_entropy(
-    model: Any, micro: dict[str, torch.Tensor], entropy_grad: bool = False
+    model: Any, micro: dict[str, torch.Tensor], entropy_grad: bool = False, chunk_tokens: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_log_probs`` and the policy's entropy at each response position, both [B, R].
     The entropy carries gradient only with ``entropy_grad`` (an entropy bonus trains on it;
     otherwise it is only logged and its graph would cost memory for nothing)."""
+    if chunk_tokens:
+        logp, chunked_entropy = padded_response_scores(model, micro, chunk_tokens, True, entropy_grad)
+        assert chunked_entropy is not None
+        return logp, chunked_entropy
     log_p = _response_log_softmax(model, micro)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_log_probs(log_p)
@@ -281,9 +290,10 @@ class PolicyTrainer(TrainBackend):
         """Response log-probs (and entropy) of a micro-batch: packed (``actor.packing``), packed by
         shared prompts (the plan's choice under ``actor.share_prompt``) or padded."""
         part = micro.tensors
-        actor = self._require_cfg()["actor"]
+        cfg = self._require_cfg()
+        chunk = cfg["logprob_chunk_tokens"]
         with self._compute():
-            if actor["packing"] or micro.shared_prompts:
+            if cfg["actor"]["packing"] or micro.shared_prompts:
                 return packed_response_log_probs_and_entropy(
                     self.model,
                     part,
@@ -291,10 +301,11 @@ class PolicyTrainer(TrainBackend):
                     entropy_grad,
                     micro.bins,
                     share_prompt=micro.shared_prompts,
+                    chunk_tokens=chunk,
                 )
             if not with_entropy:
-                return response_log_probs(self.model, part), None
-            return response_log_probs_and_entropy(self.model, part, entropy_grad=entropy_grad)
+                return response_log_probs(self.model, part, chunk), None
+            return response_log_probs_and_entropy(self.model, part, entropy_grad, chunk)
 
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +412,9 @@ class PolicyTrainer(TrainBackend):
         ref_log_prob = None
         if self.ref_model is not None:
             with torch.no_grad(), self._compute():
-                ref_log_prob = response_log_probs(self.ref_model, part)
+                ref_log_prob = response_log_probs(
+                    self.ref_model, part, self._require_cfg()["logprob_chunk_tokens"]
+                )
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
         # a non-finite loss shows up in the grad norm of the step

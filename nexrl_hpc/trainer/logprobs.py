@@ -1,0 +1,236 @@
+"""Response log-probs and entropy in bounded memory: chunks of tokens through the LM head.
+
+The materialised way (``log_softmax(logits.float())`` over the whole vocabulary, then ``exp`` of it
+for the entropy) holds several ``[tokens, vocab]`` fp32 tensors at once: for one 32k-token response
+of a 152k-vocabulary model that is ~20 GB per copy. Here the LM head is applied to
+``chunk_tokens`` hidden states at a time; each chunk's logits live only while its log-prob of the
+sampled token, its log-sum-exp and its entropy are taken (in fp32), and the backward pass
+recomputes them chunk by chunk (``_ChunkedTokenScores``). What stays alive is ``[tokens, hidden]``
+and a few ``[tokens]`` vectors; the largest transient is a few ``[chunk_tokens, vocab]`` tensors.
+
+The head runs inside the LM head module's own forward (``scores_through_head`` swaps that module's
+``forward`` for the call): the parallel engines gather its weight in hooks around that module
+(FSDP2 at the root's forward, DeepSpeed ZeRO-3 at the head's own), and their backward hooks fire
+on its output, so the weight is whole wherever it is read. The model's ``logits`` output then holds
+``[positions, 2]`` — each selected position's log-prob and entropy — instead of logits.
+
+Values and gradients are those of the materialised path (the same ``log_softmax`` per row; the
+gradients its autograd graph would give), under autocast too: the head's matmul runs in the
+compute dtype (as ``nn.Linear`` would), the softmax math in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""From the hidden states the LM head receives, the rows to score ``[N, hidden]`` and their tokens ``[N]``."""
+
+
+def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """log pi over the vocabulary for a chunk of hidden states, [chunk, V] in fp32: the matmul as
+    ``nn.Linear`` would run it (in the autocast dtype under autocast), the softmax in fp32."""
+    return torch.log_softmax(F.linear(hidden, weight, bias).float(), dim=-1)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on, else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _ChunkedTokenScores(torch.autograd.Function):
+    """``[N, 2]`` fp32: log pi(token) and the entropy of pi at each of N positions, computed
+    ``chunk`` rows at a time; backward recomputes each chunk's logits and applies
+    d log pi(t)/dz = onehot(t) - p and dH/dz = -p (log p + H) to them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        tokens: torch.Tensor,
+        chunk: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        scores = torch.zeros((n, 2), dtype=torch.float32, device=hidden.device)
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            log_p = _chunk_log_softmax(hidden[lo:hi], weight, bias)
+            scores[lo:hi, 0] = log_p.gather(-1, tokens[lo:hi, None]).squeeze(-1)
+            if with_entropy:
+                scores[lo:hi, 1] = -(log_p.exp().mul_(log_p)).sum(-1)
+            del log_p
+        ctx.save_for_backward(hidden, weight, bias, tokens, scores)
+        ctx.chunk, ctx.entropy_grad = chunk, entropy_grad and with_entropy
+        ctx.compute_dtype = _compute_dtype(hidden, weight)  # backward runs outside autocast
+        ctx.mark_non_differentiable(tokens)
+        return scores
+
+    @staticmethod
+    def backward(ctx: Any, grad_scores: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, bias, tokens, scores = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        weight_c = weight.to(dtype)
+        bias_c = bias.to(dtype) if bias is not None else None
+        n = hidden.shape[0]
+        for lo in range(0, n, ctx.chunk):
+            hi = min(lo + ctx.chunk, n)
+            hidden_c = hidden[lo:hi].to(dtype)
+            dz = _logit_grad(
+                _chunk_log_softmax(hidden_c, weight_c, bias_c),
+                tokens[lo:hi],
+                grad_scores[lo:hi, 0],
+                grad_scores[lo:hi, 1] if ctx.entropy_grad else None,
+                scores[lo:hi, 1],
+            ).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[lo:hi] = (dz @ weight_c).to(hidden.dtype)
+            if dz.dtype == torch.float32:
+                grad_weight.addmm_(dz.t(), hidden_c)
+            else:  # accumulated over chunks in fp32
+                grad_weight += (dz.t() @ hidden_c).float()
+            if bias is not None:
+                grad_bias += dz.float().sum(0)
+            del dz
+        grad_b = grad_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_w, grad_b, None, None, None, None
+
+
+def _logit_grad(
+    log_p: torch.Tensor,
+    tokens: torch.Tensor,
+    grad_log_prob: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor,
+) -> torch.Tensor:
+    """d loss / d logits of a chunk, in place over ``log_p`` (fp32): g_lp (onehot - p) - g_H p (log p + H)."""
+    p = log_p.exp()
+    if grad_entropy is not None:
+        factor = log_p.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_log_prob[:, None])
+        dz = p.mul_(factor)
+    else:
+        dz = p.mul_(-grad_log_prob[:, None])
+    del log_p
+    rows = torch.arange(dz.shape[0], device=dz.device)
+    dz[rows, tokens] += grad_log_prob
+    return dz
+
+
+def token_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tokens: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(tokens) ``[N]`` and (``with_entropy``) the entropy ``[N]``, fp32, from hidden states
+    ``[N, hidden]`` and an LM head's ``weight`` ``[V, hidden]`` (and ``bias``), ``chunk_tokens`` rows
+    at a time. The entropy carries gradient only with ``entropy_grad``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"token_log_probs_and_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
+    scores = _ChunkedTokenScores.apply(hidden, weight, bias, tokens, chunk_tokens, with_entropy, entropy_grad)
+    return _split(scores, with_entropy, entropy_grad)
+
+
+def _split(
+    scores: torch.Tensor, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not with_entropy:
+        return scores[..., 0], None
+    entropy = scores[..., 1]
+    return scores[..., 0], (entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach())
+
+
+def output_head(model: Any) -> torch.nn.Module:
+    """The LM head module of an HF causal LM, or of the model a DeepSpeed engine wraps."""
+    inner = getattr(model, "module", model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Module) or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(
+            f"service.train_service.logprob_chunk_tokens > 0 needs a model whose get_output_embeddings() "
+            f"is a linear LM head; {type(inner).__name__} has {type(head).__name__} (set it to 0)"
+        )
+    return head
+
+
+@contextmanager
+def _head_forward(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """``head``'s forward replaced for the duration (its hooks, the engines' gathers, still run)."""
+    saved = head.__dict__.get("forward")  # an instance attribute shadows the class's forward
+    head.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if saved is None:
+            del head.__dict__["forward"]
+        else:
+            head.__dict__["forward"] = saved
+
+
+def scores_through_head(
+    model: Any,
+    forward_kwargs: dict[str, Any],
+    select: Select,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model(**forward_kwargs)`` with its LM head scoring only the positions ``select`` picks,
+    chunk by chunk: (log-probs ``[N]``, entropy ``[N]`` or None), fp32."""
+    head = output_head(model)
+
+    def bounded_head(hidden: torch.Tensor) -> torch.Tensor:
+        rows, tokens = select(hidden)
+        return _ChunkedTokenScores.apply(
+            rows, head.weight, head.bias, tokens, chunk_tokens, with_entropy, entropy_grad
+        )
+
+    if chunk_tokens < 1:
+        raise ValueError(f"scores_through_head: chunk_tokens must be >= 1, got {chunk_tokens}")
+    with _head_forward(head, bounded_head):
+        scores = model(**forward_kwargs).logits
+    return _split(scores, with_entropy, entropy_grad)
+
+
+def padded_response_scores(
+    model: Any,
+    micro: dict[str, torch.Tensor],
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(response token | prefix) and the entropy, both ``[B, R]`` fp32, of a padded
+    micro-batch, in bounded memory (``chunk_tokens`` positions at a time)."""
+    responses = micro["responses"]
+    b, r = responses.shape
+
+    def select(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the last r + 1 positions arrive; position j predicts response token j
+        return hidden[:, :-1, :].reshape(b * r, hidden.shape[-1]), responses.reshape(b * r)
+
+    kwargs = {
+        "input_ids": micro["input_ids"],
+        "attention_mask": micro["attention_mask"],
+        "position_ids": micro["position_ids"],
+        "use_cache": False,
+        "logits_to_keep": r + 1,
+    }
+    logp, entropy = scores_through_head(model, kwargs, select, chunk_tokens, with_entropy, entropy_grad)
+    return logp.reshape(b, r), (entropy.reshape(b, r) if entropy is not None else None)
