@@ -5,11 +5,18 @@ whole micro-batch; its log-probs, entropies and every parameter's gradient must 
 (``logprob_chunk_tokens=0``) in fp32: log-probs within 1e-6 (entropies 1e-6 relative), gradients
 within 1e-5. Checked on the
 function itself and through the trainer, for every loss aggregation, padded / packed / shared
-prompts, untied (tiny Llama) and tied (Qwen2 ChatML) heads, with an entropy bonus and a KL term.
+prompts, untied (tiny Llama) and tied (Qwen2 ChatML) heads, with an entropy bonus and a KL term;
+and on two gloo ranks under FSDP2 and DeepSpeed ZeRO-3 (whose LM head weight exists only inside
+the gathers around its module), every aggregation and layout once each.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +28,7 @@ from nexrl_hpc.trainer.policy_trainer import (
     response_log_probs,
     response_log_probs_and_entropy,
 )
+from tests.conftest import REPO
 from tests.test_policy_trainer import make_batch, trainer
 
 LOGP_TOL = 1e-6
@@ -147,3 +155,42 @@ def test_autocast_bf16_gives_fp32_log_probs_close_to_the_materialised(tiny_model
     assert (logp - ref_logp).abs().max() <= 1e-5
     assert (entropy - ref_entropy).abs().max() <= 1e-5
     assert torch.equal(only, logp)
+
+
+def _parallel_cases(engine: str, tiny: str, tied: str) -> list[str]:
+    extra = ["service.train_service.deepspeed.zero_stage=3"] if engine == "deepspeed" else []
+    cases = [
+        (tiny, "padded", "token-mean"),
+        (tied, "packed", "seq-mean-token-sum"),
+        (tiny, "shared", "seq-mean-token-mean"),
+        (tied, "padded", "seq-mean-token-sum-norm"),
+    ]
+    args: list[str] = []
+    for i, (model, layout, agg) in enumerate(cases):
+        args += [*(["::"] if i else []), engine, model, *LAYOUTS[layout], *extra]
+        args.append(f"service.train_service.actor.loss_agg_mode={agg}")
+    return args
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_two_ranks_chunked_equals_materialised(
+    engine: str, tiny_model_dir: str, chatml_model_dir: str, tmp_path: Path
+) -> None:
+    """FSDP2 and ZeRO-3 on two gloo ranks: the whole accumulated gradient of one update (caught
+    before the optimizer step) and the log-probs, chunked against materialised."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
+    out = tmp_path / "result.json"
+    module = ["-m", "tests.helpers.chunked_numerics", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cases = _parallel_cases(engine, tiny_model_dir, chatml_model_dir)
+    proc = subprocess.run([*cmd, *cases], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 4
+    for r in results:
+        assert r["same_names"] and r["grad_tensors"] > 0 and r["grad_scale"] > 1e-4, r
+        assert r["logp"] <= LOGP_TOL, r
+        assert r["grad"] <= GRAD_TOL, r
