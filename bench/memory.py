@@ -79,7 +79,8 @@ def build_model(layers: int, device: str, attn: str) -> Any:
     )
     config._attn_implementation = attn
     torch.manual_seed(0)  # the same weights in every subprocess
-    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.float32)
+    with torch.device(device):  # initialised where it runs (a GPU initialises 0.5B weights at once)
+        model = Qwen2ForCausalLM(config).to(dtype=torch.float32)
     model.train()
     return model
 

@@ -81,9 +81,11 @@ class _ChunkedTokenScores(torch.autograd.Function):
     def backward(ctx: Any, grad_scores: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, bias, tokens, scores = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        fp32 = {"dtype": torch.float32, "device": weight.device}
+        grad_weight = torch.zeros(weight.shape, **fp32) if needs_weight else None
+        grad_bias = torch.zeros(weight.shape[0], **fp32) if needs_bias else None
         weight_c = weight.to(dtype)
         bias_c = bias.to(dtype) if bias is not None else None
         n = hidden.shape[0]
@@ -99,15 +101,15 @@ class _ChunkedTokenScores(torch.autograd.Function):
             ).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = (dz @ weight_c).to(hidden.dtype)
-            if dz.dtype == torch.float32:
+            if grad_weight is not None and dz.dtype == torch.float32:
                 grad_weight.addmm_(dz.t(), hidden_c)
-            else:  # accumulated over chunks in fp32
+            elif grad_weight is not None:  # accumulated over chunks in fp32
                 grad_weight += (dz.t() @ hidden_c).float()
-            if bias is not None:
+            if grad_bias is not None:
                 grad_bias += dz.float().sum(0)
             del dz
-        grad_b = grad_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        grad_w = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_b = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_w, grad_b, None, None, None, None
 
 
