@@ -14,10 +14,10 @@ Two variants of the same step, each in a fresh subprocess:
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each step); on CPU the
 process's peak resident set (``VmHWM`` of /proc/self/status, reset before each step by writing 5 to
-/proc/self/clear_refs; tensors of more than 32 MB are mmap-ed by glibc and go back to the OS when
-freed, so the peak is the step's own). Both count everything alive in the step: weights, gradients,
-activations (gradient checkpointing on, as ``hardware=gpu``), the runtime. Each subprocess measures
-the fit lengths (``--tokens`` x 1/4 and 1/2) before ``--tokens``, with a reset before each; the
+/proc/self/clear_refs; glibc is told to mmap every allocation of 64 KiB or more, so what a step
+frees leaves the RSS and the peak is the step's own). Both count everything alive in the step:
+weights, gradients, activations (gradient checkpointing on, as ``hardware=gpu``), the runtime. Each subprocess
+measures ``--tokens`` first, then the fit lengths (x 1/4 and 1/2), with a reset before each; the
 longest response fitting ``--budget-gb`` is a least-squares line through those peaks, extrapolated
 (said so in the output). Then the log-probs, entropies and every parameter's gradient of the two
 variants at ``--tokens`` are compared (max |delta|; the fp32 goals are 1e-6 and 1e-5).
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_checkpointing:
         enable_activation_checkpointing(model)
     points = []
-    for tokens in fit_lengths(args.tokens):
+    for tokens in [args.tokens, *fit_lengths(args.tokens)[:-1]]:  # the compared length first, fresh
         r = measure(args, model, tokens, chunk)
         if tokens == args.tokens and not r.get("oom"):
             grads = {
@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace) -> None:
         r.pop("logp", None), r.pop("entropy", None)
         points.append(r)
         model.zero_grad(set_to_none=True)
-    print("RESULT " + json.dumps(points), flush=True)
+    print("RESULT " + json.dumps(sorted(points, key=lambda p: p["tokens"])), flush=True)
 
 
 def fit_lengths(tokens: int) -> list[int]:
@@ -196,7 +196,11 @@ def run_variant(args: argparse.Namespace, variant: str, out: str) -> list[dict[s
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.no_checkpointing:
         cmd.append("--no-checkpointing")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # CPU: every allocation of 64 KiB or more mmap-ed, so freed memory leaves the RSS at once (glibc
+    # would otherwise raise its mmap threshold to 32 MB after the first frees and keep freed
+    # activations in its heap, counted in the next step's peak)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-6000:])
