@@ -145,6 +145,9 @@ def measure(args: argparse.Namespace, model: Any, tokens: int, chunk: int) -> di
     try:
         logp, entropy = micro_step(model, micro, chunk, args.dtype, args.device)
     except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         return {"tokens": tokens, "oom": True}
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -169,7 +172,8 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_checkpointing:
         enable_activation_checkpointing(model)
     points = []
-    for tokens in [args.tokens, *fit_lengths(args.tokens)[:-1]]:  # the compared length first, fresh
+    others = [t for t in fit_lengths(args) if t != args.tokens]
+    for tokens in [args.tokens, *others]:  # the compared length first, in the fresh process
         r = measure(args, model, tokens, chunk)
         if tokens == args.tokens and not r.get("oom"):
             grads = {
@@ -186,13 +190,27 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(sorted(points, key=lambda p: p["tokens"])), flush=True)
 
 
-def fit_lengths(tokens: int) -> list[int]:
-    return sorted({max(tokens // 4, 1), max(tokens // 2, 1), tokens})
+def fit_lengths(args: argparse.Namespace) -> list[int]:
+    """The response lengths measured for the fit: ``--fit-tokens``, or ``--tokens`` x 1/4, 1/2, 1."""
+    if args.fit_tokens:
+        return sorted({int(t) for t in args.fit_tokens.split(",")} | {args.tokens})
+    return sorted({max(args.tokens // 4, 1), max(args.tokens // 2, 1), args.tokens})
 
 
 def run_variant(args: argparse.Namespace, variant: str, out: str) -> list[dict[str, Any]]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--out", out]
-    for key in ("device", "dtype", "layers", "tokens", "rows", "prompt_tokens", "chunk", "attn", "threads"):
+    for key in (
+        "device",
+        "dtype",
+        "layers",
+        "tokens",
+        "rows",
+        "prompt_tokens",
+        "chunk",
+        "attn",
+        "threads",
+        "fit_tokens",
+    ):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.no_checkpointing:
         cmd.append("--no-checkpointing")
@@ -233,8 +251,21 @@ def longest_fitting(points: list[dict[str, Any]], budget: float) -> str:
     slope = sum((x - mx) * (y - my) for x, y in ok) / sum((x - mx) ** 2 for x, _ in ok)
     if slope <= 0:
         return "n/a (peak does not grow with length)"
-    length = (budget - (my - slope * mx)) / slope
-    return f"{max(int(length), 0):,} tokens per response (peak +{slope * 1000 / 2**20:,.0f} MiB per 1,000 tokens)"
+    length = max(int((budget - (my - slope * mx)) / slope), 0)
+    ooms = [int(p["tokens"]) for p in points if p.get("oom")]
+    if ooms and length >= min(ooms):
+        return f"< {min(ooms):,} tokens per response (out of memory there)"
+    longest = int(max(x for x, _ in ok))
+    where = (
+        f"{length / longest:.1f}x the longest measured, {longest:,}: extrapolated"
+        if length > longest
+        else "within the measured lengths"
+    )
+    flat = " - the peak hardly grows over these lengths (fixed costs dominate it): measure longer ones (--fit-tokens)"
+    return (
+        f"{length:,} tokens per response (peak +{slope * 1000 / 2**20:,.0f} MiB per 1,000 tokens; {where})"
+        + (flat if length > 8 * longest else "")
+    )
 
 
 def sequence_parallel_line(args: argparse.Namespace) -> str:
@@ -274,9 +305,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], d
             )
     budget = args.budget_gb * 1e9
     print(f"\nlongest response fitting {args.budget_gb:g} GB ({args.rows} rows per micro-batch; a line")
-    print(
-        f"through the peaks at {', '.join(f'{t:,}' for t in fit_lengths(args.tokens))} tokens, extrapolated):"
-    )
+    print(f"through the peaks at {', '.join(f'{t:,}' for t in fit_lengths(args))} tokens, not past an OOM):")
     for variant, points in results.items():
         print(f"  {variant}: {longest_fitting(points, budget)}")
     print(f"  sequence_parallel_size=2: {sequence_parallel_line(args)}")
@@ -309,6 +338,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the bounded variant")
     parser.add_argument("--budget-gb", type=float, default=16.0)
+    parser.add_argument(
+        "--fit-tokens",
+        default="",
+        help="comma-separated response lengths for the fit (default: --tokens x 1/4, 1/2)",
+    )
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-checkpointing", action="store_true")
