@@ -10,7 +10,10 @@ Two variants of the same step, each in a fresh subprocess:
 - ``bounded``: ``service.train_service.logprob_chunk_tokens=--chunk`` (the LM head scores that many
   positions at a time, backward recomputes each chunk);
 - ``materialised``: ``logprob_chunk_tokens=0`` (``log_softmax(logits.float())`` over the whole
-  vocabulary, the baseline).
+  vocabulary, the baseline);
+- ``bounded_sp2``: ``bounded`` as one rank of ``sequence_parallel_size=2`` sees it
+  (``sequence_parallel.emulate_sequence_parallel``: the other rank's data stood in by copies, so
+  every tensor has its real shape; its values are not compared), where the trainer has it.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each step); on CPU the
 process's peak resident set (``VmHWM`` of /proc/self/status, reset before each step by writing 5 to
@@ -50,6 +53,7 @@ from nexrl_hpc.trainer.policy_trainer import (  # noqa: E402
 
 VOCAB = 151_936
 VARIANTS = {"bounded": None, "materialised": 0}  # None: --chunk
+SP = "bounded_sp2"  # the bounded path on one rank of sequence_parallel_size=2, emulated in one process
 LOSS_ACTOR = {  # the shipped actor defaults (configs/rl_train.yaml), with an entropy bonus
     "policy_loss": "vanilla",
     "clip_ratio_low": 0.2,
@@ -167,15 +171,19 @@ def measure(args: argparse.Namespace, model: Any, tokens: int, chunk: int) -> di
 def worker(args: argparse.Namespace) -> None:
     """One variant in this fresh process: the fit lengths, then ``--tokens`` (its results saved)."""
     torch.set_num_threads(args.threads)
-    chunk = args.chunk if VARIANTS[args.variant] is None else 0
+    chunk = args.chunk if VARIANTS.get(args.variant) is None else 0
     model = build_model(args.layers, args.device, args.attn)
+    if args.variant == SP:
+        from nexrl_hpc.trainer.sequence_parallel import emulate_sequence_parallel
+
+        emulate_sequence_parallel(model, 2)
     if not args.no_checkpointing:
         enable_activation_checkpointing(model)
     points = []
     others = [t for t in fit_lengths(args) if t != args.tokens]
     for tokens in [args.tokens, *others]:  # the compared length first, in the fresh process
         r = measure(args, model, tokens, chunk)
-        if tokens == args.tokens and not r.get("oom"):
+        if tokens == args.tokens and not r.get("oom") and args.variant in VARIANTS:
             grads = {
                 k: p.grad.detach().float().cpu() for k, p in model.named_parameters() if p.grad is not None
             }
@@ -268,13 +276,20 @@ def longest_fitting(points: list[dict[str, Any]], budget: float) -> str:
     )
 
 
-def sequence_parallel_line(args: argparse.Namespace) -> str:
-    """The ``sequence_parallel_size=2`` line: measured only where the trainer offers it."""
-    from nexrl_hpc.config.train_service_schema import TrainServiceConfig
+def sequence_parallel_available() -> bool:
+    try:
+        from nexrl_hpc.trainer.sequence_parallel import emulate_sequence_parallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    if "sequence_parallel_size" not in TrainServiceConfig.__annotations__:
+
+def sequence_parallel_line(results: dict[str, list[dict[str, Any]]], budget: float) -> str:
+    """The ``sequence_parallel_size=2`` line: one rank's peak (its decoder activations are half the
+    tokens'; the LM head scores whole rows), measured where the trainer offers it."""
+    if SP not in results:
         return "not measured: sequence parallelism not available"
-    return "not measured: this bench does not drive sequence_parallel_size yet"
+    return longest_fitting(results[SP], budget) + " (one rank of 2, emulated in one process)"
 
 
 def gib(x: float) -> str:
@@ -306,9 +321,9 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], d
     budget = args.budget_gb * 1e9
     print(f"\nlongest response fitting {args.budget_gb:g} GB ({args.rows} rows per micro-batch; a line")
     print(f"through the peaks at {', '.join(f'{t:,}' for t in fit_lengths(args))} tokens, not past an OOM):")
-    for variant, points in results.items():
-        print(f"  {variant}: {longest_fitting(points, budget)}")
-    print(f"  sequence_parallel_size=2: {sequence_parallel_line(args)}")
+    for variant in VARIANTS:
+        print(f"  {variant}: {longest_fitting(results[variant], budget)}")
+    print(f"  sequence_parallel_size=2: {sequence_parallel_line(results, budget)}")
     if deltas is not None:
         print(
             f"\nmax |delta| bounded vs materialised at {args.tokens:,} tokens: log-prob {deltas['logp']:.2e} "
@@ -347,7 +362,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=sorted([*VARIANTS, SP]), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -356,7 +371,8 @@ def main() -> None:
         worker(args)
         return
     with tempfile.TemporaryDirectory(prefix="nexrl_memory_") as out:
-        results = {v: run_variant(args, v, out) for v in VARIANTS}
+        variants = [*VARIANTS, *([SP] if sequence_parallel_available() else [])]
+        results = {v: run_variant(args, v, out) for v in variants}
         deltas = max_deltas(out)
     report(args, results, deltas)
 
