@@ -8,7 +8,7 @@ dtype the parameters and the optimizer state are held (one process, or every tor
 Each case writes ``rank_<r>.json``: ``changed_frac`` (rank 0: the share of weight elements that
 differ element-wise from before the updates), ``param_dtypes`` and ``optimizer_dtypes`` (the dtypes
 of this rank's trainable parameters and of its optimizer state's floating tensors) and
-``compute_dtypes`` (what its linear layers output in a forward pass).
+``compute_dtypes`` (what its linear layers but the LM head output in a forward pass).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SMALL_LR = (
 
 def measure(model_dir: str, engine_name: str, overrides: list[str], world_size: int) -> dict[str, Any]:
     """``UPDATES`` updates on fixed batches; what moved and the dtypes (this rank's)."""
+    from nexrl_hpc.trainer.logprobs import output_head
     from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
     from nexrl_hpc.trainer.worker import TrainWorker
     from tests.conftest import compose_config
@@ -43,10 +44,12 @@ def measure(model_dir: str, engine_name: str, overrides: list[str], world_size: 
     before = {k: v.clone() for k, v in par.full_state_dict(eng.model).items()}  # may be the live tensors
     masters_before = [m.clone() for m in _masters(eng)]
     compute_dtypes: set[str] = set()  # what the linear layers compute in (old-policy log-probs)
+    # the LM head's module answers the bounded path's fp32 log-probs (logprob_chunk_tokens), not logits
+    head = output_head(eng.model)
     hooks = [
         m.register_forward_hook(lambda _m, _i, out: compute_dtypes.add(str(out.dtype)))
         for m in eng.model.modules()
-        if isinstance(m, torch.nn.Linear)
+        if isinstance(m, torch.nn.Linear) and m is not head
     ]
     eng.compute_log_prob({"batch": make_batch(13, seed=0)})
     for hook in hooks:
