@@ -337,13 +337,8 @@ def test_a_failing_engine_is_a_500_with_its_error(tiny_model_dir: str) -> None:
         assert http.get("/health").status_code == 200  # the server lives on
 
 
-@pytest.mark.e2e
-def test_a_run_whose_server_fails_every_generation_stops_at_once_with_its_message(
-    chatml_model_dir: str, tmp_path: Path
-) -> None:
-    """A diverged checkpoint (NaN in the final norm: every logit NaN): the default server's sampler
-    raises on the first training request. The run fails after that one request (it used to be
-    retried for ~9 minutes and reported as "unreachable: timed out"), and says what the server said."""
+def _diverged_run(chatml_model_dir: str, tmp_path: Path, *overrides: str) -> tuple[Path, float, Any]:
+    """A run of a diverged checkpoint (NaN in the final norm: every logit NaN)."""
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "diverged"
@@ -372,10 +367,37 @@ def test_a_run_whose_server_fails_every_generation_stops_at_once_with_its_messag
             "train_worker.total_train_steps=3",
             "logger.backend=[]",
             f"run_dir={run_dir}",
+            *overrides,
         ],
         timeout=600,
     )
-    elapsed = time.monotonic() - t0
+    return run_dir, time.monotonic() - t0, proc
+
+
+@pytest.mark.e2e
+def test_a_diverged_checkpoint_stops_at_the_first_weight_verification(
+    chatml_model_dir: str, tmp_path: Path
+) -> None:
+    """With weight verification on (the default), the trainer's own canary log-probs of version 0 are
+    NaN: the run stops before any rollout, saying the weights are broken, not their delivery."""
+    run_dir, _, proc = _diverged_run(chatml_model_dir, tmp_path)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 1, console[-3000:]
+    says = "weight version 0: the trainer's own log-probs of the canary are not finite"
+    failed = [line for line in proc.stderr.splitlines() if "run failed" in line]
+    assert failed and says in failed[-1], console[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and says in status["reason"], status
+
+
+@pytest.mark.e2e
+def test_a_run_whose_server_fails_every_generation_stops_at_once_with_its_message(
+    chatml_model_dir: str, tmp_path: Path
+) -> None:
+    """A diverged checkpoint, verification off: the default server's sampler raises on the first
+    training request. The run fails after that one request (it used to be retried for ~9 minutes
+    and reported as "unreachable: timed out"), and says what the server said."""
+    run_dir, elapsed, proc = _diverged_run(chatml_model_dir, tmp_path, "weight.verify_every=0")
     console = proc.stdout + proc.stderr
     assert proc.returncode == 1, console[-3000:]
     server_says = "probability tensor contains either `inf`, `nan` or element < 0"

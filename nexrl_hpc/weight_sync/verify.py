@@ -186,6 +186,11 @@ class WeightVerifier:
         """The largest |Δ log p| over the engines; raises ``WeightVerificationError`` naming each
         engine over ``tolerance`` (or that could not score the canary)."""
         version, prompts = reference["version"], reference["prompts"]
+        if not all(math.isfinite(v) for row in reference["log_probs"] for v in row):
+            raise WeightVerificationError(
+                f"weight version {version}: the trainer's own log-probs of the canary are not finite: "
+                "the weights are broken (NaN or inf), whatever the engines serve"
+            )
         services = list(self._inference_services)
         futures = [(s, execute_async(s.score_canary, prompts)) for s in services]
         tokens = sum(len(p) - 1 for p in prompts)
