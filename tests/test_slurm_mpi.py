@@ -206,7 +206,7 @@ def test_fsdp2_trainer_group_across_hosts_learns(
     trainers = [r for r in ranks if r["group"] == "trainer"]
     assert trainers[0]["host"] != trainers[1]["host"]  # one trainer rank per host
     assert trainers[0]["trainer_address"].startswith(trainers[0]["address"].rsplit(":", 1)[0])  # its eth0
-    assert "trainer group sockets: GLOO_SOCKET_IFNAME=eth0" in (run_dir / "logs" / "rank_1.log").read_text()
+    assert "collective sockets: GLOO_SOCKET_IFNAME=eth0" in (run_dir / "logs" / "rank_1.log").read_text()
     val = [(r["step"], r["val/accuracy"]) for r in metrics(run_dir) if "val/accuracy" in r]
     assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
     ckpt = run_dir / "checkpoints" / "global_step_50"

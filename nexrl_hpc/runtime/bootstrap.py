@@ -114,6 +114,11 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm, roles: RoleRegistry) -> MP
     key = comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
     rpc = config["runtime"]["rpc"]
     bind = resolve_on_every_rank(comm, rpc["interface"], "runtime.rpc.interface")
+    # every rank's collectives (the trainer group, the weight broadcast group its servers join) on
+    # the interface the job's calls use: reachable from the other hosts of the job
+    chosen = use_interface_for_collectives(bind)
+    if chosen:
+        logger.info("collective sockets: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
     registry = ModuleRegistry()
     locations: dict[str, tuple[int, type]] = {
         name: (r, roles.role_class(role, config)) for name, (r, role, _) in placement.modules().items()
