@@ -146,7 +146,8 @@ FAST = [
 @pytest.mark.e2e
 def test_two_runs_on_one_run_dir_the_second_exits_2_naming_the_first(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [f"run_dir={run_dir}", "train_worker.total_train_steps=400", *FAST]
+    args = [f"run_dir={run_dir}", "train_worker.total_train_steps=5000", *FAST]
+    # stopped by SIGINT below: long enough to be still training when the second run has been refused on a busy machine
     first = subprocess.Popen(
         [sys.executable, "-m", "launch.train", *args],
         cwd=REPO,
