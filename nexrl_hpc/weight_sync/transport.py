@@ -170,18 +170,23 @@ class VLLMReloadTransport(WeightTransport):
                 f"{answer!r}; server left paused"
             )
         t2 = time.perf_counter()
+        self._label_version_and_resume(version, "loading")
+        t3 = time.perf_counter()
+        self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
+
+    def _label_version_and_resume(self, version: int, after: str) -> None:
+        """Label the loaded weights ``version``, check the server reports it, drop the prefix cache
+        (its KV came from the old weights) and resume serving."""
         self._call("POST", "/update_weight_version", json={"new_version": str(version)})
         served = (self._call("GET", "/weight_info") or {}).get("weight_version")
         if served != str(version):
             raise WeightSyncError(
-                f"{self._base_url}/weight_info reports version {served!r} after loading version {version}; "
+                f"{self._base_url}/weight_info reports version {served!r} after {after} version {version}; "
                 "server left paused"
             )
-        self._call("POST", "/reset_prefix_cache")  # cached KV was computed with the old weights
+        self._call("POST", "/reset_prefix_cache")
         self._call("POST", "/resume")
-        t3 = time.perf_counter()
         self.served_version = version
-        self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
 
 
 class LocalBroadcastTransport(WeightTransport):
@@ -260,17 +265,8 @@ class VLLMBroadcastTransport(VLLMReloadTransport):
         self._call("POST", "/update_weights", json={"update_info": {}})
         self._call("POST", "/finish_weight_update", json={"weight_version": str(version)})
         t2 = time.perf_counter()
-        self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-        served = (self._call("GET", "/weight_info") or {}).get("weight_version")
-        if served != str(version):
-            raise WeightSyncError(
-                f"{self._base_url}/weight_info reports version {served!r} after receiving version {version}; "
-                "server left paused"
-            )
-        self._call("POST", "/reset_prefix_cache")  # cached KV was computed with the old weights
-        self._call("POST", "/resume")
+        self._label_version_and_resume(version, "receiving")
         t3 = time.perf_counter()
-        self.served_version = version
         self.last_timings = {
             "pause_join": t1 - t0,
             "receive": t2 - t1,
