@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,3 +239,108 @@ def test_prefetched_buckets_keep_their_order_and_raise_where_the_stream_broke() 
         for bucket in prefetched(broken()):
             seen.append(bucket[0][0])
     assert seen == ["w0"]
+
+
+class _LostRank:
+    """An inference service whose rank is declared dead while the sync starts: its call fails with
+    ``PeerDeadError`` after ``after_s`` (the heartbeat timeout), having never joined the group."""
+
+    def __init__(self, name: str, after_s: float):
+        self.name, self.after_s = name, after_s
+
+    def get_module_name(self) -> str:
+        return self.name
+
+    def weight_receivers(self) -> int:
+        return 1
+
+    def receive_weights(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
+        from nexrl_hpc.rpc.calls import PeerDeadError
+
+        time.sleep(self.after_s)
+        raise PeerDeadError(f"rank 3 is dead (stopped answering); {self.name}.receive_weights failed")
+
+
+def test_a_rank_lost_before_the_group_forms_calls_it_off_and_the_services_left_get_the_version(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    """Policy continue: the controller removes the lost service a moment after its rank is declared
+    dead. The others do not wait the group's timeout for it, and the version is broadcast again to
+    the services left: the sync succeeds."""
+    cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=60"])
+    (keeps,) = _services(cfg, setup[1], tmp_path, ["inference_service_0"])
+    lost = _LostRank("inference_service_1", after_s=1.0)
+    try:
+        model = _new_model(cfg)
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([keeps, lost])  # type: ignore[list-item]
+        source = _Source(model)
+        publisher.set_weight_source(source)
+
+        def controller() -> None:  # _continue_without, a moment after the error
+            time.sleep(1.5)
+            publisher.set_inference_services([keeps])
+
+        removal = threading.Thread(target=controller)
+        started = time.monotonic()
+        removal.start()
+        publisher.publish(1)
+        removal.join()
+        assert time.monotonic() - started < 15  # not the group's 60 s
+        assert len(source.sent) == 1 and publisher.last_sync["bytes"] == source.sent[0]["bytes"]
+        assert _gap(cfg, keeps, model) <= 1e-4
+    finally:
+        keeps.stop()
+
+
+def test_a_lost_rank_the_controller_keeps_fails_the_sync_naming_it(
+    setup: tuple[dict[str, Any], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any other policy keeps the lost service: the sync fails naming it (and the survivor that the
+    broken group took down), after the grace for a removal, not the group's timeout."""
+    from nexrl_hpc.weight_sync import lost as lost_module
+
+    monkeypatch.setattr(lost_module, "REMOVAL_GRACE_S", 1.0)
+    cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=60"])
+    (keeps,) = _services(cfg, setup[1], tmp_path, ["inference_service_0"])
+    try:
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([keeps, _LostRank("inference_service_1", after_s=0.5)])  # type: ignore[list-item]
+        publisher.set_weight_source(_Source(_new_model(cfg)))
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as failed:
+            publisher.publish(1)
+        assert time.monotonic() - started < 15
+        message = str(failed.value)
+        assert "weight version 1 not broadcast" in message
+        assert "inference_service_1: rank 3 is dead" in message
+        assert "inference_service_0:" in message and "called off" in message
+    finally:
+        keeps.stop()
+
+
+def test_the_join_barrier_raises_the_reason_it_was_called_off() -> None:
+    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+    from nexrl_hpc.weight_sync.wire import BroadcastAborted, BroadcastGroup
+
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 60.0, 1)
+    spec = rendezvous.spec(3, version=4)  # the trainer and two receivers; one never comes
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            BroadcastGroup(spec, rank=rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    members = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    started = time.monotonic()
+    for t in members:
+        t.start()
+    time.sleep(0.5)
+    rendezvous.abort(spec, "inference_service_2 failed: rank 5 is dead")
+    for t in members:
+        t.join(timeout=10)
+    assert time.monotonic() - started < 5
+    assert len(errors) == 2 and all(isinstance(e, BroadcastAborted) for e in errors)
+    assert all("inference_service_2 failed: rank 5 is dead" in str(e) for e in errors)

@@ -37,6 +37,12 @@ class BroadcastRendezvous:
         self._backend, self._timeout_s, self._bucket_bytes = backend, timeout_s, bucket_mb << 20
         self._syncs = itertools.count()
 
+    def abort(self, spec: dict[str, Any], reason: str) -> None:
+        """Call the sync ``spec`` off: members still waiting to join raise with ``reason``."""
+        from nexrl_hpc.weight_sync.wire import ABORT_KEY
+
+        self._store.set(f"{spec['prefix']}/{ABORT_KEY}", reason)
+
     def spec(self, world_size: int, version: int) -> dict[str, Any]:
         return {
             "backend": self._backend,

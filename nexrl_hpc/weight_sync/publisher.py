@@ -17,13 +17,15 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import WeightConfig
 from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.rpc.calls import PeerDeadError
 from nexrl_hpc.runtime.network import resolve_bind_address
 from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+from nexrl_hpc.weight_sync.lost import removed_meanwhile
 from nexrl_hpc.weight_sync.transport import WeightSyncError, broadcast_backend
 
 if TYPE_CHECKING:
@@ -62,31 +64,71 @@ class WeightPublisher:
         self._source = source
 
     def publish(self, version: int) -> None:
-        """Every service serves ``version``; raises ``WeightSyncError`` naming the services that do not."""
-        self.last_sync = {}
-        if self._source is not None and self._inference_services:
-            receivers = [(s, execute(s.weight_receivers)) for s in self._inference_services]
-            if any(n > 0 for _, n in receivers):
-                self._broadcast(version, receivers)
-                return
-        path = sync_weight_dir(self._sync_path, version)
-        services = list(self._inference_services)
-        futures = [(s, execute_async(s.reload_weights, path, version)) for s in services]
-        failures = []
-        for service, future in futures:
-            try:
-                future.result()
-            except Exception as exc:
-                name = execute(service.get_module_name)
-                if name not in {execute(s.get_module_name) for s in self._inference_services}:
-                    logger.warning("%s was removed while reloading version %d: %s", name, version, exc)
-                    continue  # lost meanwhile (policy continue): the others serve the version
-                failures.append(f"{name}: {exc}")
-        if failures:
-            raise WeightSyncError(f"weight version {version} not served: " + "; ".join(failures))
+        """Every service serves ``version``; raises ``WeightSyncError`` naming the services that do not.
 
-    def _broadcast(self, version: int, receivers: list[tuple[InferenceServiceRef, int]]) -> None:
-        """One group: the trainer at rank 0, each service's workers at their offsets, all at once."""
+        A service whose rank is lost meanwhile (its calls fail with ``PeerDeadError``) and that the
+        controller then removes (policy continue) does not fail the publication: after a reload the
+        others serve the version; a broadcast, whose group broke with it, is sent once more to the
+        services left."""
+        self.last_sync = {}
+        for attempt in range(2):
+            services = list(self._inference_services)
+            failures, others_served = self._publish_once(services, version)
+            if not failures:
+                return
+            removed = removed_meanwhile(
+                [n for n, e in failures if isinstance(e, PeerDeadError)],
+                lambda: [execute(s.get_module_name) for s in self._inference_services],
+            )
+            for name in sorted(removed):
+                logger.warning(
+                    "%s was lost while publishing version %d: continuing without it", name, version
+                )
+            if removed and not others_served and attempt == 0:
+                logger.warning(
+                    "publishing version %d again, to the %d service(s) left",
+                    version,
+                    len(services) - len(removed),
+                )
+                continue
+            if others_served:
+                failures = [(n, e) for n, e in failures if n not in removed]
+            if failures:
+                how = "served" if others_served else "broadcast"
+                raise WeightSyncError(
+                    f"weight version {version} not {how}: " + "; ".join(f"{n}: {e}" for n, e in failures)
+                )
+            return
+
+    def _publish_once(
+        self, services: list[InferenceServiceRef], version: int
+    ) -> tuple[list[tuple[str, BaseException]], bool]:
+        """One try: the failures ``(name, error)``, and whether the services not among them serve
+        ``version`` (a reload: each on its own) or not (a broadcast: one group, broken by any)."""
+        names = [execute(s.get_module_name) for s in services]
+        if self._source is not None and services:
+            receivers: list[tuple[InferenceServiceRef, int]] = []
+            for name, service in zip(names, services):
+                try:
+                    receivers.append((service, execute(service.weight_receivers)))
+                except Exception as exc:
+                    return [(name, exc)], False
+            if any(n > 0 for _, n in receivers):
+                return self._broadcast(version, receivers, names), False
+        path = sync_weight_dir(self._sync_path, version)
+        futures = [execute_async(s.reload_weights, path, version) for s in services]
+        failures: list[tuple[str, BaseException]] = []
+        for name, future in zip(names, futures):
+            error = future.exception()
+            if error is not None:
+                failures.append((name, error))
+        return failures, True
+
+    def _broadcast(
+        self, version: int, receivers: list[tuple[InferenceServiceRef, int]], names: list[str]
+    ) -> list[tuple[str, BaseException]]:
+        """One group: the trainer at rank 0, each service's workers at their offsets, all at once.
+        The first side to fail calls the group off for those still joining it."""
         cfg = self._config
         if any(n == 0 for _, n in receivers):
             raise WeightSyncError(
@@ -100,7 +142,8 @@ class WeightPublisher:
         spec = self._rendezvous.spec(1 + sum(n for _, n in receivers), version)
         assert self._source is not None
         started = time.monotonic()
-        names = [execute(s.get_module_name) for s, _ in receivers]
+        # every side is bounded by the group's timeout; this outer bound only catches a lost answer
+        bound = 2 * cfg["broadcast_timeout_s"] + 60.0
         with ThreadPoolExecutor(
             max_workers=len(receivers) + 1, thread_name_prefix="weight-broadcast"
         ) as pool:
@@ -110,21 +153,25 @@ class WeightPublisher:
                 pool.submit(execute, s.receive_weights, spec, offset, version)
                 for (s, _), offset in zip(receivers, offsets)
             ]
-            # every side is bounded by the group's timeout; this outer bound only catches a lost answer
-            bound = 2 * cfg["broadcast_timeout_s"] + 60.0
-            pending: list[Future[Any]] = [sender, *futures]
-            wait(pending, timeout=bound)
-        failures = []
-        for name, future in zip(names, futures):
+            sides: dict[Future[Any], str] = {sender: "trainer", **dict(zip(futures, names))}
+            pending: set[Future[Any]] = set(sides)
+            deadline = time.monotonic() + bound
+            called_off = False
+            while pending and time.monotonic() < deadline:
+                done, pending = wait(pending, deadline - time.monotonic(), FIRST_EXCEPTION)
+                failed = [f for f in done if f.exception() is not None]
+                if failed and not called_off:
+                    self._rendezvous.abort(spec, f"{sides[failed[0]]} failed: {failed[0].exception()}")
+                    called_off = True
+        failures: list[tuple[str, BaseException]] = []
+        for future, name in sides.items():
             if not future.done():
-                failures.append(f"{name}: no answer within {bound:.0f}s")
-            elif future.exception() is not None:
-                failures.append(f"{name}: {future.exception()}")
-        if sender.done() and sender.exception() is not None:
-            failures.append(f"trainer: {sender.exception()}")
-        if failures:
-            raise WeightSyncError(f"weight version {version} not broadcast: " + "; ".join(failures))
-        self.last_sync = dict(sender.result(), seconds=time.monotonic() - started)
+                failures.append((name, TimeoutError(f"no answer within {bound:.0f}s")))
+            elif (error := future.exception()) is not None:
+                failures.append((name, error))
+        if not failures:
+            self.last_sync = dict(sender.result(), seconds=time.monotonic() - started)
+        return failures
 
     def prune(self, current: int) -> None:
         """Keep the newest ``keep_versions`` exports (and ``current``)."""

@@ -23,6 +23,8 @@ import httpx
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.rpc.calls import PeerDeadError
+from nexrl_hpc.weight_sync.lost import removed_meanwhile
 from nexrl_hpc.weight_sync.transport import WeightSyncError
 
 if TYPE_CHECKING:
@@ -200,8 +202,10 @@ class WeightVerifier:
             try:
                 diff = max_abs_diff(reference["log_probs"], future.result())
             except Exception as exc:
-                if name not in {execute(s.get_module_name) for s in self._inference_services}:
-                    logger.warning("%s was removed while scoring the canary of version %d", name, version)
+                if isinstance(exc, PeerDeadError) and removed_meanwhile(
+                    [name], lambda: [execute(s.get_module_name) for s in self._inference_services]
+                ):
+                    logger.warning("%s was lost while scoring the canary of version %d", name, version)
                     continue  # lost meanwhile (policy continue), as in the publisher
                 failures.append(f"{name}: the canary could not be scored ({exc})")
                 continue

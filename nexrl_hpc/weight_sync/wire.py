@@ -9,7 +9,9 @@ The group: a fresh ``torch.distributed`` process group per sync, separate from a
 process already has (the trainer's own, vLLM's), made from a ``TCPStore`` the publisher hosts
 (``host``/``port``) under a ``prefix`` unique to the sync. gloo on CPU, NCCL on GPUs; every
 collective is bounded by ``timeout_s``, so a peer that dies or never comes fails the sync instead
-of hanging it.
+of hanging it. Members first meet at a barrier in the store (``join``) that the publisher can
+call off (``ABORT_KEY``): a member known lost (its rank declared dead) does not keep the others
+waiting for it the whole ``timeout_s``.
 
 The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
 then each tensor broadcast in place (no packing copy on the sender). A length of 0 ends the stream.
@@ -25,6 +27,12 @@ from typing import Any
 import torch
 
 GroupSpec = dict[str, Any]  # backend, host, port, prefix, world_size, timeout_s
+ABORT_KEY = "abort"  # under the sync's prefix: why the publisher called the sync off
+_JOINED_KEY = "joined"
+
+
+class BroadcastAborted(RuntimeError):
+    """The publisher called the sync off before the group formed (a member was lost)."""
 
 
 class BroadcastGroup:
@@ -41,6 +49,7 @@ class BroadcastGroup:
         )
         prefixed = dist.PrefixStore(str(spec["prefix"]), store)
         world = int(spec["world_size"])
+        join(prefixed, world, float(spec["timeout_s"]))
         if spec["backend"] == "nccl" and _shares_a_gpu(prefixed, rank, world, self.device):
             self.device = torch.device("cpu")  # one GPU cannot hold two ranks of one NCCL group
             self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
@@ -66,6 +75,26 @@ class BroadcastGroup:
             except Exception:  # a broken group: nothing left to release cleanly
                 pass
         self._pg = None
+
+
+def join(store: Any, world: int, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Wait until all ``world`` members have joined; raises ``BroadcastAborted`` as soon as the
+    publisher sets ``ABORT_KEY``, ``TimeoutError`` after ``timeout_s``."""
+    import time
+
+    store.add(_JOINED_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([ABORT_KEY]):
+            raise BroadcastAborted(f"weight broadcast called off: {store.get(ABORT_KEY).decode()}")
+        joined = int(store.add(_JOINED_KEY, 0))
+        if joined >= world:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"weight broadcast: {joined} of {world} members joined within {timeout_s:.0f}s"
+            )
+        time.sleep(poll_s)
 
 
 def _shares_a_gpu(store: Any, rank: int, world: int, device: torch.device) -> bool:
