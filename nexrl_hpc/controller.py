@@ -17,7 +17,6 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 import yaml
 
 from nexrl_hpc.assembly.roles import ROLES
+from nexrl_hpc.assembly.stopping import quietly, stop_all
 from nexrl_hpc.checkpoint.manager import (
     STATE_FILE,
     checkpoint_to_resume,
@@ -33,7 +33,7 @@ from nexrl_hpc.checkpoint.manager import (
 )
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
-from nexrl_hpc.core.execute import execute, execute_async
+from nexrl_hpc.core.execute import execute
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.gc_tuning import settle_after_setup
@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from nexrl_hpc.trainer.worker import TrainWorker
     from nexrl_hpc.validate.validator import Validator
 
-    _Stoppable = BaseRolloutWorker | BaseAlgorithmProcessor | TrainWorker | InferenceService
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +255,7 @@ class NexRLController:
             )
             self._saved_for_resume = True
             reason = f"{self._preemption.reason}: checkpoint saved at step {step}"
-            self._quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))  # before the requeue ends us
+            quietly(lambda: self.status.ended(PREEMPTED_EXIT, reason))  # before the requeue ends us
             self._preemption.requeue()  # the checkpoint is complete: requeue now, then leave at once
         else:
             logger.info("training finished at step %d", step)
@@ -380,22 +379,22 @@ class NexRLController:
             self.experiment_logger.refresh_plots(final=True)
         deadline = time.monotonic() + self._monitor["stop_timeout_s"]
         if self._modules_built:
-            self._stop_all(self._rollout_workers, deadline)
-            self._stop_all([self.algorithm_processor], deadline)
-            self._stop_all([self.train_worker], deadline)
+            stop_all(self._rollout_workers, deadline)
+            stop_all([self.algorithm_processor], deadline)
+            stop_all([self.train_worker], deadline)
             tracker = self.activity_tracker
             if tracker is not None and not tracker.wait_quiescent(max(0.0, deadline - time.monotonic())):
                 logger.warning("still busy at stop: %s", tracker.get_running_status_summary())
-            self._stop_all(self._inference_services, deadline)
+            stop_all(self._inference_services, deadline)
         if self.experiment_logger is not None:
-            self._quietly(self.experiment_logger.close)
-        self._quietly(self.runtime.abort_startup)
+            quietly(self.experiment_logger.close)
+        quietly(self.runtime.abort_startup)
         # a preempted run's ranks exit with PREEMPTED_EXIT: at once, without the interpreter's
         # teardown (seconds of garbage collection that Slurm's requeue would wait for)
         code = self._exit_code or (1 if self.exit_reason else PREEMPTED_EXIT if self.preempted else 0)
         reason = self.exit_reason or ("preempted: checkpoint saved" if self.preempted else "run finished")
-        self._quietly(lambda: self.status.ended(code, reason))
-        self._quietly(lambda: self.runtime.shutdown(reason, code))
+        quietly(lambda: self.status.ended(code, reason))
+        quietly(lambda: self.runtime.shutdown(reason, code))
 
     def _leave_for_resume(self) -> None:
         """Preempted, checkpoint complete: no orderly stop. Slurm starts the requeued job only once
@@ -403,25 +402,9 @@ class NexRLController:
         polls and endpoints to close), and nothing still running holds what the resume needs: tasks in
         flight are in the checkpoint's state.h5. Every module aborts (server processes killed),
         metrics are flushed, and every rank leaves."""
-        self._quietly(lambda: self.runtime.abort("preempted: checkpoint saved", PREEMPTED_EXIT))
+        quietly(lambda: self.runtime.abort("preempted: checkpoint saved", PREEMPTED_EXIT))
         if self.experiment_logger is not None:
-            self._quietly(lambda: self.experiment_logger.close(leaving=True))  # type: ignore[union-attr]
-
-    def _stop_all(self, handles: Sequence[_Stoppable], deadline: float) -> None:
-        """Stop modules in parallel (remote ones may be slow or gone) by ``deadline``."""
-        futures = [execute_async(h.stop) for h in handles]
-        for f in futures:
-            try:
-                f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                logger.exception("error during shutdown")
-
-    @staticmethod
-    def _quietly(fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except Exception:
-            logger.exception("error during shutdown")
+            quietly(lambda: self.experiment_logger.close(leaving=True))  # type: ignore[union-attr]
 
     # --- module handles -------------------------------------------------------------------------
     def _one(self, role: NexRLRole) -> Any:
