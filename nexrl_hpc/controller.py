@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import yaml
 
+from nexrl_hpc.assembly.reward_services import start_reward_services
 from nexrl_hpc.assembly.roles import ROLES
 from nexrl_hpc.assembly.stopping import quietly, stop_all
 from nexrl_hpc.checkpoint.manager import (
@@ -75,6 +76,7 @@ class NexRLController:
         self._modules_built = False
         self._rollout_workers: list[BaseRolloutWorker] = []
         self._inference_services: list[InferenceService] = []
+        self._reward_services: list[Any] = []  # reward_model.placement=own_ranks
         self.activity_tracker: ActivityTracker | None = None
         self._health: RunHealth | None = None  # built with the activity tracker
         self.experiment_logger: ExperimentLogger | None = None
@@ -165,6 +167,7 @@ class NexRLController:
         for service in self._inference_services:  # servers start while the trainer loads its model
             execute(service.launch)
         self._wire_modules()
+        self._reward_services = start_reward_services(self.runtime, self._rollout_workers)
 
         execute(self.train_worker.initialize_workers)
         if verification_applies(cfg):  # every verified sync scores these (weight_sync/verify.py)
@@ -386,6 +389,7 @@ class NexRLController:
             if tracker is not None and not tracker.wait_quiescent(max(0.0, deadline - time.monotonic())):
                 logger.warning("still busy at stop: %s", tracker.get_running_status_summary())
             stop_all(self._inference_services, deadline)
+            stop_all(self._reward_services, deadline)
         if self.experiment_logger is not None:
             quietly(self.experiment_logger.close)
         quietly(self.runtime.abort_startup)

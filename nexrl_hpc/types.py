@@ -121,6 +121,7 @@ class NexRLRole(Enum):
     VALIDATE_DATALOADER = "validate_dataloader"
     VALIDATOR = "validator"
     INFERENCE_SERVICE = "inference_service"  # the engine a rollout worker talks to (started on its rank)
+    REWARD_SERVICE = "reward_service"  # a model reward on ranks of its own (reward_model.placement=own_ranks)
 
 
 @dataclass

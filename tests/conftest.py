@@ -172,3 +172,19 @@ def two_hosts(slurm_hosts: DevHosts) -> DevHosts:
 def outsider(two_hosts: DevHosts) -> Outsider:
     """A host on the dev cluster's network that is in no job (tests/helpers/hosts.py)."""
     return Outsider(two_hosts)
+
+
+@pytest.fixture(scope="session")
+def classifier_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny sequence classifier (reward model), built offline: tests/helpers/reward_models.py."""
+    from tests.helpers.reward_models import build_classifier_dir
+
+    return build_classifier_dir(str(tmp_path_factory.mktemp("reward_model") / "classifier"))
+
+
+@pytest.fixture(scope="session")
+def judge_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny chat model trained to grade the tests' rubric with JUDGE_ANSWER: tests/helpers/reward_models.py."""
+    from tests.helpers.reward_models import build_judge_dir
+
+    return build_judge_dir(str(tmp_path_factory.mktemp("judge") / "judge"))

@@ -40,6 +40,7 @@ LAYERS = [
     "weight_sync",
     "scheduler",
     "inference",
+    "scoring",
     "pool",
     "algorithm",
     "trainer",

@@ -33,6 +33,7 @@ from nexrl_hpc.runtime.checks import (
     placement_config_problems,
     umask_problems,
 )
+from nexrl_hpc.scoring.checks import reward_model_problems
 from nexrl_hpc.tasks.checks import reasoning_gym_config_problems, task_generator_problems
 from nexrl_hpc.trainer.checks import (
     deepspeed_problems,
@@ -46,6 +47,7 @@ ConfigCheck = Callable[[Mapping], list[ConfigProblem]]
 ROOM_CHECKS: tuple[ConfigCheck, ...] = (
     placement_config_problems,
     reward_config_problems,
+    reward_model_problems,
     reasoning_gym_config_problems,
     tiny_model_callable_problems,
     rollout_config_problems,

@@ -52,6 +52,10 @@ def role_class(role: NexRLRole, config: RLTrainConfig) -> type:
         from nexrl_hpc.rollout.factory import rollout_worker_class
 
         return rollout_worker_class(config)
+    if role == NexRLRole.REWARD_SERVICE:
+        from nexrl_hpc.scoring.service import RewardService
+
+        return RewardService
     raise ValueError(f"unknown role {role}")
 
 
@@ -92,6 +96,8 @@ def build_module(
         )
     if role == NexRLRole.INFERENCE_SERVICE:
         return cls(config, ctx.base_model_dir, ctx.run_dir)
+    if role == NexRLRole.REWARD_SERVICE:
+        return cls(config, ctx.run_dir)
     return cls(config)
 
 

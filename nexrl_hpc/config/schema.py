@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, TypedDict
 
 from nexrl_hpc.config.algorithm_names import AdvantageEstimator, KLEstimator
 from nexrl_hpc.config.constraints import Ge, Gt, Le
+from nexrl_hpc.config.reward_model_schema import RewardModelConfig
 from nexrl_hpc.config.train_service_schema import TrainServiceConfig
 
 
@@ -436,6 +437,7 @@ class RLTrainConfig(TypedDict):
     model: ModelConfig
     data: DataConfig
     rollout_worker: RolloutWorkerConfig
+    reward_model: RewardModelConfig
     trajectory_pool: TrajectoryPoolConfig
     algorithm: AlgorithmConfig
     train_batch_pool: TrainBatchPoolConfig

@@ -30,7 +30,7 @@ from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
 from nexrl_hpc.launcher.hetjob import Component, HetSlurmExecutor, job_sizing
 from nexrl_hpc.runtime.network import is_loopback_spec
-from nexrl_hpc.runtime.placement import PlacementError, plan_placement, service_rank_count
+from nexrl_hpc.runtime.placement import PlacementError, plan_placement, reward_rank_count, service_rank_count
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 
 FINAL_STATES = {
@@ -47,7 +47,7 @@ FINAL_STATES = {
 
 def plan_components(config: RLTrainConfig) -> tuple[int, list[Component]]:
     """(world size, components in rank order); raises ConfigError when the placement cannot fit."""
-    world = 1 + service_rank_count(config) + config["launcher"]["rollout_ranks"]
+    world = 1 + service_rank_count(config) + reward_rank_count(config) + config["launcher"]["rollout_ranks"]
     if config["placement"]["mode"] == "manual":
         world = 0  # the groups decide
     try:

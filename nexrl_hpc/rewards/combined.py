@@ -63,11 +63,12 @@ class RewardSet:
     def _combine(self, scores: list[dict[str, float]]) -> dict[str, float]:
         total, scored, extras = 0.0, False, {}
         for name, weight, member_scores in zip(self.names, self.weights, scores):
+            # a skipped member's counters still count (a judge's failures: reward/judge_errors)
+            extras.update({k: v for k, v in member_scores.items() if k not in ("reward", SKIPPED)})
             if member_scores.get(SKIPPED):
                 continue
             scored = True
             total += weight * member_scores["reward"]
-            extras.update({k: v for k, v in member_scores.items() if k not in ("reward", SKIPPED)})
             extras[f"{PER_FUNCTION}{name}"] = member_scores["reward"]
         if not scored:
             return {"reward": 0.0, SKIPPED: 1.0}

@@ -124,6 +124,12 @@ class BaseRolloutWorker(NexRLModule):
         if self._llm_client is None:  # wired while the servers start: the client's imports overlap
             import_llm_client_ahead(self._config)
 
+    def set_reward_service(self, reward_service: Any) -> None:
+        """The model reward's service (reward_model.placement=own_ranks); a single-turn worker scores with it."""
+        raise RuntimeError(
+            f"{type(self).__name__} takes no reward service (reward_model needs type=single_turn)"
+        )
+
     def set_llm_client(self, client: LLMClient) -> None:
         self._llm_client = client
 

@@ -21,10 +21,9 @@ from typing import Any
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.bridge import FutureBridge
 from nexrl_hpc.rewards.batched import COMPLETION_IDS
-from nexrl_hpc.rewards.checks import KEY, WEIGHTS_KEY
-from nexrl_hpc.rewards.combined import load_rewards
 from nexrl_hpc.rewards.runner import ERRORS, RewardRunner
 from nexrl_hpc.rollout.base import UNDECODABLE_TOKENS, BaseRolloutWorker
+from nexrl_hpc.scoring.reward import run_reward
 from nexrl_hpc.types import PutStatus
 
 
@@ -32,7 +31,7 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
     def __init__(self, config: RLTrainConfig):
         super().__init__(config)
         rw = config["rollout_worker"]
-        self._reward = load_rewards(rw["reward_fn"], rw["reward_weights"], KEY, WEIGHTS_KEY)
+        self._reward, self._model_reward = run_reward(config)  # reward_fn, with reward_model's scorer
         self._reward_timeout_s = rw["reward_timeout_s"]
         self._reward_threads = rw["reward_threads"]
         self._rewards: RewardRunner | None = None
@@ -46,6 +45,11 @@ class SingleTurnRolloutWorker(BaseRolloutWorker):
                 self._reward, self._reward_timeout_s, self._reward_threads, f"{self._module_name}-reward"
             )
         return self._rewards
+
+    def set_reward_service(self, reward_service: Any) -> None:
+        if self._model_reward is None:
+            raise RuntimeError(f"{self._module_name}: reward_model.type is null, no reward service to call")
+        self._model_reward.set_service(reward_service)
 
     def stop(self) -> None:
         super().stop()

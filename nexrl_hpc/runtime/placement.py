@@ -7,7 +7,9 @@ processor, weight sync, validator, train worker — and the controller and activ
 rank 0, ``service.train_service.world_size`` trainer ranks next (then, distilling, the teacher's
 ``service.train_service.teacher_service.world_size`` ranks; in both modes: groups hosting no
 module, the torch.distributed group the train worker drives), and every remaining rank becomes a
-rollout rank (rollout worker + its inference service). Rank 0 is always instance 0 of the group
+rollout rank (rollout worker + its inference service); a model reward served on ranks of its own
+(``reward_model.placement=own_ranks``) takes ``reward_model.world_size`` ranks (group ``reward``)
+before them, and in manual mode is placed like any role (``placement.roles.reward_service``). Rank 0 is always instance 0 of the group
 that holds the data loader.
 """
 
@@ -31,6 +33,7 @@ SINGLETON_ROLES = (
     NexRLRole.TRAIN_WORKER,
 )
 DRIVER_GROUP, TRAINER_GROUP, TEACHER_GROUP, ROLLOUT_GROUP = "driver", "trainer", "teacher", "rollout"
+REWARD_GROUP = "reward"
 SERVICE_GROUPS = (TRAINER_GROUP, TEACHER_GROUP)  # ranks that run a trainer group, not modules
 
 
@@ -136,14 +139,28 @@ def manual_groups(placement_cfg: Mapping[str, Any], problems: list[ConfigProblem
     return out
 
 
-def check_groups(groups: list[GroupSpec], problems: list[ConfigProblem]) -> None:
+def reward_rank_count(config: Mapping[str, Any]) -> int:
+    """Ranks of the model reward's own group (``reward_model.placement=own_ranks``), else none."""
+    rm = config["reward_model"]
+    return rm["world_size"] if rm["type"] is not None and rm["placement"] == "own_ranks" else 0
+
+
+def check_groups(groups: list[GroupSpec], problems: list[ConfigProblem], config: Mapping[str, Any]) -> None:
     placed: dict[NexRLRole, GroupSpec] = {}
     for g in groups:
         for role in g.roles:
             placed[role] = g
+    served_reward = reward_rank_count(config) > 0
     for role in NexRLRole:
-        if role not in placed:
+        if role not in placed and (role != NexRLRole.REWARD_SERVICE or served_reward):
             problems.append(ConfigProblem(f"placement.roles.{role.value}", "role has no placement"))
+    if NexRLRole.REWARD_SERVICE in placed and not served_reward:
+        problems.append(
+            ConfigProblem(
+                "placement.roles.reward_service",
+                "placed, but no model reward is served on ranks of its own (reward_model.type, reward_model.placement)",
+            )
+        )
     for role in SINGLETON_ROLES:
         if role in placed and placed[role].count != 1:
             problems.append(
@@ -198,19 +215,25 @@ def _teacher_note(config: Mapping[str, Any]) -> str:
     return f" + {count} teacher (service.train_service.teacher_service.world_size)" if count else ""
 
 
+def _reward_note(reward_ranks: int) -> str:
+    return f" + {reward_ranks} reward (reward_model.world_size)" if reward_ranks else ""
+
+
 def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
     resources = config["placement"]["resources"]
     trainer_ranks = service_rank_count(config)
-    rollout_ranks = world_size - 1 - trainer_ranks
+    reward_ranks = reward_rank_count(config)
+    rollout_ranks = world_size - 1 - trainer_ranks - reward_ranks
     if rollout_ranks < 1:
         raise PlacementError(
             [
                 ConfigProblem(
                     "placement.mode",
-                    f"world size {world_size} does not fit placement=auto: it needs at least {2 + trainer_ranks} ranks "
+                    f"world size {world_size} does not fit placement=auto: it needs at least "
+                    f"{2 + trainer_ranks + reward_ranks} ranks "
                     f"(1 driver + {trainer_ranks} trainer (service.train_service.world_size"
-                    f"{_teacher_note(config)}) + >= 1 rollout); "
-                    f"start {2 + trainer_ranks} or more ranks, or lower service.train_service.world_size",
+                    f"{_teacher_note(config)}){_reward_note(reward_ranks)} + >= 1 rollout); "
+                    f"start {2 + trainer_ranks + reward_ranks} or more ranks, or lower service.train_service.world_size",
                 )
             ]
         )
@@ -223,6 +246,11 @@ def auto_groups(config: Mapping[str, Any], world_size: int) -> list[GroupSpec]:
         # the train worker drives the trainer group from the driver rank (the training service's client)
         GroupSpec(DRIVER_GROUP, list(SINGLETON_ROLES), 1, *res(DRIVER_GROUP)),
         *trainer_group(config),
+        *(
+            [GroupSpec(REWARD_GROUP, [NexRLRole.REWARD_SERVICE], reward_ranks, *res(REWARD_GROUP))]
+            if reward_ranks
+            else []
+        ),
         GroupSpec(
             ROLLOUT_GROUP,
             [NexRLRole.ROLLOUT_WORKER, NexRLRole.INFERENCE_SERVICE],
@@ -249,7 +277,7 @@ def plan_placement(config: Mapping[str, Any], world_size: int) -> Placement:
                     )
                 )
         groups += trainer_group(config)
-    check_groups(groups, problems)
+    check_groups(groups, problems, config)
     if problems:
         raise PlacementError(problems)
     # the group holding the data loader goes first: its instance 0 is rank 0 (the controller's)
@@ -281,5 +309,5 @@ def placement_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
     if config.get("launch_mode") != "mpi" or config["placement"]["mode"] != "manual":
         return []
     problems: list[ConfigProblem] = []
-    check_groups(manual_groups(config["placement"], problems), problems)
+    check_groups(manual_groups(config["placement"], problems), problems, config)
     return problems

@@ -77,4 +77,8 @@ def local_role_counts(config: RLTrainConfig) -> dict[NexRLRole, int]:
         NexRLRole.VALIDATOR: 1,
         NexRLRole.INFERENCE_SERVICE: 1,
         NexRLRole.ROLLOUT_WORKER: config["rollout_worker"]["num_workers"],
+        # reward_model.placement=own_ranks: one in-process service (the judge's server started by it)
+        NexRLRole.REWARD_SERVICE: int(
+            config["reward_model"]["type"] is not None and config["reward_model"]["placement"] == "own_ranks"
+        ),
     }
