@@ -18,7 +18,9 @@ import re
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 _LABEL = r"(?:final\s+)?(?:score|rating|grade|verdict)"
 _DENOMINATOR = rf"\s*(?:/|out\s+of)\s*({_NUMBER})"
-_LABELLED = re.compile(rf"{_LABEL}(?:\s+-\s+)?[\s*_:=\"'`]*\[*({_NUMBER})\]*(?:{_DENOMINATOR})?", re.IGNORECASE)
+_LABELLED = re.compile(
+    rf"{_LABEL}(?:\s+-\s+)?[\s*_:=\"'`]*\[*({_NUMBER})\]*(?:{_DENOMINATOR})?", re.IGNORECASE
+)
 _FRACTION = re.compile(rf"({_NUMBER}){_DENOMINATOR}", re.IGNORECASE)
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")
 _JSON_KEYS = ("score", "rating", "grade")
