@@ -82,7 +82,7 @@ PAIRS = [("m=372=", "7m"), ("m=105=", "5"), ("m=999=", "99m=="), ("m=4=", "")]
 def test_classifier_batches_score_as_one_pair_at_a_time(classifier_dir: str) -> None:
     """Padding changes no score: a batch of mixed lengths gives each pair's own logit, the one the
     model gives the chat-templated pair alone."""
-    cfg = classifier_config(classifier_dir, "reward_model.classifier.batch_size=3")
+    cfg = classifier_config(classifier_dir, "reward_model.classifier.micro_batch_size=3")
     scorer = ClassifierScorer(cfg["reward_model"]["classifier"])
     prompts, responses = [p for p, _ in PAIRS], [r for _, r in PAIRS]
     batched = [s["reward"] for s in scorer.score_batch(prompts, responses, [None] * len(PAIRS))]
@@ -250,3 +250,91 @@ def test_an_untrained_judge_s_garbage_is_counted_as_parse_errors(tmp_path: Path)
         else:  # a random model may emit a number by chance: then it is a score, never an error
             assert score[JUDGE_PARSE_ERRORS] == 0
     assert scorer.num_parse_errors == sum(int(s[JUDGE_PARSE_ERRORS]) for s in scores) >= 1
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def served_classifier(path: str, *more: str) -> list[str]:
+    return [
+        "launch_mode=mpi",
+        "reward_model.type=classifier",
+        f"reward_model.classifier.path={path}",
+        "reward_model.placement=own_ranks",
+        *more,
+    ]
+
+
+def test_the_reward_service_gets_ranks_of_its_own(classifier_model_dir: str) -> None:
+    from nexrl_hpc.runtime.placement import PlacementError, plan_placement
+
+    cfg = compose_config(served_classifier(classifier_model_dir, "reward_model.world_size=2"))
+    placement = plan_placement(cfg, 5)
+    assert [r.group for r in placement.ranks] == ["driver", "trainer", "reward", "reward", "rollout"]
+    assert [r.module_names for r in placement.ranks if r.group == "reward"] == [
+        ["reward_service_0"],
+        ["reward_service_1"],
+    ]
+    with pytest.raises(PlacementError) as err:
+        plan_placement(cfg, 4)
+    assert "2 reward (reward_model.world_size)" in str(err.value) and "at least 5 ranks" in str(err.value)
+    colocated = compose_config(
+        [
+            "launch_mode=mpi",
+            "reward_model.type=classifier",
+            f"reward_model.classifier.path={classifier_model_dir}",
+        ]
+    )
+    assert [r.group for r in plan_placement(colocated, 3).ranks] == ["driver", "trainer", "rollout"]
+
+
+MANUAL_ROLES = {
+    **dict.fromkeys(
+        [
+            "data_loader",
+            "validate_dataloader",
+            "trajectory_pool",
+            "algorithm_processor",
+            "train_batch_pool",
+            "weight_sync_controller",
+            "validator",
+            "train_worker",
+        ],
+        "driver",
+    ),
+    "rollout_worker": "rollout",
+    "inference_service": "rollout",
+}
+
+
+def test_manual_placement_places_the_reward_service_only_when_served(classifier_model_dir: str) -> None:
+    manual = ["placement.mode=manual"] + [
+        f"+placement.roles.{role}={{count:1,colocation_group:{group}}}"
+        for role, group in MANUAL_ROLES.items()
+    ]
+    reward_service = "+placement.roles.reward_service={count:1,colocation_group:null}"
+    assert refused_keys(*served_classifier(classifier_model_dir), *manual) == [
+        "placement.roles.reward_service"
+    ]
+    compose_config([*served_classifier(classifier_model_dir), *manual, reward_service])  # placed: accepted
+    assert refused_keys("launch_mode=mpi", *manual, reward_service) == ["placement.roles.reward_service"]
+    compose_config(["launch_mode=mpi", *manual])  # no model reward, not placed: accepted
+
+
+def test_a_slurm_job_counts_the_reward_ranks(classifier_model_dir: str) -> None:
+    from nexrl_hpc.launcher.slurm import plan_components
+
+    cfg = compose_config(
+        [
+            *served_classifier(classifier_model_dir, "placement.resources.reward.gpus_per_rank=1")[1:],
+            "launcher=slurm",
+            "launcher.rollout_ranks=2",
+        ]
+    )
+    world, components = plan_components(cfg)
+    assert world == 5
+    assert [(c.groups, c.ntasks, c.gpus_per_task) for c in components] == [
+        (["driver", "trainer"], 2, 0),
+        (["reward"], 1, 1),
+        (["rollout"], 2, 0),
+    ]

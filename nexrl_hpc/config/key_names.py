@@ -103,6 +103,14 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "with the function's name: rollout_worker.reward_fn=path/to/file.py:compute_score",
     ),
     VerlKey("custom_reward_function.name", "rollout_worker.reward_fn", "as custom_reward_function.path"),
+    VerlKey(
+        "reward_model.enable",
+        "reward_model.type",
+        "classifier (a reward model) | judge (an LLM judge) | null: off",
+    ),
+    VerlKey("reward_model.model.path", "reward_model.classifier.path", "with reward_model.type=classifier"),
+    VerlKey("reward_model.micro_batch_size_per_gpu", "reward_model.classifier.micro_batch_size", ""),
+    VerlKey("reward_model.max_length", "reward_model.classifier.max_length", ""),
 )
 VERL_KEY_BY_NAME = {k.verl: k for k in VERL_KEYS}
 

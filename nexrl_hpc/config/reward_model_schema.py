@@ -11,7 +11,7 @@ from nexrl_hpc.config.constraints import Ge, Gt
 
 class ClassifierConfig(TypedDict):
     path: str | None  # an AutoModelForSequenceClassification directory
-    batch_size: Annotated[int, Ge(1)]
+    micro_batch_size: Annotated[int, Ge(1)]  # pairs per forward pass
     max_length: Annotated[int, Ge(2)]  # (prompt + response) tokens; longer are cut from the left
     label_index: Annotated[int, Ge(0)]  # the logit taken as the score
     device: str

@@ -3,7 +3,7 @@
 verl's and OpenRLHF's reward models and TRL's ``reward_funcs=<model id>`` are this: the prompt and
 the response go through the model's chat template (as a user and an assistant message) when its
 tokenizer has one, else as the prompt's text followed by the response; the score is the logit
-``label_index`` at the last real token. Pairs are scored ``batch_size`` at a time, padded (the
+``label_index`` at the last real token. Pairs are scored ``micro_batch_size`` at a time, padded (the
 model finds its last real token by the pad id) and cut from the left to ``max_length`` tokens.
 Nothing is downloaded: the directory is loaded with ``local_files_only``.
 """
@@ -85,7 +85,7 @@ class ClassifierScorer:
             pair_text(self.tokenizer, p, r, self._cfg["apply_chat_template"])
             for p, r in zip(prompts, responses)
         ]
-        size = self._cfg["batch_size"]
+        size = self._cfg["micro_batch_size"]
         scores: list[float] = []
         with self._lock, torch.inference_mode():
             for start in range(0, len(texts), size):
