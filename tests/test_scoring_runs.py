@@ -148,3 +148,42 @@ def test_a_judge_server_killed_mid_run_is_counted_not_fatal(tmp_path: Path, judg
         rows[-1]["reward/judge_errors"] == 32 and rows[-1]["reward/skipped"] == 32
     )  # every sample of the step
     assert all(r["reward/errors"] == 0 for r in rows)  # no reward error: the judge's own count
+
+
+def test_local_mode_serves_the_judge_from_an_in_process_reward_service(
+    tmp_path: Path, judge_model_dir: str
+) -> None:
+    """launch_mode=local, placement=own_ranks: one reward service in the run's process starts the judge's
+    server (logs/reward_service-judge.log) and stops it with the run."""
+    run_dir = tmp_path / "local_judge"
+    proc = run_train(
+        [
+            f"run_dir={run_dir}",
+            "seed=3",
+            *FAST,
+            *SMALL,
+            "train_worker.total_train_steps=2",
+            *judge_args(
+                "reward_model.placement=own_ranks", f"reward_model.judge.model_path={judge_model_dir}"
+            ),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/reward_mean"] == pytest.approx(0.7) and r["reward/judge_errors"] == 0 for r in rows)
+    assert (run_dir / "logs" / "reward_service-judge.log").exists()
+    assert not processes_naming(str(run_dir))  # the judge's server (its ready file is under run_dir) is gone
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
