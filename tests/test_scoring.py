@@ -338,3 +338,40 @@ def test_a_slurm_job_counts_the_reward_ranks(classifier_model_dir: str) -> None:
         (["reward"], 1, 1),
         (["rollout"], 2, 0),
     ]
+
+
+# --- failures of the call as a whole: counted as any reward's ----------------------------------
+
+
+def test_a_silent_judge_times_out_and_a_missing_service_errors_both_counted(
+    classifier_model_dir: str,
+) -> None:
+    """A judge that accepts the connection and never answers: the call runs past
+    rollout_worker.reward_timeout_s and every sample of it is a reward/timeouts. A served reward
+    whose service was never wired: the call raises, every sample a reward/errors. Nothing raises."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        reward, _ = run_reward(judge_config(url, "reward_model.judge.request_timeout_s=600"))  # type: ignore[arg-type]
+        runner = RewardRunner(reward, timeout_s=1.0, num_threads=1)
+        try:
+            scores = [
+                f.result(timeout=60) for f in runner.submit_many([({"prompt": p}, r) for p, r in PAIRS])
+            ]
+        finally:
+            runner.close()
+    assert all((s["reward"], s[TIMEOUTS], s[ERRORS]) == (0, 1, 0) for s in scores)
+    assert runner.num_timeouts == 4
+
+    served = classifier_config(classifier_model_dir, "reward_model.placement=own_ranks")
+    reward, model = run_reward(served)  # type: ignore[arg-type]
+    runner = RewardRunner(reward, timeout_s=30, num_threads=1)
+    try:
+        scores = [f.result(timeout=60) for f in runner.submit_many([({"prompt": p}, r) for p, r in PAIRS])]
+    finally:
+        runner.close()
+    assert all((s["reward"], s[ERRORS], s[TIMEOUTS]) == (0, 1, 0) for s in scores)
+    assert runner.first_error is not None and "no reward service was wired" in runner.first_error
