@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from nexrl_hpc.algorithm.checks import algorithm_problems
-from nexrl_hpc.checkpoint.checks import resume_problems
+from nexrl_hpc.checkpoint.checks import resume_layout_problems, resume_problems
 from nexrl_hpc.config.hardware import hardware_problems
 from nexrl_hpc.config.validate import ConfigProblem
 from nexrl_hpc.data.checks import data_files_problems, input_file_problems
@@ -57,6 +57,7 @@ ROOM_CHECKS: tuple[ConfigCheck, ...] = (
     gc_threshold_problems,
     data_files_problems,
     resume_problems,
+    resume_layout_problems,
     group_problems,
     train_service_problems,
     sequence_parallel_problems,

@@ -3,7 +3,8 @@
 ``local_path/model`` holds the whole weights (written by rank 0 from the gathered state dict);
 ``local_path/optimizer/rank_<r>.safetensors`` holds rank ``r``'s optimizer and LR-schedule state,
 laid out as its parallel strategy shards it (an older checkpoint's ``rank_<r>.pt`` still loads).
-Weights load at any world size; optimizer state only at the world size and engine that wrote it.
+Weights load at any world size; optimizer state at the layout that wrote it, and single-process or
+FSDP2 state at any world size of either engine (``reshard``: each rank reads the rows it holds now).
 
 A load runs in two phases: ``check`` reads headers only and raises on every rank when any rank
 cannot load (nothing changed yet); ``load`` then writes into the live weights and optimizer state,
@@ -21,6 +22,16 @@ import torch
 
 from nexrl_hpc.checkpoint.digest import write_sidecar
 from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
+from nexrl_hpc.checkpoint.reshard import (
+    LiveLayout,
+    LiveParameter,
+    SavedLayout,
+    dim0_rows,
+    layout_problem,
+    resharded_state,
+    saved_files,
+    saved_layout,
+)
 from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
 
 if TYPE_CHECKING:
@@ -106,8 +117,28 @@ class TrainerCheckpointIO:
         par = self.par
         error = self._check_weights(files.model_dir) if par.rank == 0 else None
         if error is None and load_optimizer:
-            error = self._check_optimizer_file(files.optimizer_file)
+            try:
+                saved = self._reshard_from(files)
+                if saved is not None:
+                    saved_files(os.path.dirname(os.path.dirname(files.optimizer_file)), saved)
+            except ValueError as exc:
+                error = exc
+            else:
+                error = self._check_optimizer_file(files.optimizer_file) if saved is None else None
         par.agree(error)
+
+    def live_layout(self) -> LiveLayout:
+        stage = getattr(self.par, "stage", None) if self.engine == "deepspeed" else None
+        return LiveLayout(self.engine, self.par.world_size, stage)
+
+    def _reshard_from(self, files: CheckpointFiles) -> SavedLayout | None:
+        """The saved layout when it differs from this trainer's and can be resharded into it; None
+        when the files load as they are (or are refused by the same-layout check, naming them)."""
+        saved = saved_layout(os.path.dirname(os.path.dirname(files.optimizer_file)))
+        live = self.live_layout()
+        if saved is None or (saved.engine, saved.world_size) == (live.engine, live.world_size):
+            return None
+        return None if layout_problem(saved, live) else saved
 
     def load(self, files: CheckpointFiles, load_optimizer: bool) -> None:
         """After ``check``: the bytes go straight into the live weights and optimizer state where
@@ -116,6 +147,10 @@ class TrainerCheckpointIO:
         par = self.par
         assert self.optimizer is not None and self.scheduler is not None
         opt_path = files.optimizer_file
+        reshard = self._reshard_from(files) if load_optimizer else None
+        if reshard is not None:
+            self._load_resharded(files, reshard)
+            return
         saved: dict[str, Any] = {}
         error: Exception | None
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="optimizer-read") as pool:
@@ -132,6 +167,44 @@ class TrainerCheckpointIO:
         if load_optimizer:
             par.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
+
+    def _load_resharded(self, files: CheckpointFiles, saved: SavedLayout) -> None:
+        """Weights, then the rows of the optimizer state this rank holds now out of every saved
+        rank's file (``reshard``), loaded as if this layout had saved them."""
+        assert self.optimizer is not None and self.scheduler is not None
+        self._load_weights(files.model_dir)
+        state: dict[str, Any] = {}
+        error: Exception | None = None
+        try:
+            checkpoint_dir = os.path.dirname(os.path.dirname(files.optimizer_file))
+            state = resharded_state(checkpoint_dir, saved, self.engine, self.live_parameters())
+        except (OSError, ValueError) as exc:
+            error = exc
+        self.par.agree(error)
+        self.par.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def live_parameters(self) -> list[LiveParameter]:
+        """The optimizer's parameters in its order, each with its name, whole shape and the dim-0
+        rows this rank holds (an FSDP2 DTensor's shard, else all)."""
+        assert self.optimizer is not None
+        names = {id(p): n for n, p in self.par.unwrap(self.model).named_parameters()}
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                shape = tuple(p.shape)
+                rows = shape[0] if shape else 1
+                lo, hi = 0, rows
+                to_local = getattr(p, "to_local", None)
+                if to_local is not None:
+                    lo, hi = dim0_rows("fsdp", self.par.rank, self.par.world_size, rows)
+                    if to_local().shape[:1] != (hi - lo,):
+                        raise ValueError(
+                            f"{names[id(p)]}: FSDP2 shard of {list(to_local().shape)} rows, "
+                            f"{hi - lo} expected (rows {lo}..{hi})"
+                        )
+                out.append(LiveParameter(names[id(p)], shape, lo, hi))
+        return out
 
     def _check_weights(self, model_dir: str) -> Exception | None:
         """Why the HF directory cannot replace this model's weights (names, shapes), from the
@@ -175,9 +248,12 @@ class TrainerCheckpointIO:
         engine, par = self.engine, self.par
         if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
             return None
+        layout = SavedLayout(str(saved.get("engine", "single")), int(saved.get("world_size", 1)), None)
+        refused = layout_problem(layout, self.live_layout())
+        why = f" ({refused[0]}: {refused[1]})" if refused else ""
         return ValueError(
-            f"{path} holds optimizer state of engine={saved.get('engine', 'single')} on "
-            f"{saved.get('world_size', 1)} rank(s); this run has engine={engine} on {par.world_size}: "
+            f"{path} holds optimizer state of engine={layout.engine} on "
+            f"{layout.world_size} rank(s); this run has engine={engine} on {par.world_size}{why}: "
             "resume with the same layout, or load the weights only (load_optimizer=False)"
         )
 

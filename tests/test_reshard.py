@@ -1,0 +1,271 @@
+"""Resume on another shape: a checkpoint of 2 FSDP2 trainer ranks resumed by 1, 3 and 4 ranks and by
+the single-process engine continues the run.
+
+What "continues exactly" means here. The state a resume starts from is the checkpoint's, so:
+
+- the state the resumed trainer holds is the saved one, bit for bit: its weights, and its
+  optimizer state (AdamW's moments and step count, its param groups, the LR schedule) gathered
+  whole again equal the saved files' gathered whole (each trainer re-saves what it loaded, in its
+  own layout; the files are concatenated here without the code under test);
+- the steps after it are those of the uninterrupted run of the checkpoint's shape, and of the
+  uninterrupted run of the resumed shape, to fp32 tolerance: an engine of another world size sums
+  the same gradients in another order (1e-6 on the loss, 1e-5 on the grad norm and the weights,
+  the bounds tests/test_parallel_engines.py holds every engine to); the scheduled LR is equal.
+
+Torchrun ranks on gloo (tests/helpers/reshard_numerics.py). What cannot be resharded (DeepSpeed
+ZeRO's partitions, into another engine, world size or stage) is refused before the run starts:
+exit 2 naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nexrl_hpc.checkpoint.checks import resume_layout_problems
+from nexrl_hpc.checkpoint.hf import read_safetensors_dir
+from nexrl_hpc.checkpoint.state_file import load_state_file, save_state_file
+from nexrl_hpc.config.validate import ConfigError
+from tests.conftest import REPO, compose_config, compose_raw
+
+pytestmark = pytest.mark.e2e
+
+
+def launch(ranks: int, cases: list[tuple[str, ...]]) -> None:
+    """The cases one after another in one torchrun launch of ``ranks`` processes."""
+    module = ["-m", "tests.helpers.reshard_numerics"]
+    for i, case in enumerate(cases):
+        Path(case[1]).mkdir(parents=True)
+        module += [*(["::"] if i else []), *case]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [*cmd, *module], cwd=REPO, env=env, capture_output=True, text=True, timeout=120 + 120 * len(cases)
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2 FSDP2 ranks through a checkpoint (``fsdp2``); resumed from it by 1 FSDP2 rank, the
+    single-process engine, 3 and 4 FSDP2 ranks; the single engine's re-saved checkpoint resumed by
+    3 FSDP2 ranks; the uninterrupted runs of 1 and 4 FSDP2 ranks."""
+    root = tmp_path_factory.mktemp("reshard")
+    m, r = tiny_model_dir, {name: root / name for name in ("fsdp2", "fsdp1", "fsdp4")}
+    ckpt = str(r["fsdp2"] / "ckpt")
+    for name in ("to1", "to_single", "to3", "to4", "single_to3"):
+        r[name] = root / name
+    launch(2, [(m, str(r["fsdp2"]), "fsdp", "through")])
+    launch(
+        1,
+        [
+            (m, str(r["to1"]), "fsdp", "resume", ckpt),
+            (m, str(r["to_single"]), "single", "resume", ckpt),
+            (m, str(r["fsdp1"]), "fsdp", "through"),
+        ],
+    )
+    single_ckpt = str(r["to_single"] / "resaved")
+    launch(
+        3,
+        [
+            (m, str(r["to3"]), "fsdp", "resume", ckpt),
+            (m, str(r["single_to3"]), "fsdp", "resume", single_ckpt),
+        ],
+    )
+    launch(4, [(m, str(r["to4"]), "fsdp", "resume", ckpt), (m, str(r["fsdp4"]), "fsdp", "through")])
+    return r
+
+
+def parameter_names(model_dir: str) -> list[str]:
+    """The model's parameters in ``named_parameters`` order: what a single-process file's indices name."""
+    from transformers import AutoModelForCausalLM
+
+    return [n for n, _ in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()]
+
+
+def whole_optimizer_state(ckpt: Path, names: list[str]) -> dict[str, Any]:
+    """Every rank file of ``ckpt`` read and concatenated in rank order (an FSDP2 shard is a run of
+    dim-0 rows), keyed by parameter name; the param groups and LR schedule of rank 0."""
+    files = sorted((ckpt / "optimizer").glob("rank_*.safetensors"), key=lambda p: int(p.stem[5:]))
+    saved = [load_state_file(str(f)) for f in files]
+    assert [s["world_size"] for s in saved] == [len(saved)] * len(saved)
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for s in saved:
+        for key, entry in s["optimizer"]["state"].items():
+            for k, v in entry.items():
+                parts.setdefault(names[key] if isinstance(key, int) else key, {}).setdefault(k, []).append(v)
+    state = {}
+    for name, entry in parts.items():
+        state[name] = {}
+        for k, pieces in entry.items():
+            if pieces[0].dim() == 0:  # the step count: every rank's is the same
+                assert all(torch.equal(p, pieces[0]) for p in pieces), (name, k)
+                state[name][k] = pieces[0]
+            else:
+                state[name][k] = torch.cat(pieces)
+    groups = [
+        {k: v for k, v in g.items() if k != "params"}
+        | {"params": [names[p] if isinstance(p, int) else p for p in g["params"]]}
+        for g in saved[0]["optimizer"]["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups, "scheduler": saved[0]["scheduler"]}
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"] and a["scheduler"] == b["scheduler"]
+    assert set(a["state"]) == set(b["state"]) and len(a["state"]) > 10
+    for name, entry in a["state"].items():
+        assert set(entry) == set(b["state"][name]) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for k, v in entry.items():
+            assert v.dtype == b["state"][name][k].dtype and torch.equal(v, b["state"][name][k]), (name, k)
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def assert_steps_match(got: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    """The steps after the checkpoint: the loss to 1e-6, the grad norm to 1e-5, the LR equal."""
+    assert len(got) == len(reference) == 2
+    for a, b in zip(got, reference):
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], abs=1e-6)
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-5)
+        assert (
+            a["actor/lr"] == b["actor/lr"] and a["actor/optimizer_steps"] == b["actor/optimizer_steps"] == 2
+        )
+
+
+def assert_weights_close(a: Path, b: Path) -> None:
+    wa, wb = read_safetensors_dir(str(a)), read_safetensors_dir(str(b))
+    assert set(wa) == set(wb)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "resumed,same_shape",
+    [("to1", "fsdp1"), ("to_single", "fsdp1"), ("to3", None), ("to4", "fsdp4"), ("single_to3", None)],
+)
+def test_two_fsdp2_ranks_resumed_on_another_shape_continue_the_run(
+    tiny_model_dir: str, runs: dict[str, Path], resumed: str, same_shape: str | None
+) -> None:
+    names = parameter_names(tiny_model_dir)
+    saved = runs["fsdp2"] / "ckpt"
+    got = runs[resumed]
+    # the state after the load is the saved one, bit for bit (the weights and the optimizer's)
+    assert_same_state(whole_optimizer_state(got / "resaved", names), whole_optimizer_state(saved, names))
+    assert (
+        len(list((got / "resaved" / "optimizer").glob("rank_*.safetensors")))
+        == {"to1": 1, "to_single": 1, "to3": 3, "to4": 4, "single_to3": 3}[resumed]
+    )
+    w_saved, w_got = (
+        read_safetensors_dir(str(saved / "model")),
+        read_safetensors_dir(str(got / "resaved" / "model")),
+    )
+    assert all(torch.equal(w_saved[k], w_got[k]) for k in w_saved) and set(w_saved) == set(w_got)
+    # the next steps: the uninterrupted run of the checkpoint's shape, and of the resumed shape
+    after = metrics(got)
+    assert [m["actor/lr"] for m in after] == [1e-3, 1e-3]  # the warm-up ended across the checkpoint
+    assert_steps_match(after, metrics(runs["fsdp2"])[2:])
+    assert_weights_close(got / "weights", runs["fsdp2"] / "weights")
+    if same_shape is not None:
+        assert_steps_match(after, metrics(runs[same_shape])[2:])
+        assert_weights_close(got / "weights", runs[same_shape] / "weights")
+
+
+def fake_checkpoint(root: Path, engine: str, world_size: int, zero_stage: int | None = None) -> Path:
+    """A complete checkpoint dir whose optimizer files record ``engine`` on ``world_size`` ranks
+    (the headers are all pre-flight reads)."""
+    ckpt = root / "checkpoints" / "global_step_2"
+    (ckpt / "optimizer").mkdir(parents=True)
+    optimizer: dict[str, Any] = {"state": {}, "param_groups": []}
+    if zero_stage is not None:
+        optimizer["zero_stage"] = zero_stage
+    for rank in range(world_size):
+        save_state_file(
+            {
+                "optimizer": optimizer,
+                "scheduler": {},
+                "global_step": 2,
+                "world_size": world_size,
+                "engine": engine,
+            },
+            str(ckpt / "optimizer" / f"rank_{rank}.safetensors"),
+        )
+    (ckpt / "COMPLETE").write_text("{}")
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "saved,run,key",
+    [
+        (("fsdp", 2, None), ["service.train_service.engine=deepspeed"], "service.train_service.engine"),
+        (("deepspeed", 2, 3), [], "service.train_service.engine"),  # into engine=single
+        (("deepspeed", 2, 3), ["service.train_service.engine=deepspeed"], "service.train_service.world_size"),
+        (
+            ("deepspeed", 1, 3),
+            ["service.train_service.engine=deepspeed", "service.train_service.deepspeed.zero_stage=2"],
+            "service.train_service.deepspeed.zero_stage",
+        ),
+        (("fsdp", 2, None), [], None),  # resharded into the single-process engine
+        (("single", 1, None), ["service.train_service.engine=fsdp"], None),
+        (("deepspeed", 1, 3), ["service.train_service.engine=deepspeed"], None),  # the same layout
+    ],
+)
+def test_pre_flight_refuses_a_layout_change_it_cannot_reshard_naming_the_key(
+    tmp_path: Path, saved: tuple[str, int, int | None], run: list[str], key: str | None
+) -> None:
+    ckpt = fake_checkpoint(tmp_path, *saved)
+    assert layout_problems([f"run_dir={tmp_path}", *run]) == ([] if key is None else [key])
+    if key is None:
+        return
+    with pytest.raises(ConfigError) as err:
+        compose_config([f"run_dir={tmp_path}", *run])
+    message = str(err.value)
+    assert (
+        f"{key}: {ckpt / 'optimizer' / 'rank_0.safetensors'}: optimizer state of engine={saved[0]} on {saved[1]} rank(s)"
+        in message
+    )
+    # resume.mode=from_path reads the checkpoint it names; disable reads none
+    other = [f"run_dir={tmp_path / 'other'}", "resume.mode=from_path", f"resume.resume_path={ckpt}"]
+    assert layout_problems([*other, *run]) == [key]
+    assert layout_problems([f"run_dir={tmp_path}", "resume.mode=disable", *run]) == []
+
+
+def compose_resolved(overrides: list[str]) -> dict[str, Any]:
+    from nexrl_hpc.config import resolve_config
+
+    return resolve_config(compose_raw(overrides))[0]
+
+
+def layout_problems(overrides: list[str]) -> list[str]:
+    """The keys ``resume_layout_problems`` names for the composed config (resolved, unchecked)."""
+    return [p.path for p in resume_layout_problems(compose_resolved(overrides))]
+
+
+def test_a_refused_resume_exits_2_naming_the_key_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, "deepspeed", 2, 3)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            f"run_dir={run_dir}",
+            "service.train_service.engine=deepspeed",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "service.train_service.world_size: " in proc.stderr
+    assert "engine=deepspeed on 2 rank(s) (ZeRO stage 3) does not load on 1 rank(s)" in proc.stderr
+    assert not (run_dir / "config.yaml").exists()  # refused before the run wrote anything
