@@ -3,7 +3,7 @@
 Two real torch.distributed ranks (torchrun, gloo on CPU) against one process, on the same batches
 (with an LR warm-up, so the scheduled LR must be the one applied): weights after 3 ``update_actor``
 calls within 1e-5, ``compute_log_prob`` within 1e-6; a checkpoint reloads exactly into the same
-layout, and non-finite gradients skip the optimizer step.
+layout (FSDP2's into one process too), and non-finite gradients skip the optimizer step.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def assert_matches_single(ref: Path, got: Path, base_model_dir: str, reload_in_p
 def assert_other_layout_loads_weights_and_refuses_optimizer(
     model_dir: str, ckpt: Path, saved_by: str
 ) -> None:
-    """A single-process engine loads a 2-rank checkpoint's weights, and refuses its optimizer state
-    naming both layouts."""
+    """A single-process engine loads a 2-rank DeepSpeed checkpoint's weights, and refuses its
+    optimizer state naming both layouts and the key."""
     from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
     from nexrl_hpc.trainer.worker import TrainWorker
     from tests.conftest import compose_config
@@ -181,6 +181,7 @@ def assert_other_layout_loads_weights_and_refuses_optimizer(
     with pytest.raises(ValueError) as err:
         eng.load_checkpoint(str(ckpt))
     assert f"engine={saved_by} on 2 rank(s)" in str(err.value) and "engine=single on 1" in str(err.value)
+    assert "service.train_service.engine" in str(err.value)
     eng.load_checkpoint(str(ckpt), load_optimizer=False)  # the weights load at any world size
     saved = read_safetensors_dir(str(ckpt / "model"))
     for k, v in eng.model.state_dict().items():
@@ -193,12 +194,33 @@ def test_fsdp2_on_two_ranks_matches_the_single_process_engine(
     assert_matches_single(single_run, fsdp_runs["plain"], tiny_model_dir)
 
 
-def test_checkpoint_of_two_fsdp_ranks_loads_weights_anywhere_and_refuses_its_optimizer_elsewhere(
+def test_checkpoint_of_two_fsdp_ranks_loads_weights_and_optimizer_into_one_process(
     tiny_model_dir: str, fsdp_runs: dict[str, Path]
 ) -> None:
-    assert_other_layout_loads_weights_and_refuses_optimizer(
-        tiny_model_dir, fsdp_runs["plain"] / "ckpt", "fsdp"
-    )
+    """FSDP2's optimizer state is resharded (the numerics: tests/test_reshard.py): the single-process
+    engine holds each parameter's moments as the two rank files' rows end to end."""
+    from nexrl_hpc.checkpoint.state_file import load_state_file
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.worker import TrainWorker
+    from tests.conftest import compose_config
+
+    ckpt = fsdp_runs["plain"] / "ckpt"
+    eng = PolicyTrainer(tiny_model_dir)
+    eng.initialize_worker(TrainWorker(compose_config(), eng).train_service_config())
+    eng.init_model()
+    eng.load_checkpoint(str(ckpt))
+    saved = read_safetensors_dir(str(ckpt / "model"))
+    for k, v in eng.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    files = [load_state_file(str(ckpt / "optimizer" / f"rank_{r}.safetensors")) for r in (0, 1)]
+    state = eng.optimizer.state_dict()["state"]
+    names = [n for n, _ in eng.model.named_parameters()]
+    assert sorted(state) == list(range(len(names)))
+    for i, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            rows = torch.cat([f["optimizer"]["state"][name][key] for f in files])
+            assert torch.equal(state[i][key], rows), (name, key)
+        assert torch.equal(state[i]["step"], files[0]["optimizer"]["state"][name]["step"])
 
 
 def _need_deepspeed() -> None:

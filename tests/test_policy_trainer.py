@@ -218,8 +218,16 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model_dir: str, tmp
     layout = tmp_path / "layout"
     src.save_checkpoint(str(layout), global_step=1)
     opt_file = str(layout / "optimizer" / "rank_0.safetensors")
-    save_state_file({**load_state_file(opt_file), "world_size": 2, "engine": "fsdp"}, opt_file)
-    with pytest.raises(ValueError, match="engine=fsdp on 2 rank"):
+    saved = load_state_file(opt_file)
+    save_state_file({**saved, "world_size": 2, "engine": "deepspeed"}, opt_file)
+    with pytest.raises(ValueError, match="engine=deepspeed on 2 rank"):
+        live.load_checkpoint(str(layout))
+    unchanged()
+    # a layout that is resharded, with a saved rank's file missing: refused before a byte is read too
+    save_state_file({**saved, "world_size": 2, "engine": "fsdp"}, opt_file)
+    with pytest.raises(
+        ValueError, match=r"rank_1\.safetensors: missing \(the checkpoint's optimizer state was written by 2"
+    ):
         live.load_checkpoint(str(layout))
     unchanged()
 

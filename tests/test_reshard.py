@@ -269,3 +269,46 @@ def test_a_refused_resume_exits_2_naming_the_key_before_anything_starts(tmp_path
     assert "service.train_service.world_size: " in proc.stderr
     assert "engine=deepspeed on 2 rank(s) (ZeRO stage 3) does not load on 1 rank(s)" in proc.stderr
     assert not (run_dir / "config.yaml").exists()  # refused before the run wrote anything
+
+
+def test_mpi_run_of_two_fsdp2_trainer_ranks_resumes_on_one_with_two_rollout_ranks(tmp_path: Path) -> None:
+    """mpirun -n 4 (driver, 2 FSDP2 trainer ranks, 1 rollout rank) stops at its checkpoint of step
+    4; the same run dir resumed by mpirun -n 4 (driver, 1 FSDP2 trainer rank, 2 rollout ranks) trains
+    steps 5-8: every step once, every sample trained as planned, and its checkpoint is the new
+    shape's."""
+    from tests.test_mpi import FAST, assert_trained_as_planned, mpirun
+
+    run_dir = tmp_path / "run"
+    common = [
+        f"run_dir={run_dir}",
+        "seed=6",
+        "service.train_service.engine=fsdp",
+        "service.inference_service.backend=fake",
+        "logger.dump_rollouts=true",
+        "data.batch_size=8",
+        "train_worker.save_freq=4",
+        "train_worker.max_ckpt_to_keep=null",
+        *FAST,
+    ]
+
+    def run(ranks: int, world_size: int, steps: int) -> list[dict[str, Any]]:
+        args = [
+            *common,
+            f"service.train_service.world_size={world_size}",
+            f"train_worker.total_train_steps={steps}",
+        ]
+        proc = subprocess.run(mpirun(ranks, args), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return json.loads((run_dir / "logs" / "ranks.json").read_text())
+
+    first = run(4, 2, 4)
+    assert [r["group"] for r in first] == ["driver", "trainer", "trainer", "rollout"]
+    second = run(4, 1, 8)
+    assert [r["group"] for r in second] == ["driver", "trainer", "rollout", "rollout"]
+    assert "resumed at step 4 from" in (run_dir / "train.log").read_text()
+    assert_trained_as_planned(run_dir, 8)
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == list(range(1, 9))
+    saved = run_dir / "checkpoints"
+    assert len(list((saved / "global_step_4" / "optimizer").glob("rank_*.safetensors"))) == 2
+    assert len(list((saved / "global_step_8" / "optimizer").glob("rank_*.safetensors"))) == 1

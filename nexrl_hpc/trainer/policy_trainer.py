@@ -451,8 +451,9 @@ class PolicyTrainer(TrainBackend):
         self._checkpoint_io(self._require_parallel()).save(local_path, global_step, save_weight_only)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
-        """Weights load at any world size; optimizer state only at the world size and engine that
-        wrote it (its shards follow that layout) — otherwise the error says so. Names, shapes and
+        """Weights load at any world size; optimizer state at the layout that wrote it, or resharded
+        between any world sizes of engines single and fsdp (``checkpoint.reshard``) — otherwise
+        the error says so. Names, shapes and
         layout are checked before a tensor byte is read, so a wrong checkpoint changes nothing; a
         load that fails after that leaves this trainer refusing to train until a load succeeds."""
         par = self._require_parallel(loading=True)
