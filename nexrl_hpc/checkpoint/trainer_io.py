@@ -172,15 +172,15 @@ class TrainerCheckpointIO:
         """Weights, then the rows of the optimizer state this rank holds now out of every saved
         rank's file (``reshard``), loaded as if this layout had saved them."""
         assert self.optimizer is not None and self.scheduler is not None
-        self._load_weights(files.model_dir)
         state: dict[str, Any] = {}
         error: Exception | None = None
-        try:
+        try:  # read before the weights change: a file that fails here leaves the trainer as it was
             checkpoint_dir = os.path.dirname(os.path.dirname(files.optimizer_file))
             state = resharded_state(checkpoint_dir, saved, self.engine, self.live_parameters())
         except (OSError, ValueError) as exc:
             error = exc
         self.par.agree(error)
+        self._load_weights(files.model_dir)
         self.par.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -250,7 +250,7 @@ class TrainerCheckpointIO:
             return None
         layout = SavedLayout(str(saved.get("engine", "single")), int(saved.get("world_size", 1)), None)
         refused = layout_problem(layout, self.live_layout())
-        why = f" ({refused[0]}: {refused[1]})" if refused else ""
+        why = f" ({refused[0]}: {refused[1]})" if refused else " (an older torch.save file: not resharded)"
         return ValueError(
             f"{path} holds optimizer state of engine={layout.engine} on "
             f"{layout.world_size} rank(s); this run has engine={engine} on {par.world_size}{why}: "
