@@ -101,7 +101,7 @@ def whole_optimizer_state(ckpt: Path, names: list[str]) -> dict[str, Any]:
         for key, entry in s["optimizer"]["state"].items():
             for k, v in entry.items():
                 parts.setdefault(names[key] if isinstance(key, int) else key, {}).setdefault(k, []).append(v)
-    state = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
     for name, entry in parts.items():
         state[name] = {}
         for k, pieces in entry.items():

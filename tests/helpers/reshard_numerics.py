@@ -31,7 +31,8 @@ def main() -> None:
     args = sys.argv[1:]
     while args:
         case, args = (args[: args.index("::")], args[args.index("::") + 1 :]) if "::" in args else (args, [])
-        run_case(*case[:4], case[4] if len(case) > 4 else "", world_size)
+        model_dir, out_dir, engine_name, mode = case[:4]
+        run_case(model_dir, out_dir, engine_name, mode, case[4] if len(case) > 4 else "", world_size)
 
 
 def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: str, world_size: int) -> None:
@@ -50,7 +51,7 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
         ]
     )
     eng = PolicyTrainer(model_dir)
-    eng.initialize_worker(TrainWorker(cfg, eng).train_service_config(), world_size=world_size)
+    eng.initialize_worker(TrainWorker(cfg, eng).train_service_config(), world_size=world_size)  # type: ignore[arg-type]
     eng.init_model()
     batches = [make_batch(13, seed=s) for s in range(SAVED_AT + AFTER)]
     metrics = []
