@@ -17,28 +17,41 @@ def group_index(keys: list) -> torch.Tensor:
     return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)
 
 
+def equal_reward_groups(rewards: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Per group, whether every reward in it is exactly the same (bool [G]; a group of one too).
+
+    An exact test, as the pool's dynamic sampling makes it: the mean of 16 x 0.7 is not 0.7 in
+    fp32, so ``r - mean`` would hand every sample of such a group a spurious advantage."""
+    rewards = rewards.to(torch.float32)
+    highest = torch.full((n_groups,), -torch.inf).scatter_reduce(0, groups, rewards, "amax")
+    lowest = torch.full((n_groups,), torch.inf).scatter_reduce(0, groups, rewards, "amin")
+    return highest == lowest
+
+
 def grpo_advantages(
     rewards: torch.Tensor, groups: torch.Tensor, norm_by_std: bool, epsilon: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Outcome advantage per sequence: (r - mean_group) / (std_group + eps), std unbiased.
 
-    With ``norm_by_std=False`` only the group mean is subtracted (Dr. GRPO). A group of one sample
-    has mean = its reward and std 0, so its advantage is 0.
+    With ``norm_by_std=False`` only the group mean is subtracted (Dr. GRPO). A group whose rewards
+    are all exactly equal (a group of one included) gets advantage 0 and std 0, and counts in
+    ``zero_std_group_frac``.
     """
     rewards = rewards.to(torch.float32)
     n_groups = int(groups.max()) + 1 if groups.numel() else 0
     counts = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(rewards))
     sums = torch.zeros(n_groups).index_add_(0, groups, rewards)
     means = sums / counts
-    centered = rewards - means[groups]
+    flat = equal_reward_groups(rewards, groups, n_groups)
+    centered = torch.where(flat[groups], torch.zeros_like(rewards), rewards - means[groups])
     sq = torch.zeros(n_groups).index_add_(0, groups, centered**2)
-    std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(counts))
+    std = torch.where(flat, torch.zeros_like(counts), (sq / (counts - 1).clamp(min=1)).sqrt())
     if norm_by_std:
         adv = centered / (std[groups] + epsilon)
     else:
         adv = centered
     stats = {
-        "zero_std_group_frac": float((std == 0).float().mean()) if n_groups else 0.0,
+        "zero_std_group_frac": float(flat.float().mean()) if n_groups else 0.0,
         "group_reward_std_mean": float(std.mean()) if n_groups else 0.0,
     }
     return adv, stats
@@ -46,22 +59,27 @@ def grpo_advantages(
 
 def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE leave-one-out: r_i minus the mean reward of the group's other samples,
-    i.e. n/(n-1) (r_i - mean_group). A group of one has no baseline: advantage 0."""
+    i.e. n/(n-1) (r_i - mean_group). A group of one has no baseline, and a group whose rewards are
+    all exactly equal no signal: advantage 0, counted in ``zero_std_group_frac``."""
     rewards = rewards.to(torch.float32)
     n_groups = int(groups.max()) + 1 if groups.numel() else 0
     counts = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(rewards))
     sums = torch.zeros(n_groups).index_add_(0, groups, rewards)
     n = counts[groups]
     others_mean = (sums[groups] - rewards) / (n - 1).clamp(min=1)
-    adv = torch.where(n > 1, rewards - others_mean, torch.zeros_like(rewards))
-    same = torch.zeros(n_groups).index_add_(0, groups, (adv != 0).float()) == 0
-    return adv, {"zero_std_group_frac": float(same.float().mean()) if n_groups else 0.0}
+    flat = equal_reward_groups(rewards, groups, n_groups)
+    adv = torch.where(flat[groups], torch.zeros_like(rewards), rewards - others_mean)
+    return adv, {"zero_std_group_frac": float(flat.float().mean()) if n_groups else 0.0}
 
 
 def batch_whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Per-sequence values standardised over the batch's response tokens (each sequence weighs
-    by its length, as REINFORCE++ whitens token-level returns)."""
+    by its length, as REINFORCE++ whitens token-level returns). Values that are all exactly equal
+    (over the rows with tokens) whiten to 0, not to the rounding error of their mean."""
     weights = mask.to(torch.float32).sum(-1)
+    counted = values[weights > 0]
+    if counted.numel() == 0 or bool((counted == counted[0]).all()):
+        return torch.zeros_like(values)
     total = weights.sum().clamp(min=1.0)
     mean = (values * weights).sum() / total
     var = ((values - mean).square() * weights).sum() / (total - 1).clamp(min=1.0)
@@ -89,14 +107,20 @@ def _rloo(
 def _reinforce_pp(
     rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    return batch_whiten(rewards.to(torch.float32), mask, epsilon), {"zero_std_group_frac": 0.0}
+    adv = batch_whiten(rewards.to(torch.float32), mask, epsilon)
+    # no group baseline: a group is signal-free only when the whole batch is (everything whitens to 0)
+    return adv, {"zero_std_group_frac": float(bool((adv == 0).all()))}
 
 
 def _reinforce_pp_baseline(
     rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     centered, stats = grpo_advantages(rewards, groups, False, epsilon)
-    return batch_whiten(centered, mask, epsilon), stats
+    whitened = batch_whiten(centered, mask, epsilon)
+    # a group whose rewards are all equal has no signal: it stays at 0 rather than taking the batch
+    # mean's shift (verl's whitening moves it to -mean/std)
+    flat = equal_reward_groups(rewards, groups, int(groups.max()) + 1 if groups.numel() else 0)
+    return torch.where(flat[groups], torch.zeros_like(whitened), whitened), stats
 
 
 ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, AdvantageFn] = {
