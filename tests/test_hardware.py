@@ -138,6 +138,8 @@ def test_vllm_command_line_on_cpu_is_unchanged(tmp_path: Any) -> None:
         "float32",
         "--generation-config",
         "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
         "--middleware",
         "nexrl_vllm_guard.RequireKey",
         "--enforce-eager",

@@ -3,7 +3,8 @@
 Requests arrive from the HTTP server's handlers; one engine thread gathers whatever is queued
 (up to ``max_batch_size`` sequences, waiting at most ``batch_wait_ms`` for more), runs a single
 KV-cached sampling loop over all of them, and resolves each request's future. Log-probabilities are
-the model's raw (temperature-1) log-softmax of the sampled token, as vLLM reports them.
+those of the distribution each token was drawn from (logits / temperature, top-p renormalised), as
+vLLM reports them with ``logprobs_mode=processed_logprobs``; prompt log-probs stay temperature-1.
 """
 
 from __future__ import annotations
@@ -327,11 +328,10 @@ class HFEngine:
         lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         max_steps = int(limit.max())
         for step in range(max_steps):
-            logprobs_all = torch.log_softmax(logits, dim=-1)
-            chosen = self._sample(logits, temperature, top_p)
+            chosen, chosen_logp = self._sample(logits, temperature, top_p)
             chosen = torch.where(done, torch.full_like(chosen, self.pad_token_id), chosen)
             tokens.append(chosen)
-            logps.append(logprobs_all.gather(-1, chosen[:, None]).squeeze(-1))
+            logps.append(chosen_logp)
             active = ~done
             lengths += active.long()
             if uniform_stop:
@@ -394,18 +394,29 @@ class HFEngine:
             results.append(outs)
         return results
 
-    def _sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob under the distribution it was drawn from, as vLLM's
+        ``logprobs_mode=processed_logprobs`` reports it: log-softmax of logits / temperature, over
+        top-p's kept tokens renormalised; a greedy row (temperature 0) reports the raw log-softmax."""
         greedy = logits.argmax(dim=-1)
         sampled_rows = temperature > 0
+        scaled = logits / torch.where(sampled_rows, temperature, torch.ones_like(temperature))[:, None]
+        log_p = torch.log_softmax(scaled, dim=-1)
         if not bool(sampled_rows.any()):
-            return greedy
-        scaled = logits / temperature.clamp(min=1e-6)[:, None]
+            return greedy, log_p.gather(-1, greedy[:, None]).squeeze(-1)
         probs = torch.softmax(scaled, dim=-1)
-        if bool((top_p < 1.0).any()):
+        truncated = sampled_rows & (top_p < 1.0)
+        if bool(truncated.any()):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             cumulative = sorted_probs.cumsum(dim=-1)
-            drop = (cumulative - sorted_probs) > top_p[:, None]
+            drop = ((cumulative - sorted_probs) > top_p[:, None]) & truncated[:, None]
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            kept = torch.zeros_like(drop).scatter(-1, order, ~drop)
+            log_p = log_p.masked_fill(~kept, -torch.inf)
+            log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # renormalised over the kept
         sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
-        return torch.where(sampled_rows, sampled, greedy)
+        chosen = torch.where(sampled_rows, sampled, greedy)
+        return chosen, log_p.gather(-1, chosen[:, None]).squeeze(-1)

@@ -123,6 +123,10 @@ class VLLMServer:
             # scores, with only the run's own sampling settings; its EOS tokens still stop a response
             "--generation-config",
             "vllm",
+            # each sampled token's log-prob under the distribution it was drawn from (logits /
+            # temperature, top-k/top-p renormalised), the policy the trainer scores at that temperature
+            "--logprobs-mode",
+            "processed_logprobs",
             # every path but /health needs the key (vLLM's own covers /v1 only): see vllm_guard
             "--middleware",
             f"{GUARD_MODULE}.RequireKey",

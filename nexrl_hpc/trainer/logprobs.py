@@ -32,10 +32,14 @@ Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """From the hidden states the LM head receives, the rows to score ``[N, hidden]`` and their tokens ``[N]``."""
 
 
-def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _chunk_log_softmax(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     """log pi over the vocabulary for a chunk of hidden states, [chunk, V] in fp32: the matmul as
-    ``nn.Linear`` would run it (in the autocast dtype under autocast), the softmax in fp32."""
-    return torch.log_softmax(F.linear(hidden, weight, bias).float(), dim=-1)
+    ``nn.Linear`` would run it (in the autocast dtype under autocast), then logits / temperature and
+    the softmax in fp32."""
+    logits = F.linear(hidden, weight, bias).float()
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -47,9 +51,9 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedTokenScores(torch.autograd.Function):
-    """``[N, 2]`` fp32: log pi(token) and the entropy of pi at each of N positions, computed
-    ``chunk`` rows at a time; backward recomputes each chunk's logits and applies
-    d log pi(t)/dz = onehot(t) - p and dH/dz = -p (log p + H) to them."""
+    """``[N, 2]`` fp32: log pi(token) and the entropy of pi at each of N positions, pi the softmax of
+    logits / temperature, computed ``chunk`` rows at a time; backward recomputes each chunk's logits
+    and applies d log pi(t)/dz = (onehot(t) - p) / T and dH/dz = -p (log p + H) / T to them."""
 
     @staticmethod
     def forward(
@@ -61,18 +65,19 @@ class _ChunkedTokenScores(torch.autograd.Function):
         chunk: int,
         with_entropy: bool,
         entropy_grad: bool,
+        temperature: float,
     ) -> torch.Tensor:
         n = hidden.shape[0]
         scores = torch.zeros((n, 2), dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
-            log_p = _chunk_log_softmax(hidden[lo:hi], weight, bias)
+            log_p = _chunk_log_softmax(hidden[lo:hi], weight, bias, temperature)
             scores[lo:hi, 0] = log_p.gather(-1, tokens[lo:hi, None]).squeeze(-1)
             if with_entropy:
                 scores[lo:hi, 1] = -(log_p.exp().mul_(log_p)).sum(-1)
             del log_p
         ctx.save_for_backward(hidden, weight, bias, tokens, scores)
-        ctx.chunk, ctx.entropy_grad = chunk, entropy_grad and with_entropy
+        ctx.chunk, ctx.entropy_grad, ctx.temperature = chunk, entropy_grad and with_entropy, temperature
         ctx.compute_dtype = _compute_dtype(hidden, weight)  # backward runs outside autocast
         ctx.mark_non_differentiable(tokens)
         return scores
@@ -93,12 +98,13 @@ class _ChunkedTokenScores(torch.autograd.Function):
             hi = min(lo + ctx.chunk, n)
             hidden_c = hidden[lo:hi].to(dtype)
             dz = _logit_grad(
-                _chunk_log_softmax(hidden_c, weight_c, bias_c),
+                _chunk_log_softmax(hidden_c, weight_c, bias_c, ctx.temperature),
                 tokens[lo:hi],
                 grad_scores[lo:hi, 0],
                 grad_scores[lo:hi, 1] if ctx.entropy_grad else None,
                 scores[lo:hi, 1],
-            ).to(dtype)
+            )
+            dz = (dz / ctx.temperature if ctx.temperature != 1.0 else dz).to(dtype)
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = (dz @ weight_c).to(hidden.dtype)
             if grad_weight is not None and dz.dtype == torch.float32:
@@ -110,7 +116,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
             del dz
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_b = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_w, grad_b, None, None, None, None
+        return grad_hidden, grad_w, grad_b, None, None, None, None, None
 
 
 def _logit_grad(
@@ -141,13 +147,17 @@ def token_log_probs_and_entropy(
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(tokens) ``[N]`` and (``with_entropy``) the entropy ``[N]``, fp32, from hidden states
     ``[N, hidden]`` and an LM head's ``weight`` ``[V, hidden]`` (and ``bias``), ``chunk_tokens`` rows
-    at a time. The entropy carries gradient only with ``entropy_grad``."""
+    at a time; pi is the softmax of logits / ``temperature`` (the policy the rollouts sampled).
+    The entropy carries gradient only with ``entropy_grad``."""
     if chunk_tokens < 1:
         raise ValueError(f"token_log_probs_and_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
-    scores = _ChunkedTokenScores.apply(hidden, weight, bias, tokens, chunk_tokens, with_entropy, entropy_grad)
+    scores = _ChunkedTokenScores.apply(
+        hidden, weight, bias, tokens, chunk_tokens, with_entropy, entropy_grad, temperature
+    )
     return _split(scores, with_entropy, entropy_grad)
 
 
@@ -193,15 +203,16 @@ def scores_through_head(
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``model(**forward_kwargs)`` with its LM head scoring only the positions ``select`` picks,
-    chunk by chunk: (log-probs ``[N]``, entropy ``[N]`` or None), fp32."""
+    chunk by chunk: (log-probs ``[N]``, entropy ``[N]`` or None) of logits / ``temperature``, fp32."""
     head = output_head(model)
 
     def bounded_head(hidden: torch.Tensor) -> torch.Tensor:
         rows, tokens = select(hidden)
         return _ChunkedTokenScores.apply(
-            rows, head.weight, head.bias, tokens, chunk_tokens, with_entropy, entropy_grad
+            rows, head.weight, head.bias, tokens, chunk_tokens, with_entropy, entropy_grad, temperature
         )
 
     if chunk_tokens < 1:
@@ -217,9 +228,10 @@ def padded_response_scores(
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token | prefix) and the entropy, both ``[B, R]`` fp32, of a padded
-    micro-batch, in bounded memory (``chunk_tokens`` positions at a time)."""
+    micro-batch, in bounded memory (``chunk_tokens`` positions at a time); pi at ``temperature``."""
     responses = micro["responses"]
     b, r = responses.shape
 
@@ -234,5 +246,7 @@ def padded_response_scores(
         "use_cache": False,
         "logits_to_keep": r + 1,
     }
-    logp, entropy = scores_through_head(model, kwargs, select, chunk_tokens, with_entropy, entropy_grad)
+    logp, entropy = scores_through_head(
+        model, kwargs, select, chunk_tokens, with_entropy, entropy_grad, temperature
+    )
     return logp.reshape(b, r), (entropy.reshape(b, r) if entropy is not None else None)

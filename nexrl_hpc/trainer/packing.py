@@ -404,11 +404,13 @@ def packed_response_log_probs_and_entropy(
     bins: list[list[int]] | None = None,
     share_prompt: bool = False,
     chunk_tokens: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token | prefix) and (``with_entropy``) the policy's entropy at every response
     position, both [rows, response_len] in fp32 and 0 past each response, from one packed forward
     (``share_prompt``: ``bins`` are families of rows with one prompt, computed once);
-    ``chunk_tokens`` > 0: the LM head scores that many positions at a time (``trainer.logprobs``)."""
+    ``chunk_tokens`` > 0: the LM head scores that many positions at a time (``trainer.logprobs``);
+    pi is the softmax of logits / ``temperature``, the policy the rollouts sampled."""
     device = micro["input_ids"].device
     if share_prompt:
         assert bins is not None, "shared prompts are packed by the plan's families"
@@ -437,9 +439,10 @@ def packed_response_log_probs_and_entropy(
             chunk_tokens,
             with_entropy,
             entropy_grad,
+            temperature,
         )
-    logits = model(**kwargs).logits[bin_row, bin_col]  # [N, V]
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    logits = model(**kwargs).logits[bin_row, bin_col].float()  # [N, V]
+    log_p = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     logp = torch.zeros(shape, dtype=torch.float32, device=device).index_put(
         (seq, pos), log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     )
@@ -459,6 +462,7 @@ def _chunked_packed_scores(
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed forward's log-probs (and entropy) with the LM head in bounded memory, scattered
     back to ``shape``; ``where``: each response token's (packed row, column, row, position, token)."""
@@ -468,7 +472,7 @@ def _chunked_packed_scores(
         return hidden[bin_row, bin_col], tokens
 
     logp, entropy = scores_through_head(
-        model, forward_kwargs, select, chunk_tokens, with_entropy, entropy_grad
+        model, forward_kwargs, select, chunk_tokens, with_entropy, entropy_grad, temperature
     )
     device = tokens.device
     logp_full = torch.zeros(shape, dtype=torch.float32, device=device).index_put((seq, pos), logp)

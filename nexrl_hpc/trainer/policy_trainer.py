@@ -41,8 +41,9 @@ from nexrl_hpc.trainer.weight_broadcast import broadcast_weights
 logger = logging.getLogger(__name__)
 
 
-def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log pi(. | prefix) over the vocabulary at every response position, [B, R, V], in fp32."""
+def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """log pi(. | prefix) over the vocabulary at every response position, [B, R, V], in fp32; pi is
+    the softmax of logits / ``temperature`` (the rollouts' sampling temperature, as verl and TRL)."""
     r = micro["responses"].shape[1]
     out = model(
         input_ids=micro["input_ids"],
@@ -51,33 +52,50 @@ def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor]) -> torch.T
         use_cache=False,
         logits_to_keep=r + 1,
     )
-    return torch.log_softmax(out.logits[:, :-1, :].float(), dim=-1)
+    logits = out.logits[:, :-1, :].float()
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 
 
-def response_log_probs(model: Any, micro: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
+def response_log_probs(
+    model: Any, micro: dict[str, torch.Tensor], chunk_tokens: int = 0, temperature: float = 1.0
+) -> torch.Tensor:
     """log pi(response token | prefix) for every response position, [B, R], in fp32;
     ``chunk_tokens`` > 0: that many positions at a time through the LM head (``trainer.logprobs``),
     0: the whole vocabulary materialised at once."""
     if chunk_tokens:
-        return padded_response_scores(model, micro, chunk_tokens, with_entropy=False, entropy_grad=False)[0]
-    log_p = _response_log_softmax(model, micro)
+        return padded_response_scores(model, micro, chunk_tokens, False, False, temperature)[0]
+    log_p = _response_log_softmax(model, micro, temperature)
     return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
 
 
 def response_log_probs_and_entropy(
-    model: Any, micro: dict[str, torch.Tensor], entropy_grad: bool = False, chunk_tokens: int = 0
+    model: Any,
+    micro: dict[str, torch.Tensor],
+    entropy_grad: bool = False,
+    chunk_tokens: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_log_probs`` and the policy's entropy at each response position, both [B, R].
     The entropy carries gradient only with ``entropy_grad`` (an entropy bonus trains on it;
     otherwise it is only logged and its graph would cost memory for nothing)."""
     if chunk_tokens:
-        logp, chunked_entropy = padded_response_scores(model, micro, chunk_tokens, True, entropy_grad)
+        logp, chunked_entropy = padded_response_scores(
+            model, micro, chunk_tokens, True, entropy_grad, temperature
+        )
         assert chunked_entropy is not None
         return logp, chunked_entropy
-    log_p = _response_log_softmax(model, micro)
+    log_p = _response_log_softmax(model, micro, temperature)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_log_probs(log_p)
     return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
+
+
+def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> float:
+    """The temperature the logits are divided by: the batch's own ``logit_temperature`` column (the
+    weight-sync canary asks for 1, as engines score prompts) or the rollouts' sampling temperature."""
+    if "logit_temperature" in part:
+        return float(part["logit_temperature"][0])
+    return float(cfg["logit_temperature"])
 
 
 def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
@@ -291,7 +309,7 @@ class PolicyTrainer(TrainBackend):
         shared prompts (the plan's choice under ``actor.share_prompt``) or padded."""
         part = micro.tensors
         cfg = self._require_cfg()
-        chunk = cfg["logprob_chunk_tokens"]
+        chunk, temperature = cfg["logprob_chunk_tokens"], logit_temperature(cfg, part)
         with self._compute():
             if cfg["actor"]["packing"] or micro.shared_prompts:
                 return packed_response_log_probs_and_entropy(
@@ -302,10 +320,11 @@ class PolicyTrainer(TrainBackend):
                     micro.bins,
                     share_prompt=micro.shared_prompts,
                     chunk_tokens=chunk,
+                    temperature=temperature,
                 )
             if not with_entropy:
-                return response_log_probs(self.model, part, chunk), None
-            return response_log_probs_and_entropy(self.model, part, entropy_grad, chunk)
+                return response_log_probs(self.model, part, chunk, temperature), None
+            return response_log_probs_and_entropy(self.model, part, entropy_grad, chunk, temperature)
 
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -412,8 +431,9 @@ class PolicyTrainer(TrainBackend):
         ref_log_prob = None
         if self.ref_model is not None:
             with torch.no_grad(), self._compute():
+                cfg = self._require_cfg()
                 ref_log_prob = response_log_probs(
-                    self.ref_model, part, self._require_cfg()["logprob_chunk_tokens"]
+                    self.ref_model, part, cfg["logprob_chunk_tokens"], logit_temperature(cfg, part)
                 )
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing

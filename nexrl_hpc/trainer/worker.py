@@ -473,6 +473,7 @@ def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
         "num_threads": ts["num_threads"],
         "export_max_shard_mb": ts["export_max_shard_mb"],
         "logprob_chunk_tokens": ts["logprob_chunk_tokens"],
+        "logit_temperature": config["rollout_worker"]["temperature"] or 1.0,  # greedy: raw logits
         "export_tied_head": reload_needs_tied_head(config["service"]["inference_service"]["backend"]),
         "attn_implementation": config["model"]["attn_implementation"],
         "gradient_checkpointing": config["model"]["gradient_checkpointing"],

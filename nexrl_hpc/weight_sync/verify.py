@@ -124,6 +124,7 @@ def canary_batch(prompts: list[list[int]]) -> dict[str, Any]:
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
         "responses": input_ids[:, 1:].clone(),
         "response_mask": attention_mask[:, 1:].float(),
+        "logit_temperature": torch.ones(len(prompts)),  # engines score prompts at temperature 1
     }
 
 
