@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,36 @@ def test_per_turn_advantages_of_equal_turn_returns_are_exactly_zero() -> None:
     adv, stats = stepwise_grpo_advantages(returns, spans, torch.zeros(16, dtype=torch.long), 4, True, 1e-6)
     assert adv.abs().max() == 0.0
     assert stats["zero_std_group_frac"] == 1.0
+
+
+def _problems(overrides: list[str]) -> dict[str, str]:
+    from nexrl_hpc.assembly import validate_config
+    from nexrl_hpc.config.validate import ConfigError
+    from tests.conftest import compose_raw
+
+    try:
+        validate_config(compose_raw(overrides))
+    except ConfigError as err:
+        return {p.path: p.message for p in err.problems}
+    return {}
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_one_sample_per_prompt_with_a_group_estimator_is_refused_naming_the_key(estimator: str) -> None:
+    problems = _problems(["data.rollout_repeat_n=1", f"algorithm.adv_estimator={estimator}"])
+    assert list(problems) == ["data.rollout_repeat_n"]
+    assert f"adv_estimator={estimator}" in problems["data.rollout_repeat_n"]
+    assert _problems(["data.rollout_repeat_n=2", f"algorithm.adv_estimator={estimator}"]) == {}
+
+
+def test_one_sample_per_prompt_is_fine_without_a_group_baseline() -> None:
+    assert _problems(["data.rollout_repeat_n=1", "algorithm.adv_estimator=reinforce_pp"]) == {}
+
+
+def test_the_refusal_is_a_pre_flight_exit_2(tmp_path: Path) -> None:
+    from tests.conftest import run_train
+
+    proc = run_train([f"run_dir={tmp_path / 'run'}", "data.rollout_repeat_n=1"], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.rollout_repeat_n: 1 sample per prompt with algorithm.adv_estimator=grpo" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -60,6 +60,14 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
         "would always be dropped",
     )
     check(
+        lambda: g("data.rollout_repeat_n") > 1 or not _group_baseline_trains(cfg),
+        "data.rollout_repeat_n",
+        f"1 sample per prompt with algorithm.adv_estimator={g_safe(cfg, 'algorithm.adv_estimator')}: "
+        "its baseline is the mean of the prompt's group, so a group of one has advantage 0 and every "
+        "step would train nothing; sample several per prompt (e.g. data.rollout_repeat_n=8) or use an "
+        "estimator without groups (reinforce_pp, gae)",
+    )
+    check(
         lambda: g("algorithm.overlong.buffer_len") < g("rollout_worker.max_response_length"),
         "algorithm.overlong.buffer_len",
         f"must be below rollout_worker.max_response_length={g_safe(cfg, 'rollout_worker.max_response_length')} "
@@ -73,6 +81,18 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
     )
     problems += _teacher_problems(cfg)
     return problems
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # the baseline is the group's mean
+
+
+def _group_baseline_trains(cfg: Mapping) -> bool:
+    """The advantage comes from a group estimator (on-policy distillation without the task reward's
+    advantage trains on the teacher's signal alone, whatever the groups)."""
+    if g_safe(cfg, "algorithm.name") == "opd" and not g_safe(cfg, "algorithm.opd.reward_coef"):
+        return False
+    per_turn = g_safe(cfg, "algorithm.advantage_granularity") == "step"  # GRPO over per-turn returns
+    return per_turn or g_safe(cfg, "algorithm.adv_estimator") in GROUP_ESTIMATORS
 
 
 def _teacher_problems(cfg: Mapping) -> list[ConfigProblem]:
