@@ -18,6 +18,7 @@ import torch
 from nexrl_hpc.algorithm.base import BaseAlgorithmProcessor
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.algorithm.core_algos import group_index, outcome_advantages, stepwise_grpo_advantages
+from nexrl_hpc.algorithm.gae import last_token_rewards
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.data.loader import task_key
 from nexrl_hpc.rewards.loader import SKIPPED
@@ -85,6 +86,8 @@ class AdvantageProcessor(BaseAlgorithmProcessor):
         if bool(trains_nothing.any()):
             tensors["response_mask"] = mask = mask * (~trains_nothing)[:, None].to(mask.dtype)
             tensors["advantages"] = tensors["advantages"] * mask
+        if self._estimator == "gae":  # PPO: the trainer side makes token advantages from these and the critic
+            tensors["token_level_rewards"] = last_token_rewards(rewards, mask)
         tensors["rewards"] = task_rewards  # as scored (the advantages saw the overlong penalty too)
         tensors["group_index"] = groups  # rows whose advantages were computed together
         versions = [

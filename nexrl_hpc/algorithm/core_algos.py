@@ -123,11 +123,21 @@ def _reinforce_pp_baseline(
     return torch.where(flat[groups], torch.zeros_like(whitened), whitened), stats
 
 
+def _gae_from_the_critic(
+    rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GAE's outcome part: no sequence advantage. The processor puts each reward on its response's
+    last token; the trainer side (``trainer.ppo_backend``) makes the per-token advantages from them
+    and the critic's values (``algorithm.gae.gae_advantages``)."""
+    return torch.zeros(rewards.shape, dtype=torch.float32), {"zero_std_group_frac": 0.0}
+
+
 ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, AdvantageFn] = {
     AdvantageEstimator.GRPO: _grpo,  # group-normalised; without std: Dr. GRPO
     AdvantageEstimator.RLOO: _rloo,  # leave-one-out
     AdvantageEstimator.REINFORCE_PP: _reinforce_pp,  # rewards whitened over the batch, no group baseline
     AdvantageEstimator.REINFORCE_PP_BASELINE: _reinforce_pp_baseline,  # group mean off, then whitened
+    AdvantageEstimator.GAE: _gae_from_the_critic,  # per token, from the critic's values (trainer side)
 }
 ADV_ESTIMATORS = tuple(estimator.value for estimator in AdvantageEstimator)
 

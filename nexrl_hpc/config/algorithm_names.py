@@ -17,6 +17,7 @@ class AdvantageEstimator(StrEnum):
     RLOO = "rloo"  # leave-one-out baseline
     REINFORCE_PP = "reinforce_pp"  # rewards whitened over the batch
     REINFORCE_PP_BASELINE = "reinforce_pp_baseline"  # group mean off, then whitened
+    GAE = "gae"  # PPO: per-token GAE over a learned critic's values (algorithm=ppo)
 
 
 class PolicyLossName(StrEnum):

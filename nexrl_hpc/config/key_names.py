@@ -24,6 +24,7 @@ class VerlKey:
 
 
 _TS = "service.train_service.actor"
+_CRITIC = "service.train_service.critic"
 VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("data.train_files", "data.data_files", "and data.type=parquet (jsonl, hf: other readers)"),
     VerlKey("data.val_files", "validate.data.data_files"),
@@ -86,6 +87,18 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "same key; reinforce_plus_plus(_baseline) is reinforce_pp(_baseline) here",
     ),
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    VerlKey("critic.model.path", f"{_CRITIC}.model_path", "null: the policy's initial model"),
+    VerlKey("critic.optim.lr", f"{_CRITIC}.optim.lr"),
+    VerlKey("critic.cliprange_value", f"{_CRITIC}.cliprange_value"),
+    VerlKey("critic.ppo_epochs", f"{_CRITIC}.ppo_epochs"),
+    VerlKey(
+        "critic.ppo_mini_batch_size",
+        f"{_CRITIC}.ppo_mini_batch_size",
+        "counts SEQUENCES here, PROMPTS in verl (as the actor's)",
+    ),
+    VerlKey("critic.ppo_micro_batch_size_per_gpu", f"{_CRITIC}.ppo_micro_batch_size"),
+    VerlKey("critic.grad_clip", f"{_CRITIC}.grad_clip"),
+    VerlKey("trainer.critic_warmup", f"{_CRITIC}.warmup_steps"),
     VerlKey("trainer.total_training_steps", "train_worker.total_train_steps"),
     VerlKey("trainer.total_epochs", "data.max_epochs", "null here: cycle until total_train_steps"),
     VerlKey("trainer.save_freq", "train_worker.save_freq"),

@@ -177,6 +177,8 @@ class AlgorithmConfig(TypedDict):
     adv_estimator: AdvantageEstimator  # one of its values (the advantage registry's keys)
     norm_adv_by_std: bool
     adv_epsilon: Annotated[float, Gt(0.0)]  # 0 would make every identical-reward group NaN
+    gamma: Annotated[float, Ge(0.0), Le(1.0)]  # adv_estimator=gae: the discount per token
+    lam: Annotated[float, Ge(0.0), Le(1.0)]  # adv_estimator=gae: GAE's lambda
     advantage_granularity: Literal["episode", "step"]  # step: per-turn returns (agent rollouts)
     recompute_old_log_prob: bool
     off_policy_correction: Literal["none", "decoupled", "tis"]

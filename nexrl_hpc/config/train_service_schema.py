@@ -42,6 +42,20 @@ class ActorConfig(TypedDict):
     optim: OptimConfig
 
 
+class CriticConfig(TypedDict):
+    model_path: str | None  # the value model's HF directory; null: the policy's initial model
+    ppo_epochs: Annotated[int, Ge(1)]
+    ppo_mini_batch_size: Annotated[int, Ge(1)]
+    ppo_micro_batch_size: Annotated[int, Ge(1)]
+    cliprange_value: Annotated[float, Gt(0.0)] | None  # null: the unclipped squared error
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ]
+    grad_clip: Annotated[float, Gt(0.0)]
+    warmup_steps: Annotated[int, Ge(0)]  # updates that train only the critic (verl's trainer.critic_warmup)
+    optim: OptimConfig
+
+
 class FSDPConfig(TypedDict):
     param_dtype: Literal["float32", "bfloat16"]
     reduce_dtype: Literal["float32", "bfloat16"]
@@ -89,3 +103,4 @@ class TrainServiceConfig(TypedDict):
     export_max_shard_mb: Annotated[int, Ge(1)]
     logprob_chunk_tokens: Annotated[int, Ge(0)]  # LM head positions per chunk; 0: materialised log-softmax
     actor: ActorConfig
+    critic: CriticConfig  # algorithm.adv_estimator=gae (algorithm=ppo)

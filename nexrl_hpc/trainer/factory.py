@@ -26,7 +26,7 @@ def create_train_service_client(
         from nexrl_hpc.trainer.noop import NoopTrainService
 
         return NoopTrainService()
-    return _client(
+    client = _client(
         config,
         "service.train_service",
         ts["backend"],
@@ -36,6 +36,11 @@ def create_train_service_client(
         trainer_address,
         job_key,
     )
+    if config["algorithm"]["adv_estimator"] == "gae":  # PPO: the critic beside the actor
+        from nexrl_hpc.trainer.ppo_backend import PPOBackend
+
+        return PPOBackend.from_config(config, client, base_model_dir)
+    return client
 
 
 def create_teacher_client(

@@ -1,0 +1,157 @@
+"""PPO with a learned critic (``algorithm.adv_estimator=gae``): the actor's backend with the critic
+beside it, behind the one ``TrainBackend`` interface the train worker drives.
+
+Each update: the critic's values of the batch -> GAE advantages and returns per token
+(``algorithm.gae``, from the rewards the processor put on each response's last token) -> the
+critic's clipped value update -> the actor's PPO update on those advantages. For the first
+``critic.warmup_steps`` updates only the critic trains (verl's ``trainer.critic_warmup``): the
+actor's weights are exported unchanged. Checkpoints hold the critic under ``<checkpoint>/critic``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nexrl_hpc.algorithm.gae import gae_advantages
+from nexrl_hpc.config.schema import RLTrainConfig
+from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight, _DoneUpdate
+from nexrl_hpc.trainer.critic import VALUE_INPUTS, CriticTrainer
+
+CRITIC_DIR = "critic"
+CRITIC_ONLY_KEYS = ("token_level_rewards",)  # what the actor's update does not take
+
+
+class _WithCriticMetrics(UpdateInFlight):
+    """The actor's update in flight, its answer carrying the critic's metrics too."""
+
+    def __init__(self, update: UpdateInFlight, metrics: dict[str, Any]):
+        self._update, self._metrics = update, metrics
+
+    def done(self) -> bool:
+        return self._update.done()
+
+    def result(self) -> dict[str, Any]:
+        answer = self._update.result()
+        answer.setdefault("meta_info", {}).setdefault("metrics", {}).update(self._metrics)
+        return answer
+
+
+class PPOBackend(TrainBackend):
+    """``actor`` (any backend: this process, a trainer group, a service) with a ``CriticTrainer``."""
+
+    def __init__(
+        self, actor: TrainBackend, critic: CriticTrainer, gamma: float, lam: float, warmup_steps: int
+    ):
+        self.actor = actor
+        self.critic = critic
+        self.gamma, self.lam = gamma, lam
+        self.warmup_steps = warmup_steps
+        self.queues_updates = actor.queues_updates
+
+    @classmethod
+    def from_config(cls, config: RLTrainConfig, actor: TrainBackend, base_model_dir: str) -> PPOBackend:
+        ts, algo = config["service"]["train_service"], config["algorithm"]
+        critic_cfg = ts["critic"]
+        train_cfg = {
+            "device": ts["device"],
+            "export_max_shard_mb": ts["export_max_shard_mb"],
+            "total_training_steps": config["train_worker"]["total_train_steps"],
+        }
+        critic = CriticTrainer(dict(critic_cfg), critic_cfg["model_path"] or base_model_dir, train_cfg)
+        return cls(actor, critic, algo["gamma"], algo["lam"], critic_cfg["warmup_steps"])
+
+    # --- lifecycle: both ------------------------------------------------------------------------
+    def initialize_worker(
+        self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
+    ) -> None:
+        self.actor.initialize_worker(config_dict, role, world_size)
+
+    def init_model(self) -> None:
+        self.actor.init_model()
+        self.critic.init_model()
+
+    # --- the update: critic first, then the actor on GAE's advantages ---------------------------
+    def critic_step(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """Values, GAE, the critic's update: (the actor's batch with its advantages, the metrics)."""
+        mask = tensors["response_mask"]
+        values = self.critic.compute_values(tensors)
+        advantages, returns = gae_advantages(
+            tensors["token_level_rewards"], values, mask, self.gamma, self.lam
+        )
+        inputs = {k: tensors[k] for k in VALUE_INPUTS}
+        metrics = self.critic.update_critic(dict(inputs, values=values, returns=returns))
+        tokens = mask.sum().clamp(min=1.0)
+        metrics["critic/values_mean"] = float((values * mask).sum() / tokens)
+        metrics["critic/returns_mean"] = float((returns * mask).sum() / tokens)
+        metrics["critic/advantages_abs_mean"] = float((advantages.abs() * mask).sum() / tokens)
+        actor_batch = {k: v for k, v in tensors.items() if k not in CRITIC_ONLY_KEYS}
+        actor_batch["advantages"] = advantages.to(torch.float32)
+        return actor_batch, metrics
+
+    def _warming_up(self) -> bool:
+        """The critic's updates so far (its schedule's count, restored on resume) are still warm-up."""
+        assert self.critic.scheduler is not None
+        return self.critic.scheduler.last_epoch < self.warmup_steps
+
+    def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
+        warming_up = self._warming_up()
+        actor_batch, metrics = self.critic_step(batch["batch"])
+        if warming_up:
+            return {"meta_info": {"metrics": {**_idle_actor_metrics(), **metrics}}}
+        answer = self.actor.update_actor({"batch": actor_batch, "meta_info": batch.get("meta_info", {})})
+        answer.setdefault("meta_info", {}).setdefault("metrics", {}).update(metrics)
+        return answer
+
+    def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
+        warming_up = self._warming_up()
+        actor_batch, metrics = self.critic_step(batch["batch"])
+        if warming_up:  # the actor is not trained: the engines get its weights again as this version
+            if export_path:
+                self.actor.export_weights(export_path)
+            return _DoneUpdate(
+                {"meta_info": {"metrics": {**_idle_actor_metrics(), **metrics}, "export_s": 0.0}}
+            )
+        update = self.actor.start_update_actor(
+            {"batch": actor_batch, "meta_info": batch.get("meta_info", {})}, export_path
+        )
+        return _WithCriticMetrics(update, metrics)
+
+    # --- everything else is the actor's (checkpoints: both) -------------------------------------
+    def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self.actor.compute_log_prob(batch)
+
+    def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
+        self.actor.save_checkpoint(local_path, global_step, save_weight_only)
+        if not save_weight_only:
+            self.critic.save_checkpoint(os.path.join(local_path, CRITIC_DIR), global_step)
+
+    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        self.actor.load_checkpoint(local_path, load_optimizer)
+        self.critic.load_checkpoint(os.path.join(local_path, CRITIC_DIR))
+
+    def export_weights(self, path: str) -> None:
+        self.actor.export_weights(path)
+
+    def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.actor.broadcast_weights(spec)
+
+    def health(self) -> bool:
+        return self.actor.health()
+
+    def close(self) -> None:
+        self.actor.close()
+
+
+def _idle_actor_metrics() -> dict[str, Any]:
+    """The actor's metrics of a critic warm-up step: nothing trained."""
+    return {
+        "actor/loss": 0.0,
+        "actor/pg_loss": 0.0,
+        "actor/grad_norm": 0.0,
+        "actor/nan_skipped": 0,
+        "actor/optimizer_steps": 0,
+        "critic/warmup": 1.0,
+    }
