@@ -25,7 +25,7 @@ STEPS = 6
 
 
 @pytest.mark.parametrize(
-    "preset", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"]
+    "preset", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo", "ppo"]
 )
 def test_the_preset_runs_the_default_task(preset: str, tmp_path: Path) -> None:
     run_dir = tmp_path / preset

@@ -228,3 +228,38 @@ def test_ppo_learns_the_default_task_and_resumes(tmp_path: Path) -> None:
     assert independent.returncode == 0, independent.stderr
     result = json.loads(independent.stdout.strip().splitlines()[-1])
     assert result["checkpoint"].endswith("global_step_50") and result["accuracy"] >= 0.9, result
+
+
+@pytest.mark.e2e
+def test_ppo_under_mpirun_with_an_fsdp2_actor_group_at_temperature_07(tmp_path: Path) -> None:
+    """mpirun -n 5: the critic beside the driver's train worker, the actor on 2 FSDP2 trainer ranks,
+    sampling at T=0.7: every sync's canary verified (temperature 1 on both sides), trainer and
+    engine log-probs agree, the run learns, and its checkpoint holds the critic."""
+    from tests.test_mpi import _mpirun_installed, mpirun
+
+    _mpirun_installed()
+    run_dir = tmp_path / "mpi"
+    args = [
+        f"run_dir={run_dir}",
+        "seed=1",
+        "algorithm=ppo",
+        "rollout_worker.temperature=0.7",
+        "service.train_service.engine=fsdp",
+        "service.train_service.world_size=2",
+    ]
+    proc = subprocess.run(mpirun(5, args), cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 51))
+    assert max(r["train/logprob_mismatch_max"] for r in steps) <= 1e-4
+    verified = [r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/verify_max_abs_diff" in r]
+    assert len(verified) >= 50 and max(verified) <= 1e-4
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    assert val[-1][0] == 50 and val[-1][1] >= 0.9, val
+    ckpt = run_dir / "checkpoints" / "global_step_50"
+    assert (ckpt / "critic" / "optimizer" / "rank_0.safetensors").exists()
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir() if p.suffix == ".safetensors") == [
+        "rank_0.safetensors",
+        "rank_1.safetensors",
+    ]
