@@ -116,6 +116,19 @@ def test_the_ppo_preset_picks_gae_and_needs_no_groups() -> None:
     assert cfg["service"]["train_service"]["critic"]["cliprange_value"] == 0.5
 
 
+def test_a_critic_model_path_that_does_not_load_is_refused_naming_the_key(
+    tmp_path: Path, tiny_model_dir: str
+) -> None:
+    from tests.test_advantage_oracles import _problems
+
+    assert _problems(["algorithm=ppo", f"service.train_service.critic.model_path={tiny_model_dir}"]) == {}
+
+    missing = str(tmp_path / "no_model")
+    problems = _problems(["algorithm=ppo", f"service.train_service.critic.model_path={missing}"])
+    assert list(problems) == ["service.train_service.critic.model_path"]
+    assert problems["service.train_service.critic.model_path"].startswith(repr(missing))
+
+
 def test_the_processor_puts_each_reward_on_the_last_token_and_leaves_the_advantage_to_the_critic() -> None:
     from nexrl_hpc.algorithm.advantage_processor import AdvantageProcessor
     from nexrl_hpc.types import Batch

@@ -80,7 +80,22 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
         "which is per turn for rollout_worker.type=agent: set it to 0 (algorithm.overlong.filter works per turn)",
     )
     problems += _teacher_problems(cfg)
+    problems += _critic_problems(cfg)
     return problems
+
+
+def _critic_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """PPO's value model: a model directory that loads, reading the policy's token ids."""
+    path = g_safe(cfg, "service.train_service.critic.model_path")
+    if g_safe(cfg, "algorithm.adv_estimator") != "gae" or not isinstance(path, str):
+        return []
+    from nexrl_hpc.models.checks import model_dir_problem
+
+    why = model_dir_problem(path)
+    student_path = g_safe(cfg, "model.path")
+    if not why and (student_path is None or not model_dir_problem(str(student_path))):
+        why = _teacher_vocabulary_problem(cfg, path)
+    return [ConfigProblem("service.train_service.critic.model_path", f"{path!r}: {why}")] if why else []
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # the baseline is the group's mean
