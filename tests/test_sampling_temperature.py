@@ -200,6 +200,14 @@ def test_a_default_shape_run_at_temperature_07_has_no_logprob_mismatch(tmp_path:
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert r["train/logprob_mismatch_max"] <= 1e-4, (r["step"], r["train/logprob_mismatch_max"])
+    # every sync's canary verified: prompt log-probs at temperature 1 on the engine and the trainer
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    verified = {
+        r["step"]: r["weight_sync/verify_max_abs_diff"]
+        for r in rows
+        if "weight_sync/verify_max_abs_diff" in r
+    }
+    assert sorted(verified) == [0, 1, 2, 3, 4] and max(verified.values()) <= 1e-4, verified
     assert_behaviour_log_probs_are_the_sampling_distributions(run_dir, 1e-4)
 
 
