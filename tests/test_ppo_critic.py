@@ -244,10 +244,14 @@ def test_ppo_learns_the_default_task_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_ppo_under_mpirun_with_an_fsdp2_actor_group_at_temperature_07(tmp_path: Path) -> None:
-    """mpirun -n 5: the critic beside the driver's train worker, the actor on 2 FSDP2 trainer ranks,
-    sampling at T=0.7: every sync's canary verified (temperature 1 on both sides), trainer and
-    engine log-probs agree, the run learns, and its checkpoint holds the critic."""
+@pytest.mark.parametrize(("critic_ranks", "critic_engine"), [(1, "single"), (2, "fsdp")])
+def test_ppo_under_mpirun_with_a_critic_group_at_temperature_07(
+    tmp_path: Path, critic_ranks: int, critic_engine: str
+) -> None:
+    """mpirun: the actor on 2 FSDP2 trainer ranks, the critic on a group of its own (1 rank, or 2
+    under FSDP2), sampling at T=0.7: every sync's canary verified (temperature 1 on both sides),
+    trainer and engine log-probs agree, the run learns, and its checkpoint holds the critic's
+    weights and one optimizer file per critic rank."""
     import shutil
 
     from tests.test_mpi import mpirun
@@ -262,20 +266,31 @@ def test_ppo_under_mpirun_with_an_fsdp2_actor_group_at_temperature_07(tmp_path: 
         "rollout_worker.temperature=0.7",
         "service.train_service.engine=fsdp",
         "service.train_service.world_size=2",
+        f"service.train_service.critic.world_size={critic_ranks}",
+        f"service.train_service.critic.engine={critic_engine}",
     ]
-    proc = subprocess.run(mpirun(5, args), cwd=REPO, capture_output=True, text=True, timeout=1200)
+    n = 1 + 2 + critic_ranks + 1
+    proc = subprocess.run(mpirun(n, args), cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    assert [r["group"] for r in ranks] == [
+        "driver",
+        "trainer",
+        "trainer",
+        *["critic"] * critic_ranks,
+        "rollout",
+    ]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
+    assert all(r["critic/vf_loss"] >= 0.0 for r in steps)
     assert max(r["train/logprob_mismatch_max"] for r in steps) <= 1e-4
     verified = [r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/verify_max_abs_diff" in r]
     assert len(verified) >= 50 and max(verified) <= 1e-4
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     assert val[-1][0] == 50 and val[-1][1] >= 0.9, val
-    ckpt = run_dir / "checkpoints" / "global_step_50"
-    assert (ckpt / "critic" / "optimizer" / "rank_0.safetensors").exists()
-    assert sorted(p.name for p in (ckpt / "optimizer").iterdir() if p.suffix == ".safetensors") == [
-        "rank_0.safetensors",
-        "rank_1.safetensors",
+    critic = run_dir / "checkpoints" / "global_step_50" / "critic"
+    assert (critic / "model" / "model.safetensors").exists()
+    assert sorted(p.name for p in (critic / "optimizer").iterdir() if p.suffix == ".safetensors") == [
+        f"rank_{r}.safetensors" for r in range(critic_ranks)
     ]

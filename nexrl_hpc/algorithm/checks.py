@@ -85,17 +85,34 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
 
 
 def _critic_problems(cfg: Mapping) -> list[ConfigProblem]:
-    """PPO's value model: a model directory that loads, reading the policy's token ids."""
-    path = g_safe(cfg, "service.train_service.critic.model_path")
-    if g_safe(cfg, "algorithm.adv_estimator") != "gae" or not isinstance(path, str):
+    """PPO's value model: a model directory that loads, reading the policy's token ids; its ranks."""
+    if g_safe(cfg, "algorithm.adv_estimator") != "gae":
         return []
+    key = "service.train_service.critic"
+    size, engine = g_safe(cfg, f"{key}.world_size"), g_safe(cfg, f"{key}.engine")
+    problems: list[ConfigProblem] = []
+    if isinstance(size, int) and size > 1 and g_safe(cfg, "launch_mode") != "mpi":
+        problems.append(
+            ConfigProblem(
+                f"{key}.world_size", "more than one critic rank needs launch_mode=mpi (its own ranks)"
+            )
+        )
+    if engine == "single" and isinstance(size, int) and size > 1:
+        problems.append(
+            ConfigProblem(
+                f"{key}.engine", "engine=single runs one process: use fsdp or deepspeed for world_size > 1"
+            )
+        )
+    path = g_safe(cfg, f"{key}.model_path")
+    if not isinstance(path, str):
+        return problems
     from nexrl_hpc.models.checks import model_dir_problem
 
     why = model_dir_problem(path)
     student_path = g_safe(cfg, "model.path")
     if not why and (student_path is None or not model_dir_problem(str(student_path))):
         why = _teacher_vocabulary_problem(cfg, path)
-    return [ConfigProblem("service.train_service.critic.model_path", f"{path!r}: {why}")] if why else []
+    return problems + ([ConfigProblem(f"{key}.model_path", f"{path!r}: {why}")] if why else [])
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # the baseline is the group's mean

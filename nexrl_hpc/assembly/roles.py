@@ -65,6 +65,7 @@ def build_module(
     ctx: RunContext,
     trainer_group: tuple[str, bytes] | None = None,
     teacher_group: tuple[str, bytes] | None = None,
+    critic_group: tuple[str, bytes] | None = None,
 ) -> Any:
     """``trainer_group`` / ``teacher_group``: (address of rank 0, job key) when the job runs its own
     trainer (teacher) ranks."""
@@ -89,9 +90,10 @@ def build_module(
 
         address, key = trainer_group if trainer_group is not None else (None, None)
         teacher_address, teacher_key = teacher_group if teacher_group is not None else (None, None)
+        critic_address = critic_group[0] if critic_group is not None else None
         return cls(
             config,
-            create_train_service_client(config, ctx.base_model_dir, address, key),
+            create_train_service_client(config, ctx.base_model_dir, address, key, critic_address),
             create_teacher_client(config, teacher_address, teacher_key),
         )
     if role == NexRLRole.INFERENCE_SERVICE:
@@ -101,17 +103,19 @@ def build_module(
     return cls(config)
 
 
-def build_trainer_rank(config: RLTrainConfig, host: str, key: bytes) -> TrainerRank:
-    """This rank's TrainerRank around a PolicyTrainer (torch.distributed is started by then)."""
+def build_trainer_rank(config: RLTrainConfig, host: str, key: bytes, group: str = "trainer") -> TrainerRank:
+    """This rank's TrainerRank around a PolicyTrainer (the critic group's: PPO's value trainer;
+    torch.distributed is started by then)."""
     import torch
 
     from nexrl_hpc.rpc.preauth import WireLimits
+    from nexrl_hpc.trainer.critic import ValueTrainer
     from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
     from nexrl_hpc.trainer.trainer_rank import TrainerRank
 
     ts = config["service"]["train_service"]
     return TrainerRank(
-        PolicyTrainer(),
+        ValueTrainer() if group == "critic" else PolicyTrainer(),
         torch.device(ts["device"]),
         key,
         host=host,

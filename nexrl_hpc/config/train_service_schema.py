@@ -44,6 +44,8 @@ class ActorConfig(TypedDict):
 
 class CriticConfig(TypedDict):
     model_path: str | None  # the value model's HF directory; null: the policy's initial model
+    world_size: Annotated[int, Ge(1)]  # mpi mode: the critic group's ranks; local mode: 1 (this process)
+    engine: Literal["single", "fsdp", "deepspeed"]
     ppo_epochs: Annotated[int, Ge(1)]
     ppo_mini_batch_size: Annotated[int, Ge(1)]
     ppo_micro_batch_size: Annotated[int, Ge(1)]

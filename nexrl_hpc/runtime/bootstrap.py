@@ -30,6 +30,7 @@ from nexrl_hpc.runtime.network import (
     use_interface_for_collectives,
 )
 from nexrl_hpc.runtime.placement import (
+    CRITIC_GROUP,
     SERVICE_GROUPS,
     TEACHER_GROUP,
     TRAINER_GROUP,
@@ -144,7 +145,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm, roles: RoleRegistry) -> MP
     trainer = None
     names = spec.module_names
     if spec.group in SERVICE_GROUPS:
-        trainer = start_trainer_rank(config, group_comm, bind, key, roles.build_trainer_rank)
+        trainer = start_trainer_rank(config, group_comm, bind, key, roles.build_trainer_rank, spec.group)
         names = [f"{spec.group}_rank_{spec.instance}"]
     peers = comm.allgather(
         {
@@ -186,6 +187,7 @@ def start_trainer_rank(
     bind: BindAddress,
     key: bytes,
     build_trainer_rank: TrainerRankBuilder,
+    group: str = TRAINER_GROUP,
 ) -> TrainerRank:
     """torch.distributed over the trainer group (its rendezvous address exchanged over MPI; gloo's
     and NCCL's sockets on the interface of ``bind``), then this rank's TrainerRank from
@@ -241,7 +243,7 @@ def start_trainer_rank(
         world_size=size,
         timeout=timeout,
     )
-    return build_trainer_rank(config, host, key)
+    return build_trainer_rank(config, host, key, group)
 
 
 def _comm_type_shared() -> int:
@@ -257,7 +259,12 @@ def build_rank_modules(
     modules = []
     for name, role in zip(world.spec.module_names, world.spec.roles):
         module = world.roles.build_module(
-            role, config, ctx, world.service_group(), world.service_group(TEACHER_GROUP)
+            role,
+            config,
+            ctx,
+            world.service_group(),
+            world.service_group(TEACHER_GROUP),
+            world.service_group(CRITIC_GROUP),
         )
         module.set_module_name(name)
         module.set_activity_tracker(proxy)

@@ -34,7 +34,8 @@ SINGLETON_ROLES = (
 )
 DRIVER_GROUP, TRAINER_GROUP, TEACHER_GROUP, ROLLOUT_GROUP = "driver", "trainer", "teacher", "rollout"
 REWARD_GROUP = "reward"
-SERVICE_GROUPS = (TRAINER_GROUP, TEACHER_GROUP)  # ranks that run a trainer group, not modules
+CRITIC_GROUP = "critic"  # PPO's value model (algorithm.adv_estimator=gae)
+SERVICE_GROUPS = (TRAINER_GROUP, TEACHER_GROUP, CRITIC_GROUP)  # ranks that run a trainer group, not modules
 
 
 class PlacementError(ValueError):
@@ -190,9 +191,16 @@ def teacher_rank_count(config: Mapping[str, Any]) -> int:
     return teacher["world_size"] if teacher["backend"] == "local" else 0
 
 
+def critic_rank_count(config: Mapping[str, Any]) -> int:
+    """Ranks of the job's critic group (PPO: ``algorithm.adv_estimator=gae``)."""
+    if config["algorithm"]["adv_estimator"] != "gae":
+        return 0
+    return int(config["service"]["train_service"]["critic"]["world_size"])
+
+
 def service_rank_count(config: Mapping[str, Any]) -> int:
-    """Ranks of every trainer group the job runs itself (the policy's and the teacher's)."""
-    return trainer_rank_count(config) + teacher_rank_count(config)
+    """Ranks of every trainer group the job runs itself (the policy's, the teacher's, the critic's)."""
+    return trainer_rank_count(config) + teacher_rank_count(config) + critic_rank_count(config)
 
 
 def trainer_group(config: Mapping[str, Any]) -> list[GroupSpec]:
@@ -201,6 +209,7 @@ def trainer_group(config: Mapping[str, Any]) -> list[GroupSpec]:
     for name, count in (
         (TRAINER_GROUP, trainer_rank_count(config)),
         (TEACHER_GROUP, teacher_rank_count(config)),
+        (CRITIC_GROUP, critic_rank_count(config)),
     ):
         if count:
             res = config["placement"]["resources"].get(name, {})
@@ -211,8 +220,9 @@ def trainer_group(config: Mapping[str, Any]) -> list[GroupSpec]:
 
 
 def _teacher_note(config: Mapping[str, Any]) -> str:
-    count = teacher_rank_count(config)
-    return f" + {count} teacher (service.train_service.teacher_service.world_size)" if count else ""
+    count, critic = teacher_rank_count(config), critic_rank_count(config)
+    note = f" + {count} teacher (service.train_service.teacher_service.world_size)" if count else ""
+    return note + (f" + {critic} critic (service.train_service.critic.world_size)" if critic else "")
 
 
 def _reward_note(reward_ranks: int) -> str:

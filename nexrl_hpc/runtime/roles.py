@@ -42,16 +42,17 @@ class ModuleBuilder(Protocol):
         ctx: RunContext,
         trainer_group: tuple[str, bytes] | None = None,
         teacher_group: tuple[str, bytes] | None = None,
+        critic_group: tuple[str, bytes] | None = None,
     ) -> Any:
-        """One module of ``role``; ``trainer_group`` / ``teacher_group``: (address of rank 0, job key)
-        when the job runs its own trainer (teacher) ranks."""
+        """One module of ``role``; ``trainer_group`` / ``teacher_group`` / ``critic_group``: (address
+        of rank 0, job key) when the job runs its own trainer (teacher, critic) ranks."""
         ...
 
 
 class TrainerRankBuilder(Protocol):
-    def __call__(self, config: RLTrainConfig, host: str, key: bytes) -> TrainerRank:
-        """This rank's trainer (torch.distributed already started over its group); rank 0 binds
-        on ``host`` the socket the train worker sends batches to."""
+    def __call__(self, config: RLTrainConfig, host: str, key: bytes, group: str = "trainer") -> TrainerRank:
+        """This rank's trainer (torch.distributed already started over its group ``group``); rank 0
+        binds on ``host`` the socket the train worker sends batches to."""
         ...
 
 

@@ -1,40 +1,42 @@
-"""The critic of PPO: a value model (an HF model directory with a one-output token head), its own
-AdamW and LR schedule, and the clipped value update, in the trainer's process.
+"""The critic of PPO: a value model (an HF model directory with a one-output token head) trained
+by a ``PolicyTrainer`` of its own kind, so it runs where any trainer runs — in this process, or on
+trainer ranks of its own (single, FSDP2 or DeepSpeed ZeRO; the MPI job's ``critic`` group) — with
+its own AdamW, LR schedule and checkpoint files.
 
 The value model is ``AutoModelForTokenClassification`` with one label (verl's critic): the base
 model's weights from ``service.train_service.critic.model_path`` (null: the policy's initial model,
-a separate copy) and a fresh linear ``score`` head. V at response position t is the head's output
-at the position before token t (the state the token was generated from), padded as the actor's
-batch is; only ``response_mask`` tokens count. Checkpoints are the trainer's files
-(``checkpoint.trainer_io``) under ``<checkpoint>/critic``.
+a separate copy) and a fresh linear ``score`` head, without classifier dropout. V at response
+position t is the head's output at the position before token t (the state the token was generated
+from), padded as the actor's batch is; only ``response_mask`` tokens count.
+
+It speaks the trainer's two batch operations: ``compute_log_prob`` answers the values (in
+``old_log_probs``), ``update_actor`` trains on the clipped value loss with the batch's
+``old_log_probs`` as the values GAE used and ``advantages`` as the returns (``critic_batch``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import warnings
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from nexrl_hpc.algorithm.gae import value_loss
-from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO
-from nexrl_hpc.trainer.parallel import SingleProcess
-from nexrl_hpc.trainer.policy_trainer import lr_factor
+from nexrl_hpc.trainer.policy_trainer import MicroBatch, PolicyTrainer
 
 logger = logging.getLogger(__name__)
 
 VALUE_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-def load_value_model(model_dir: str, device: torch.device) -> Any:
-    """The base model of ``model_dir`` under a one-output token head (fp32 master weights), without
-    the classifier's dropout (transformers' default 0.1 would make every value a random draw; verl
-    sets it to 0 too)."""
+def load_value_model(model_dir: str, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
+    """The base model of ``model_dir`` under a one-output token head, without the classifier's
+    dropout (transformers' default 0.1 would make every value a random draw; verl sets it to 0 too)."""
     config = AutoConfig.from_pretrained(model_dir, num_labels=1)
     config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, config=config, dtype=dtype)
     return model.to(device)
 
 
@@ -50,131 +52,105 @@ def response_values(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
     return out.logits[:, -r - 1 : -1, 0].float()
 
 
-class CriticTrainer:
-    """The value model and its update (``service.train_service.critic``), on this process."""
+def critic_batch(
+    tensors: dict[str, torch.Tensor], values: torch.Tensor, returns: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The critic's update batch in the trainer's contract: the sequences, the values GAE used
+    (``old_log_probs``) and the returns (``advantages``)."""
+    return {**{k: tensors[k] for k in VALUE_INPUTS}, "old_log_probs": values, "advantages": returns}
 
-    def __init__(self, critic_cfg: dict[str, Any], model_dir: str, train_cfg: dict[str, Any]):
-        self.cfg = critic_cfg
-        self.model_dir = model_dir
-        self.device = torch.device(train_cfg["device"])
-        self._export_max_shard_mb = train_cfg["export_max_shard_mb"]
-        self._total_steps = train_cfg["total_training_steps"]
-        self.parallel = SingleProcess()
-        self.model: Any = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
-    def init_model(self) -> None:
-        optim = self.cfg["optim"]
-        self.model = load_value_model(self.model_dir, self.device)
-        self.model.train()
+def critic_service_config(train_config: dict[str, Any], critic: dict[str, Any]) -> dict[str, Any]:
+    """The critic's ``initialize_worker`` payload: the trainer's settings with the critic's
+    update settings as its ``actor`` section, its own engine, padded rows, no KL reference."""
+    actor = train_config["actor"]
+    return {
+        **train_config,
+        "engine": critic["engine"],
+        "sequence_parallel_size": 1,
+        "algorithm": dict(train_config["algorithm"], kl_loss_coef=0.0),
+        "actor": {
+            **{k: critic[k] for k in ("ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size")},
+            **{k: critic[k] for k in ("cliprange_value", "loss_agg_mode", "grad_clip", "optim")},
+            "ppo_max_token_len_per_gpu": None,
+            "packing": False,
+            "share_prompt": False,
+            "loss_norm_tokens": actor["loss_norm_tokens"],
+        },
+    }
 
-        def make_optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(
-                params,
-                lr=optim["lr"],
-                betas=tuple(optim["betas"]),
-                eps=optim["eps"],
-                weight_decay=optim["weight_decay"],
-            )
 
-        self.model, self.optimizer = self.parallel.setup(self.model, make_optimizer)
-        warmup, schedule, min_ratio = optim["lr_warmup_steps"], optim["lr_scheduler"], optim["min_lr_ratio"]
-        total = self._total_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
-        )
+class ValueTrainer(PolicyTrainer):
+    """The critic's trainer on one rank: the value model instead of the policy, the value loss
+    instead of the policy loss; the batch plan, the parallel engines and the checkpoint files are
+    the policy trainer's."""
 
-    def _rows(self, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: tensors[k].index_select(0, index).to(self.device) for k in tensors}
+    def _load_model(self, model_dir: str, dtype: torch.dtype) -> Any:
+        return load_value_model(model_dir, self.device, dtype)
 
-    @torch.no_grad()
-    def compute_values(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The critic's values of a batch's response tokens, [B, R] (0 off the response mask)."""
-        self.model.eval()
-        n, micro = tensors["responses"].shape[0], self.cfg["ppo_micro_batch_size"]
-        parts = []
-        for lo in range(0, n, micro):
-            rows = self._rows({k: tensors[k] for k in VALUE_INPUTS}, torch.arange(lo, min(lo + micro, n)))
-            parts.append((response_values(self.model, rows) * rows["response_mask"]).cpu())
-        self.model.train()
-        return torch.cat(parts) if parts else torch.zeros(tensors["responses"].shape)
+    def _log_probs(
+        self, micro: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's values (``compute_log_prob`` answers them)."""
+        with self._compute():
+            values = response_values(self.model, micro.tensors)
+        return values, (torch.zeros_like(values) if with_entropy else None)
 
-    def update_critic(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``ppo_epochs`` passes of mini-batches over the batch, each one AdamW step on the clipped
-        value loss (micro-batches accumulate with the mini-batch's normaliser)."""
+    def update_actor_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+        """``ppo_epochs`` passes over the planned mini-batches, one AdamW step each on the clipped
+        value loss; the metrics are global (reduced over the critic's ranks)."""
+        cfg = self._require_cfg()
+        par = self._require_parallel()
+        critic = cfg["actor"]
         assert self.optimizer is not None and self.scheduler is not None
-        cfg = self.cfg
-        n = tensors["responses"].shape[0]
-        mini, micro = min(cfg["ppo_mini_batch_size"], n), cfg["ppo_micro_batch_size"]
-        sums = {"loss": 0.0, "vf_clipfrac_sum": 0.0, "vpred_sum": 0.0, "tokens": 0.0}
+        sums = [0.0, 0.0, 0.0, 0.0]  # loss, clipped tokens, predicted values, tokens (this rank's)
         grad_norms: list[float] = []
         skipped = 0
-        for _ in range(cfg["ppo_epochs"]):
-            for m_lo in range(0, n, mini):
-                m_hi = min(m_lo + mini, n)
-                mask = tensors["response_mask"][m_lo:m_hi]
-                normalizer = _normalizer(mask, cfg["loss_agg_mode"])
-                self.parallel.zero_grad(self.model, self.optimizer)
-                for lo in range(m_lo, m_hi, micro):
-                    part = self._rows(tensors, torch.arange(lo, min(lo + micro, m_hi)))
+        for _ in range(critic["ppo_epochs"]):
+            lo = 0
+            for counts, normalizer, passes, ranges in zip(
+                plan["counts"], plan["normalizers"], plan["passes"], plan["micro"]
+            ):
+                par.zero_grad(self.model, self.optimizer)
+                for i in range(passes):
+                    micro = self._micro(shard, lo, ranges[par.rank], i, plan["shared_prompts"])
+                    part = micro.tensors
+                    with self._compute():
+                        predicted = response_values(self.model, part)
                     loss, stats = value_loss(
-                        response_values(self.model, part),
-                        part["values"],
-                        part["returns"],
+                        predicted,
+                        part["old_log_probs"],
+                        part["advantages"],
                         part["response_mask"],
-                        cfg["cliprange_value"],
-                        cfg["loss_agg_mode"],
+                        critic["cliprange_value"],
+                        critic["loss_agg_mode"],
                         normalizer,
                     )
-                    self.parallel.backward(self.model, loss, last_in_step=lo + micro >= m_hi)
-                    sums["loss"] += float(loss.detach())
-                    for key, value in stats.items():
-                        sums[key] += float(value)
-                norm, stepped = self.parallel.step(self.model, self.optimizer, cfg["grad_clip"])
+                    weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
+                    par.backward(self.model, loss * weight, last_in_step=i == passes - 1)
+                    if micro.real:
+                        values = (
+                            loss.detach(),
+                            stats["vf_clipfrac_sum"],
+                            stats["vpred_sum"],
+                            stats["tokens"],
+                        )
+                        sums = [a + float(b) for a, b in zip(sums, values)]
+                norm, stepped = par.step(self.model, self.optimizer, critic["grad_clip"])
                 grad_norms.append(norm)
                 skipped += int(not stepped)
+                lo += counts[par.rank]
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        tokens = max(sums["tokens"], 1.0)
+        with warnings.catch_warnings():  # a step whose optimizer steps were all skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
+        loss_sum, clipped, vpred, tokens = par.all_reduce_sum(sums)
+        tokens = max(tokens, 1.0)
         return {
-            "critic/vf_loss": sums["loss"] / max(len(grad_norms), 1),
-            "critic/vf_clipfrac": sums["vf_clipfrac_sum"] / tokens,
-            "critic/vpred_mean": sums["vpred_sum"] / tokens,
+            "critic/vf_loss": loss_sum / max(len(grad_norms), 1),
+            "critic/vf_clipfrac": clipped / tokens,
+            "critic/vpred_mean": vpred / tokens,
             "critic/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "critic/lr": float(lr),
             "critic/nan_skipped": skipped,
         }
-
-    def _checkpoint_io(self) -> TrainerCheckpointIO:
-        return TrainerCheckpointIO(
-            self.parallel,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            engine="single",
-            base_model_dir=self.model_dir,
-            max_shard_bytes=self._export_max_shard_mb << 20,
-        )
-
-    def save_checkpoint(self, local_path: str, global_step: int) -> None:
-        """The value model and the critic's optimizer under ``local_path`` (a checkpoint's ``critic/``)."""
-        self._checkpoint_io().save(local_path, global_step)
-
-    def load_checkpoint(self, local_path: str) -> None:
-        if not os.path.isdir(local_path):
-            raise FileNotFoundError(
-                f"{local_path}: no critic in this checkpoint (saved by a run without "
-                "algorithm.adv_estimator=gae?); a PPO run resumes only from a PPO run's checkpoint"
-            )
-        io = self._checkpoint_io()
-        files = io.files(local_path)
-        io.check(files, load_optimizer=True)
-        io.load(files, load_optimizer=True)
-
-
-def _normalizer(mask: torch.Tensor, agg_mode: str) -> float:
-    """The mini-batch-wide normaliser of ``core_algos.aggregate`` (tokens, or sequences)."""
-    if agg_mode == "token-mean":
-        return float(mask.sum().clamp(min=1.0))
-    return float(mask.shape[0]) * (mask.shape[1] if agg_mode == "seq-mean-token-sum-norm" else 1)

@@ -8,6 +8,7 @@ the interface.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.trainer.backend import TrainBackend
@@ -18,9 +19,12 @@ def create_train_service_client(
     base_model_dir: str,
     trainer_address: str | None = None,
     job_key: bytes | None = None,
+    critic_address: str | None = None,
 ) -> TrainBackend:
     """``local``: the policy trainer in this process (local mode) or the MPI job's trainer ranks (mpi mode:
-    ``trainer_address`` is their rank 0); ``direct-zmq``: a standalone service at ``url``."""
+    ``trainer_address`` is their rank 0); ``direct-zmq``: a standalone service at ``url``. PPO
+    (``adv_estimator=gae``): with its critic, in this process or the job's critic ranks
+    (``critic_address``)."""
     ts = config["service"]["train_service"]
     if ts["backend"] == "noop":
         from nexrl_hpc.trainer.noop import NoopTrainService
@@ -37,9 +41,17 @@ def create_train_service_client(
         job_key,
     )
     if config["algorithm"]["adv_estimator"] == "gae":  # PPO: the critic beside the actor
+        from nexrl_hpc.trainer.critic import ValueTrainer
         from nexrl_hpc.trainer.ppo_backend import PPOBackend
 
-        return PPOBackend.from_config(config, client, base_model_dir)
+        model_dir = ts["critic"]["model_path"] or base_model_dir
+        critic: TrainBackend
+        if critic_address is None:  # in this process
+            critic = ValueTrainer(model_dir)
+        else:  # the MPI job's critic ranks
+            assert job_key is not None
+            critic = group_client(config, critic_address, job_key, model_dir)
+        return PPOBackend.from_config(config, client, critic)
     return client
 
 
@@ -79,16 +91,14 @@ def _client(
         from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 
         return PolicyTrainer(model_dir)
-    from nexrl_hpc.rpc.preauth import WireLimits
-    from nexrl_hpc.trainer.group_client import ApiServerControl, Control, DirectControl, TrainGroupClient
+    from nexrl_hpc.trainer.group_client import ApiServerControl, Control
     from nexrl_hpc.trainer.protocol import key_from_token
 
     ts = config["service"]["train_service"]
-    control: Control
     if backend == "local":
         assert address is not None and job_key is not None
-        key, control = job_key, DirectControl()
-    elif backend == "direct-zmq":
+        return group_client(config, address, job_key, model_dir)
+    if backend == "direct-zmq":
         token = os.environ.get(ts["token_env"], "")
         if not token:
             raise ValueError(
@@ -97,6 +107,7 @@ def _client(
             )
         assert url is not None  # the config checks require it for direct-zmq
         api = ApiServerControl(url, token, identifier, ts["heartbeat_timeout_s"])
+        control: Control
         info = api.wait_ready(ts["connect_timeout_s"])
         address, key, control = (
             info["endpoints"]["0"],
@@ -105,6 +116,23 @@ def _client(
         )
     else:
         raise ValueError(f"{service_key}.backend={backend!r} is not available")
+    return _group_client(config, address, key, control, model_dir)
+
+
+def group_client(config: RLTrainConfig, address: str, job_key: bytes, model_dir: str) -> TrainBackend:
+    """The client of one of the MPI job's own trainer groups (its rank 0 at ``address``)."""
+    from nexrl_hpc.trainer.group_client import DirectControl
+
+    return _group_client(config, address, job_key, DirectControl(), model_dir)
+
+
+def _group_client(
+    config: RLTrainConfig, address: str, key: bytes, control: Any, model_dir: str
+) -> TrainBackend:
+    from nexrl_hpc.rpc.preauth import WireLimits
+    from nexrl_hpc.trainer.group_client import TrainGroupClient
+
+    ts = config["service"]["train_service"]
     return TrainGroupClient(
         address,
         key,

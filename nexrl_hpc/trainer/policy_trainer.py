@@ -191,12 +191,7 @@ class PolicyTrainer(TrainBackend):
         compute_dtype = getattr(torch, cfg["dtype"])
         if self._base_model_dir is None:
             raise ValueError("initialize_worker: no model_path in the config and no base model given")
-        self.model = load_model(
-            self._base_model_dir,
-            dtype=master_dtype(cfg["engine"], compute_dtype),
-            device=self.device,
-            attn_implementation=cfg["attn_implementation"],
-        )
+        self.model = self._load_model(self._base_model_dir, master_dtype(cfg["engine"], compute_dtype))
         self.model.train()
         if cfg["gradient_checkpointing"]:
             enable_activation_checkpointing(self.model)
@@ -229,6 +224,13 @@ class PolicyTrainer(TrainBackend):
         total, min_ratio = cfg["total_training_steps"], optim["min_lr_ratio"]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup, schedule, total, min_ratio)
+        )
+
+    def _load_model(self, model_dir: str, dtype: torch.dtype) -> Any:
+        """The model this trainer trains (a causal LM; the critic's trainer loads a value model)."""
+        cfg = self._require_cfg()
+        return load_model(
+            model_dir, dtype=dtype, device=self.device, attn_implementation=cfg["attn_implementation"]
         )
 
     def _enable_sequence_parallel(self, cfg: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ actor's weights are exported unchanged. Checkpoints hold the critic under ``<che
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -18,9 +19,10 @@ import torch
 from nexrl_hpc.algorithm.gae import gae_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight, _DoneUpdate
-from nexrl_hpc.trainer.critic import VALUE_INPUTS, CriticTrainer
+from nexrl_hpc.trainer.critic import VALUE_INPUTS, critic_batch, critic_service_config
 
 CRITIC_DIR = "critic"
+UPDATES_FILE = "updates.json"  # the critic's update count (its warm-up's progress)
 CRITIC_ONLY_KEYS = ("token_level_rewards",)  # what the actor's update does not take
 
 
@@ -40,34 +42,37 @@ class _WithCriticMetrics(UpdateInFlight):
 
 
 class PPOBackend(TrainBackend):
-    """``actor`` (any backend: this process, a trainer group, a service) with a ``CriticTrainer``."""
+    """``actor`` and ``critic``: any backends (this process, a trainer group, a service)."""
 
     def __init__(
-        self, actor: TrainBackend, critic: CriticTrainer, gamma: float, lam: float, warmup_steps: int
+        self,
+        actor: TrainBackend,
+        critic: TrainBackend,
+        critic_cfg: dict[str, Any],
+        gamma: float,
+        lam: float,
     ):
         self.actor = actor
         self.critic = critic
+        self.critic_cfg = critic_cfg
         self.gamma, self.lam = gamma, lam
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = critic_cfg["warmup_steps"]
+        self.critic_updates = 0  # restored from the checkpoint (warm-up counts them)
         self.queues_updates = actor.queues_updates
 
     @classmethod
-    def from_config(cls, config: RLTrainConfig, actor: TrainBackend, base_model_dir: str) -> PPOBackend:
-        ts, algo = config["service"]["train_service"], config["algorithm"]
-        critic_cfg = ts["critic"]
-        train_cfg = {
-            "device": ts["device"],
-            "export_max_shard_mb": ts["export_max_shard_mb"],
-            "total_training_steps": config["train_worker"]["total_train_steps"],
-        }
-        critic = CriticTrainer(dict(critic_cfg), critic_cfg["model_path"] or base_model_dir, train_cfg)
-        return cls(actor, critic, algo["gamma"], algo["lam"], critic_cfg["warmup_steps"])
+    def from_config(cls, config: RLTrainConfig, actor: TrainBackend, critic: TrainBackend) -> PPOBackend:
+        algo = config["algorithm"]
+        critic_cfg = dict(config["service"]["train_service"]["critic"])
+        return cls(actor, critic, critic_cfg, algo["gamma"], algo["lam"])
 
     # --- lifecycle: both ------------------------------------------------------------------------
     def initialize_worker(
         self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
     ) -> None:
         self.actor.initialize_worker(config_dict, role, world_size)
+        critic_config = critic_service_config(config_dict, self.critic_cfg)
+        self.critic.initialize_worker(critic_config, role="critic", world_size=self.critic_cfg["world_size"])
 
     def init_model(self) -> None:
         self.actor.init_model()
@@ -77,12 +82,15 @@ class PPOBackend(TrainBackend):
     def critic_step(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         """Values, GAE, the critic's update: (the actor's batch with its advantages, the metrics)."""
         mask = tensors["response_mask"]
-        values = self.critic.compute_values(tensors)
+        inputs = {k: tensors[k] for k in VALUE_INPUTS}
+        answer = self.critic.compute_log_prob({"batch": inputs, "meta_info": {}})
+        values = answer["batch"]["old_log_probs"].float() * mask
         advantages, returns = gae_advantages(
             tensors["token_level_rewards"], values, mask, self.gamma, self.lam
         )
-        inputs = {k: tensors[k] for k in VALUE_INPUTS}
-        metrics = self.critic.update_critic(dict(inputs, values=values, returns=returns))
+        update = self.critic.update_actor({"batch": critic_batch(tensors, values, returns), "meta_info": {}})
+        self.critic_updates += 1
+        metrics = dict(update["meta_info"]["metrics"])
         tokens = mask.sum().clamp(min=1.0)
         metrics["critic/values_mean"] = float((values * mask).sum() / tokens)
         metrics["critic/returns_mean"] = float((returns * mask).sum() / tokens)
@@ -92,9 +100,8 @@ class PPOBackend(TrainBackend):
         return actor_batch, metrics
 
     def _warming_up(self) -> bool:
-        """The critic's updates so far (its schedule's count, restored on resume) are still warm-up."""
-        assert self.critic.scheduler is not None
-        return self.critic.scheduler.last_epoch < self.warmup_steps
+        """The critic's updates so far are still warm-up (``critic.warmup_steps``)."""
+        return self.critic_updates < self.warmup_steps
 
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         warming_up = self._warming_up()
@@ -125,12 +132,24 @@ class PPOBackend(TrainBackend):
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self.actor.save_checkpoint(local_path, global_step, save_weight_only)
-        if not save_weight_only:
-            self.critic.save_checkpoint(os.path.join(local_path, CRITIC_DIR), global_step)
+        if save_weight_only:
+            return
+        critic_dir = os.path.join(local_path, CRITIC_DIR)
+        self.critic.save_checkpoint(critic_dir, global_step)
+        with open(os.path.join(critic_dir, UPDATES_FILE), "w") as f:
+            json.dump({"critic_updates": self.critic_updates}, f)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        critic_dir = os.path.join(local_path, CRITIC_DIR)
+        if not os.path.isfile(os.path.join(critic_dir, UPDATES_FILE)):
+            raise FileNotFoundError(
+                f"{critic_dir}: no critic in this checkpoint (saved by a run without "
+                "algorithm.adv_estimator=gae?); a PPO run resumes only from a PPO run's checkpoint"
+            )
         self.actor.load_checkpoint(local_path, load_optimizer)
-        self.critic.load_checkpoint(os.path.join(local_path, CRITIC_DIR))
+        self.critic.load_checkpoint(critic_dir, load_optimizer)
+        with open(os.path.join(critic_dir, UPDATES_FILE)) as f:
+            self.critic_updates = int(json.load(f)["critic_updates"])
 
     def export_weights(self, path: str) -> None:
         self.actor.export_weights(path)
@@ -139,10 +158,11 @@ class PPOBackend(TrainBackend):
         return self.actor.broadcast_weights(spec)
 
     def health(self) -> bool:
-        return self.actor.health()
+        return self.actor.health() and self.critic.health()
 
     def close(self) -> None:
         self.actor.close()
+        self.critic.close()
 
 
 def _idle_actor_metrics() -> dict[str, Any]:
