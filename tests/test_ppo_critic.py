@@ -294,3 +294,39 @@ def test_ppo_under_mpirun_with_a_critic_group_at_temperature_07(
     assert sorted(p.name for p in (critic / "optimizer").iterdir() if p.suffix == ".safetensors") == [
         f"rank_{r}.safetensors" for r in range(critic_ranks)
     ]
+
+
+@pytest.mark.e2e
+def test_the_critic_on_two_fsdp2_ranks_equals_the_critic_in_one_process(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """torchrun, two gloo ranks: FSDP2's values, value loss, gradient norm and the values after one
+    update are the single process's (micro-batches of 3, mini-batches of 6: two optimizer steps)."""
+    import os
+    import shutil
+
+    from nexrl_hpc.trainer.critic import load_value_model
+
+    value_dir = tmp_path / "value_model"
+    torch.manual_seed(0)
+    load_value_model(tiny_model_dir, torch.device("cpu")).save_pretrained(value_dir)
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            shutil.copy(os.path.join(tiny_model_dir, name), value_dir / name)
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [*cmd, "-m", "tests.helpers.critic_numerics", str(out), str(value_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["values"] <= 1e-5 and result["after"] <= 1e-5, result
+    assert result["moved"] > 1e-3, result  # the update changed the values
+    assert result["vf_loss"][0] == pytest.approx(result["vf_loss"][1], rel=1e-5), result
+    assert result["grad_norm"][0] == pytest.approx(result["grad_norm"][1], rel=1e-4), result
