@@ -330,3 +330,35 @@ def test_the_critic_on_two_fsdp2_ranks_equals_the_critic_in_one_process(
     assert result["moved"] > 1e-3, result  # the update changed the values
     assert result["vf_loss"][0] == pytest.approx(result["vf_loss"][1], rel=1e-5), result
     assert result["grad_norm"][0] == pytest.approx(result["grad_norm"][1], rel=1e-4), result
+
+
+def test_mpi_mode_places_the_critic_on_its_own_group_and_says_what_fits() -> None:
+    from nexrl_hpc.runtime.placement import PlacementError, plan_placement, trainer_group
+
+    cfg = compose_config(
+        [
+            "launch_mode=mpi",
+            "algorithm=ppo",
+            "service.train_service.critic.world_size=2",
+            "service.train_service.critic.engine=fsdp",
+            "placement.resources.critic={cpus_per_rank: 3, gpus_per_rank: 1}",
+        ]
+    )
+    placement = plan_placement(cfg, 5)
+    assert [r.group for r in placement.ranks] == ["driver", "trainer", "critic", "critic", "rollout"]
+    assert all(not r.module_names for r in placement.ranks if r.group == "critic")
+    critic = [g for g in trainer_group(cfg) if g.name == "critic"]
+    assert [(g.count, g.cpus_per_rank, g.gpus_per_rank) for g in critic] == [(2, 3, 1)]
+    with pytest.raises(PlacementError) as err:
+        plan_placement(cfg, 4)
+    assert "2 critic (service.train_service.critic.world_size)" in str(err.value)
+    grpo = compose_config(["launch_mode=mpi", "service.train_service.critic.world_size=2"])
+    assert [r.group for r in plan_placement(grpo, 3).ranks] == ["driver", "trainer", "rollout"]
+
+
+def test_critic_ranks_and_engine_are_checked() -> None:
+    from tests.test_advantage_oracles import _problems
+
+    problems = _problems(["algorithm=ppo", "service.train_service.critic.world_size=2"])
+    assert set(problems) == {"service.train_service.critic.world_size", "service.train_service.critic.engine"}
+    assert "launch_mode=mpi" in problems["service.train_service.critic.world_size"]
