@@ -98,7 +98,7 @@ def main() -> None:
     for t, p, r in results:
         ratio = r["max"] / base if base > 0 else float("inf")
         print(
-            f"| {t} | {p} | {r['max']:.2e} | {r['mean']:.2e} | {ratio:.3g}x | {-math.log(p):.3f} | "
+            f"| {t} | {p} | {r['max']:.2e} | {r['mean']:.2e} | {ratio:.3g}x | {-math.log(p) + 0.0:.3f} | "
             f"{r['behaviour']:.2e} |"
         )
 
