@@ -87,7 +87,52 @@ def run_status(run_dir: str) -> dict[str, Any]:
     status["plots"] = (
         sorted(n for n in os.listdir(plots) if n.endswith(".png")) if os.path.isdir(plots) else []
     )
+    status["elastic"] = elastic_members(run_dir)
     return status
+
+
+def elastic_members(run_dir: str) -> dict[str, Any] | None:
+    """Rollout ranks that joined the run (runtime.elastic): each one's state, and the refusals."""
+    from nexrl_hpc.runtime.elastic import DOOR_DIR, MEMBERS_FILE
+
+    path = os.path.join(run_dir, DOOR_DIR, MEMBERS_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            found: dict[str, Any] = json.load(f)
+        return found
+    except (OSError, ValueError):
+        return None
+
+
+def format_elastic(elastic: dict[str, Any]) -> list[tuple[str, str]]:
+    """One line for the joined ranks, then one per rank: its state, since when, its join time."""
+    members = elastic["members"]
+    counts = {s: sum(1 for m in members if m["state"] == s) for s in ("joined", "starting", "left", "ended")}
+    lines = [
+        (
+            "elastic",
+            f"{counts['joined']} joined, {counts['starting']} starting, {counts['left']} left, "
+            f"{counts['ended']} served to the end, "
+            f"{elastic['refused']} refused (start {elastic['generation']} of the run)",
+        )
+    ]
+    for m in members:
+        job = f", Slurm job {m['job']}" if m.get("job") else ""
+        joined_in = (
+            f", join time {m['first_task_at'] - m['started_at']:.1f} s"
+            if m.get("first_task_at") and m.get("started_at")
+            else ""
+        )
+        reason = f": {m['reason']}" if m.get("reason") else ""
+        lines.append(
+            (
+                f"  rank {m['rank']}",
+                f"{m['state']} since {_when(m['since'])} (host {m['host']}, pid {m['pid']}{job}){joined_in}{reason}",
+            )
+        )
+    return lines
 
 
 def _when(t: float | None) -> str:
@@ -145,6 +190,8 @@ def format_status(status: dict[str, Any]) -> list[tuple[str, str]]:
     lines.append(("plots", f"{where}/ ({len(plots)} PNGs: {', '.join(plots)})" if plots else "-"))
     if "logs" in status:
         lines.append(("logs", ", ".join(status["logs"])))
+    if status.get("elastic"):
+        lines += format_elastic(status["elastic"])
     return lines
 
 

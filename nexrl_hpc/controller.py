@@ -35,6 +35,7 @@ from nexrl_hpc.checkpoint.manager import (
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker
 from nexrl_hpc.core.execute import execute
+from nexrl_hpc.membership import RolloutMembership
 from nexrl_hpc.models.tiny import load_tokenizer, materialize_base_model
 from nexrl_hpc.run_health import RunFailed, RunHealth
 from nexrl_hpc.runtime.gc_tuning import settle_after_setup
@@ -77,6 +78,7 @@ class NexRLController:
         self._rollout_workers: list[BaseRolloutWorker] = []
         self._inference_services: list[InferenceService] = []
         self._reward_services: list[Any] = []  # reward_model.placement=own_ranks
+        self._members = RolloutMembership(self)  # who generates rollouts: lost, joined, left
         self.activity_tracker: ActivityTracker | None = None
         self._health: RunHealth | None = None  # built with the activity tracker
         self.experiment_logger: ExperimentLogger | None = None
@@ -159,7 +161,9 @@ class NexRLController:
 
         self.experiment_logger = ExperimentLogger(cfg, self.run_dir, resume_step)
         self.activity_tracker = ActivityTracker(cfg, experiment_logger=self.experiment_logger)
-        self._health = RunHealth(self._monitor, self.runtime, self.activity_tracker, self._continue_without)
+        self._health = RunHealth(
+            self._monitor, self.runtime, self.activity_tracker, self._members.continue_without
+        )
         self.runtime.create_all_actors(ctx, self.activity_tracker)
         self._modules_built = True
         self._rollout_workers = list(self.runtime.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER))
@@ -353,22 +357,7 @@ class NexRLController:
         assert self._health is not None
         self._health.check_module_exceptions()
         self._health.check_health()
-
-    def _continue_without(self, gone: set[str], reason: str) -> None:
-        """Policy continue lost rollout workers / inference services: re-wire the rest, re-issue their tasks."""
-        self._rollout_workers = [w for w in self._rollout_workers if execute(w.get_module_name) not in gone]
-        self._inference_services = [
-            s for s in self._inference_services if execute(s.get_module_name) not in gone
-        ]
-        if not self._rollout_workers or not self._inference_services:
-            raise RunFailed(f"{reason}: no rollout worker or inference service is left")
-        execute(self.scheduler.set_inference_services, self._inference_services)
-        assert self._health is not None
-        for name in gone:
-            if self._health.module_roles.get(name) == NexRLRole.ROLLOUT_WORKER:
-                n = execute(self.dataloader.requeue_consumer, name)
-                m = execute(self.validate_dataloader.requeue_consumer, name)
-                logger.warning("re-issued %d training and %d validation task(s) that %s held", n, m, name)
+        self._members.poll()  # rollout ranks that joined or left (runtime.elastic)
 
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:

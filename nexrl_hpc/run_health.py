@@ -48,13 +48,19 @@ class RunHealth:
         self._last_health_check = 0.0
         self.module_roles: dict[str, NexRLRole] = {}  # filled as the modules are wired
         self.server_descriptions: dict[str, str] = {}  # inference service name -> its server, at start-up
+        self.elastic_modules: set[str] = (
+            set()
+        )  # joined ranks' modules: losing them is normal, whatever the policy
 
     def check_module_exceptions(self) -> bool:
         """Apply ``runtime_monitor.exception_handling.policy`` to errors reported since the last check."""
         if not self._monitor["exception_handling"]["enabled"]:
             return True
         new, self._seen_errors = self._tracker.error_reporter.errors_since(self._seen_errors)
-        errors = [e for e in new if e.severity == ErrorSeverity.ERROR]
+        # a joined rank's errors as it leaves (its server killed under it) are its leaving, not the run's
+        errors = [
+            e for e in new if e.severity == ErrorSeverity.ERROR and e.module_name not in self.elastic_modules
+        ]
         if self._policy == "stop_on_critical":
             errors = [e for e in errors if e.is_critical]
         elif self._policy == "continue":
@@ -81,7 +87,7 @@ class RunHealth:
             )
             try:
                 if set(dead["modules"]) & set(tracker.registered_modules()):
-                    self._lose_modules(dead["modules"], reason)
+                    self.lose_modules(dead["modules"], reason)
                 elif runtime.is_trainer_rank(dead["rank"]):  # no module, but training needs it
                     raise RunFailed(f"{reason}: the trainer group cannot train without it")
             finally:
@@ -104,7 +110,7 @@ class RunHealth:
             else:
                 reason = f"module(s) not alive: {where}"
             try:
-                self._lose_modules(dead_modules, reason)
+                self.lose_modules(dead_modules, reason)
             finally:
                 for rank in silent:
                     runtime.retire_rank(rank, reason)
@@ -115,13 +121,16 @@ class RunHealth:
         description = self.server_descriptions.get(name)
         return f", server {description}" if description else ""
 
-    def _lose_modules(self, names: list[str], reason: str) -> None:
-        """Stop the run, or (policy continue, rollout modules only) go on without them: their tasks are re-issued."""
+    def lose_modules(self, names: list[str], reason: str) -> None:
+        """Stop the run, or (policy continue, rollout modules only; or a joined rank's, whatever the
+        policy) go on without them: their tasks are re-issued."""
         for name in names:  # their in-flight work will never end: shutdown must not wait for it
             self._tracker.unregister_module(name)
         replaceable = all(self.module_roles.get(m) in REPLACEABLE_ROLES for m in names)
-        if self._policy != "continue" or not replaceable:
+        tolerated = self._policy == "continue" or set(names) <= self.elastic_modules
+        if not tolerated or not replaceable:
             raise RunFailed(f"{reason} (policy {self._policy})")
-        logger.error("%s; continuing without it (policy continue)", reason)
+        why = "policy continue" if self._policy == "continue" else "a joined rank's"
+        logger.error("%s; continuing without it (%s)", reason, why)
         self._tracker.report_error("controller", "health_check", reason, ErrorSeverity.WARNING)
         self._continue_without(set(names), reason)

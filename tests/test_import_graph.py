@@ -49,6 +49,7 @@ LAYERS = [
     "run_health",
     "assembly",
     "reference_step",
+    "membership",
     "controller",
     "launcher",
     "api",

@@ -381,8 +381,16 @@ class RpcConfig(TypedDict):
     heartbeat_s: Annotated[float, Gt(0.0)]  # ZMQ heartbeat interval (silent for 3: dropped)
 
 
+class ElasticConfig(TypedDict):
+    enabled: bool  # mpi mode: rank 0 admits rollout ranks started later (nexrl-join RUN_DIR)
+    max_members: Annotated[int, Ge(0)]  # joined ranks at once
+    handshake_timeout_s: Annotated[float, Gt(0.0)]
+    admit_timeout_s: Annotated[float, Gt(0.0)]
+
+
 class RuntimeConfig(TypedDict):
     rpc: RpcConfig
+    elastic: ElasticConfig
     bootstrap_timeout_s: Annotated[float, Gt(0.0)]
     bootstrap_kill_after_s: Annotated[float, Gt(0.0)]  # a rank stuck in C code is ended this long after
     mpi_env: dict[str, str | int | float | bool]  # set before MPI_Init on every rank (MPICH CVARs)

@@ -148,5 +148,11 @@ class Directory:
             handle = self._handles[name] = RemoteModuleHandle(self._endpoint, rank, name, cls)
         return handle
 
+    def add(self, name: str, rank: int, cls: type) -> None:
+        """A module that joined the run later (a joined rollout rank's): resolvable from now on."""
+        if name in self._locations:
+            raise ValueError(f"module name {name!r} is placed already")
+        self._locations[name] = (rank, cls)
+
     def rank_of(self, name: str) -> int:
         return self._locations[name][0]

@@ -134,7 +134,7 @@ def bootstrap(config: RLTrainConfig, comm: Intracomm, roles: RoleRegistry) -> MP
         server_threads=rpc["server_threads"],
         call_timeout_s=rpc["call_timeout_s"],
         direct_sockets_per_peer=rpc["direct_sockets_per_peer"],
-        long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1),
+        long_poll_threads=rpc["long_poll_threads_per_peer"] * max(1, comm.size - 1 + _joiners(config)),
         lookup=registry.lookup,
         resolve_handle=lambda name: directory_box[0].resolve(name),
         limits=WireLimits.from_config(rpc),
@@ -244,6 +244,12 @@ def start_trainer_rank(
         timeout=timeout,
     )
     return build_trainer_rank(config, host, key, group)
+
+
+def _joiners(config: RLTrainConfig) -> int:
+    """Rollout ranks that may join later (runtime/elastic.py): rank 0 keeps long-poll threads for them."""
+    elastic = config["runtime"]["elastic"]
+    return elastic["max_members"] if elastic["enabled"] else 0
 
 
 def _comm_type_shared() -> int:

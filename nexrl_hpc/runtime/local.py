@@ -12,6 +12,7 @@ from typing import Any
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.module import abort_modules
+from nexrl_hpc.runtime.elastic import JoinDoor, Member
 from nexrl_hpc.runtime.placement import module_name
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RoleRegistry, RunContext, local_role_counts
@@ -50,6 +51,12 @@ class LocalRuntime(Runtime):
         return "this process"
 
     # --- nothing to watch or tear down across processes ---------------------------------------------
+    def elastic_door(self) -> JoinDoor | None:
+        return None  # one process: nothing joins it
+
+    def admit_joiner(self, member: Member) -> tuple[Any, Any]:
+        raise RuntimeError("local mode admits no joined rank (launch_mode=mpi does)")
+
     def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
         return []
 

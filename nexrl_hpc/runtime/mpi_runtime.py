@@ -18,6 +18,7 @@ from nexrl_hpc.core.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_hpc.core.module import abort_modules
 from nexrl_hpc.rpc.endpoint import RPC_MODULE
 from nexrl_hpc.runtime.bootstrap import TRACKER, MPIWorld, build_rank_modules
+from nexrl_hpc.runtime.elastic import JoinDoor, Member
 from nexrl_hpc.runtime.placement import SERVICE_GROUPS
 from nexrl_hpc.runtime.protocol import Runtime
 from nexrl_hpc.runtime.roles import RunContext
@@ -34,6 +35,7 @@ class MPIRuntime(Runtime):
         self._world = world
         self._context_sent = False
         self.aborted = False  # abort() ran: the process leaves without closing its endpoint
+        self._door: JoinDoor | None = None  # runtime.elastic: rollout ranks that join later
 
     def create_all_actors(self, ctx: RunContext, tracker: ActivityTracker) -> None:
         w = self._world
@@ -53,6 +55,42 @@ class MPIRuntime(Runtime):
         with open(f"{path}.tmp", "w") as f:
             json.dump(ranks, f, indent=1)
         os.replace(f"{path}.tmp", path)
+        if self._config["runtime"]["elastic"]["enabled"]:
+            self._open_door(ctx)
+
+    def _open_door(self, ctx: RunContext) -> None:
+        """Listen for joiners (on the RPC interface) and write this start's credential."""
+        w = self._world
+        welcome = {
+            "driver": {"address": w.peers[0]["address"], "lane_address": w.peers[0]["lane_address"]},
+            "locations": {name: [r, role.value] for name, (r, role, _) in w.placement.modules().items()},
+            "context": asdict(ctx),
+        }
+        host = w.endpoint.address.removeprefix("tcp://").rsplit(":", 1)[0]
+        rpc = self._config["runtime"]["rpc"]
+        self._door = JoinDoor(
+            self._config["runtime"]["elastic"],
+            ctx.run_dir,
+            host,
+            w.key,
+            len(w.peers),
+            welcome,
+            rpc["preauth_max_connections"],
+        )
+        w.registry.add_builtin("elastic_leave", self._door.leave_notice)
+
+    def elastic_door(self) -> JoinDoor | None:
+        return self._door
+
+    def admit_joiner(self, member: Member) -> tuple[Any, Any]:
+        """Reach a proven joiner's modules: (its rollout worker, its inference service)."""
+        w = self._world
+        w.endpoint.connect({member.rank: member.address}, {member.rank: member.lane_address})
+        worker, service = member.names
+        w.directory.add(worker, member.rank, w.roles.role_class(NexRLRole.ROLLOUT_WORKER, self._config))
+        w.directory.add(service, member.rank, w.roles.role_class(NexRLRole.INFERENCE_SERVICE, self._config))
+        self._tracker().heartbeat(member.rank, member.host, member.names)  # silence is measured from here
+        return w.directory.resolve(worker), w.directory.resolve(service)
 
     def abort_startup(self) -> None:
         """Rank 0 failed before sending the context: release the ranks waiting for it."""
@@ -78,7 +116,14 @@ class MPIRuntime(Runtime):
 
     def location(self, name: str) -> str:
         rank = self._world.directory.rank_of(name)
-        return f"rank {rank} ({self._world.peers[rank]['host']})"
+        return f"rank {rank} ({self._peer(rank)['host']})"
+
+    def _peer(self, rank: int) -> dict[str, Any]:
+        """An MPI rank's start-up record, or a joined rank's (host, modules)."""
+        if rank < len(self._world.peers):
+            return self._world.peers[rank]
+        member = self._door.member_of(rank) if self._door is not None else None
+        return {"host": member.host if member else "?", "modules": member.names if member else []}
 
     def dead_ranks(self, timeout: float) -> list[dict[str, Any]]:
         return [
@@ -86,24 +131,25 @@ class MPIRuntime(Runtime):
         ]
 
     def is_trainer_rank(self, rank: int) -> bool:
-        return self._world.placement.ranks[rank].group in SERVICE_GROUPS
+        return rank < len(self._world.peers) and self._world.placement.ranks[rank].group in SERVICE_GROUPS
 
     def retire_rank(self, rank: int, reason: str) -> None:
         self._world.endpoint.fail_peer(rank, reason)
         self._tracker().forget_rank(rank)
 
     def describe_rank(self, rank: int) -> str:
-        peer = self._world.peers[rank]
+        peer = self._peer(rank)
         return f"rank {rank} on {peer['host']} ({', '.join(peer['modules'])})"
 
     def ranks_only_hosting(self, names: list[str]) -> list[int]:
         """Ranks all of whose modules are in ``names`` (lost modules: the rank has nothing left to do)."""
         lost = set(names)
+        joined = self._door.members() if self._door is not None else []
         return [
             spec.rank
             for spec in self._world.placement.ranks
             if spec.module_names and set(spec.module_names) <= lost
-        ]
+        ] + [m.rank for m in joined if m.state == "joined" and set(m.names) <= lost]
 
     def rpc_rejected_total(self) -> float:
         return self._world.endpoint.stats()["rejected"] + self._tracker().rank_stats_total("rejected")
@@ -149,9 +195,12 @@ class MPIRuntime(Runtime):
     def _call_live_ranks(self, builtin: str, args: tuple[Any, ...], timeout: float) -> None:
         """Call a rank built-in on every rank not declared dead; wait up to ``timeout`` for all."""
         w = self._world
+        joined = self._door.live_ranks() if self._door is not None else []
+        if self._door is not None and builtin != "release":
+            self._door.close()  # no joiner is let in once the run ends
         futures = [
             w.endpoint.call_async(r, RPC_MODULE, builtin, args, {}, timeout=timeout)
-            for r in range(1, len(w.peers))
+            for r in [*range(1, len(w.peers)), *joined]
             if not w.endpoint.is_dead(r)
         ]
         deadline = time.monotonic() + timeout

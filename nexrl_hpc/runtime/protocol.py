@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from nexrl_hpc.core.activity import ActivityTracker
+from nexrl_hpc.runtime.elastic import JoinDoor, Member
 from nexrl_hpc.runtime.roles import RunContext
 from nexrl_hpc.types import NexRLRole
 
@@ -37,6 +38,15 @@ class Runtime(Protocol):
 
     def location(self, name: str) -> str:
         """Where the module ``name`` runs, for messages."""
+        ...
+
+    # --- rollout ranks that join later (runtime.elastic) ------------------------------------------
+    def elastic_door(self) -> JoinDoor | None:
+        """Where joiners come in (None: this launch mode or config admits none)."""
+        ...
+
+    def admit_joiner(self, member: Member) -> tuple[Any, Any]:
+        """Reach a proven joiner's modules: (its rollout worker, its inference service)."""
         ...
 
     # --- ranks: liveness, statistics --------------------------------------------------------------
