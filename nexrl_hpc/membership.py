@@ -79,9 +79,9 @@ class RolloutMembership:
             return
         for rank, reason in door.take_departures():
             names = [n for n, r in self._joined.items() if r == rank]
+            c.runtime.retire_rank(rank, reason)  # first: nothing it still sends is served after the re-issue
             if names:
                 c._health.lose_modules(names, f"joined rank {rank} left ({reason})")
-            c.runtime.retire_rank(rank, reason)
         if not execute(c.scheduler.is_waiting_for_validation):
             for member in door.take_arrivals():
                 self._admit(member)

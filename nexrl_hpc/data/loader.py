@@ -111,6 +111,7 @@ class DatasetLoader(BaseDataLoader):
         # done (trajectory in the pool), not yet trained: a checkpoint hands these out again too
         self._delivered: dict[str, dict[str, Any]] = {}
         self._extra: deque[dict[str, Any]] = deque()  # add_item_back of items that are not returns
+        self._gone: set[str] = set()  # consumers whose tasks were re-issued: nothing more goes to them
         self._budget: int | None = None
         self._epoch = 0
         self._order: list[int] = []
@@ -214,6 +215,10 @@ class DatasetLoader(BaseDataLoader):
                     break  # woken without work (wake_waiters): let the caller look around
         if consumer is not None and items:
             with self._lock:
+                if consumer in self._gone:  # a long poll of a consumer lost meanwhile: not its tasks
+                    self._returned.extendleft(reversed(items))
+                    self._lock.notify_all()
+                    return []
                 for item in items:
                     self._outstanding[task_key(item)] = (consumer, item)
         return items
@@ -250,8 +255,10 @@ class DatasetLoader(BaseDataLoader):
             return len(self._returned) + len(self._extra) + len(self._outstanding) + len(self._delivered)
 
     def requeue_consumer(self, consumer: str) -> int:
-        """Hand out again, first, every task ``consumer`` held (it died); returns how many."""
+        """Hand out again, first, every task ``consumer`` held (it died); returns how many. The
+        consumer gets nothing more (a long poll of its still waiting here included)."""
         with self._lock:
+            self._gone.add(consumer)
             keys = [k for k, (c, _) in self._outstanding.items() if c == consumer]
             for key in keys:
                 self._returned.appendleft(self._outstanding.pop(key)[1])

@@ -186,6 +186,8 @@ class IoServer:
         src = envelope["src"]
         if kind == "hi":
             return
+        if src in self._calls.dead and kind in ("req", "reqs"):
+            return  # a rank declared dead is dead: its late requests (a task put back) are not served
         if replies is not None:
             for call_id, ok, body in replies:
                 self._complete(call_id, body, [], ok, src, routing_id)

@@ -79,22 +79,22 @@ def write_credential(run_dir: str, host: str, port: int) -> JoinCredential:
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     os.chmod(os.path.dirname(path), 0o700)
     run_id, generation = secrets.token_hex(16), 1
-    if os.path.exists(path):
-        try:
-            old = read_credential(run_dir)
-            run_id, generation = old.run_id, old.generation + 1
-        except (JoinRefused, OSError, ValueError, KeyError):
-            pass  # unreadable: a new run id (joiners holding the old one are refused as another run's)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        run_id, generation = str(old["run_id"]), int(old["generation"]) + 1
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none or unreadable: a new run id (joiners holding an old one are refused as another run's)
     cred = JoinCredential(run_id, generation, secrets.token_bytes(32), host, port)
-    body = json.dumps(
-        {
-            "run_id": cred.run_id,
-            "generation": cred.generation,
-            "secret": cred.secret.hex(),
-            "host": host,
-            "port": port,
-        }
-    ).encode()
+    _write_private(
+        path,
+        {"run_id": run_id, "generation": generation, "secret": cred.secret.hex(), "host": host, "port": port},
+    )
+    return cred
+
+
+def _write_private(path: str, content: dict[str, Any]) -> None:
+    body = json.dumps(content).encode()
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -104,7 +104,6 @@ def write_credential(run_dir: str, host: str, port: int) -> JoinCredential:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return cred
 
 
 def read_credential(run_dir: str) -> JoinCredential:
@@ -123,6 +122,10 @@ def read_credential(run_dir: str) -> JoinCredential:
                 f"{path}: mode {stat.S_IMODE(info.st_mode):o}, others may read it (must be 600)"
             )
         data = json.loads(f.read(MAX_FRAME))
+    if "secret" not in data:
+        raise JoinRefused(
+            f"{path}: start {data.get('generation')} of the run has ended; no joiner is admitted"
+        )
     return JoinCredential(
         str(data["run_id"]),
         int(data["generation"]),
@@ -317,7 +320,7 @@ class JoinDoor:
         return True
 
     def close(self) -> None:
-        """No more joiners; the credential goes with the door (it opens nothing any more)."""
+        """No more joiners; the secret goes with the door (it opens nothing any more)."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -330,9 +333,12 @@ class JoinDoor:
             self._listener.close()
         except OSError:
             pass
-        try:
+        try:  # the run id and start stay (the next start counts on), the secret goes
             if read_credential(self._run_dir).secret == self.credential.secret:
-                os.unlink(door_path(self._run_dir))
+                cred = self.credential
+                _write_private(
+                    door_path(self._run_dir), {"run_id": cred.run_id, "generation": cred.generation}
+                )
         except (OSError, JoinRefused, ValueError, KeyError):
             pass
 
