@@ -1,10 +1,12 @@
-"""``nexrl-join RUN_DIR`` (``python -m launch.join RUN_DIR``): a rollout rank joins a running job.
+"""``nexrl-join [--wait] RUN_DIR`` (``python -m launch.join``): a rollout rank joins a running job.
 
 Started by hand or as its own Slurm job on any host that reaches the run's
 ``runtime.rpc.interface``, by the run's user (the credential in ``RUN_DIR/elastic/join.json`` is
 that user's alone; nothing secret is read from the command line or the environment). It serves
 rollouts until the run ends (exit 0), leaves on SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 (exit 0:
 its tasks in flight are re-issued), and exits 2 when the run refuses it (the reason on stderr).
+``--wait``: first wait for the run's door to open (launcher.elastic's join jobs; exit 0 if the run
+ends first).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0].startswith("-"):
-        print("usage: nexrl-join RUN_DIR", file=sys.stderr)
+    wait = "--wait" in args
+    paths = [a for a in args if a != "--wait"]
+    if len(paths) != 1 or paths[0].startswith("-"):
+        print("usage: nexrl-join [--wait] RUN_DIR", file=sys.stderr)
         return 2
-    run_dir = os.path.abspath(args[0])
+    run_dir = os.path.abspath(paths[0])
     from nexrl_hpc.assembly.roles import ROLES
     from nexrl_hpc.runtime.elastic import JoinRefused
     from nexrl_hpc.runtime.elastic_rank import JoinedRank
@@ -37,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         handlers=handlers,
     )
     try:
+        if wait and not wait_for_door(run_dir):
+            print(f"nexrl-join {run_dir}: the run ended before this rank could join", file=sys.stderr)
+            return 0
         return JoinedRank(run_dir, ROLES).serve()
     except JoinRefused as exc:
         print(f"error: nexrl-join {run_dir}: {exc}", file=sys.stderr)
@@ -44,6 +51,28 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ConnectionError) as exc:
         print(f"error: nexrl-join {run_dir}: the run's door did not answer: {exc}", file=sys.stderr)
         return 2
+
+
+def wait_for_door(run_dir: str, poll_s: float = 2.0) -> bool:
+    """``--wait`` (a join job that may start before the run, or while it is requeued): until the
+    run's door is open (True), or the run has ended (False)."""
+    import time
+
+    from nexrl_hpc.runtime.elastic import JoinRefused, read_credential
+    from nexrl_hpc.tracking.run_status import RunState, read_status
+
+    logger = logging.getLogger("launch.join")
+    logger.info("waiting for the run's door in %s", run_dir)
+    while True:
+        try:
+            read_credential(run_dir)
+            return True
+        except JoinRefused:
+            pass
+        status = read_status(run_dir) or {}
+        if status.get("state") in (RunState.FINISHED, RunState.FAILED):
+            return False
+        time.sleep(poll_s)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def run_status(run_dir: str) -> dict[str, Any]:
             slurm_state = f"unknown ({exc})"
         status["slurm_state"] = slurm_state
         status["logs"] = [info["train_log"], info["stderr"][0]]
+        status["elastic_jobs"] = elastic_job_states(info.get("elastic_jobs", []), job_state)
     record = read_status(run_dir)
     status.update(describe(record, slurm_state))
     for key in ("pid", "host", "started_at", "ended_at"):
@@ -89,6 +90,17 @@ def run_status(run_dir: str) -> dict[str, Any]:
     )
     status["elastic"] = elastic_members(run_dir)
     return status
+
+
+def elastic_job_states(job_ids: list[str], job_state: Any) -> dict[str, str]:
+    """launcher.elastic's join jobs: each one's Slurm state."""
+    states = {}
+    for job_id in job_ids:
+        try:
+            states[job_id] = job_state(job_id)
+        except (OSError, RuntimeError, ValueError) as exc:
+            states[job_id] = f"unknown ({exc})"
+    return states
 
 
 def elastic_members(run_dir: str) -> dict[str, Any] | None:
@@ -190,6 +202,8 @@ def format_status(status: dict[str, Any]) -> list[tuple[str, str]]:
     lines.append(("plots", f"{where}/ ({len(plots)} PNGs: {', '.join(plots)})" if plots else "-"))
     if "logs" in status:
         lines.append(("logs", ", ".join(status["logs"])))
+    for job_id, state in (status.get("elastic_jobs") or {}).items():
+        lines.append(("elastic job", f"{job_id}: {state}"))
     if status.get("elastic"):
         lines += format_elastic(status["elastic"])
     return lines

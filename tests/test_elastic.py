@@ -135,10 +135,10 @@ def test_elastic_door_refuses_and_counts_wrong_old_copied_and_foreign_credential
             recv_frame(junk)
             junk.sendall(b"\xff\xff\xff\xff" + b"x" * 64)  # a frame size far over the limit
         deadline = time.monotonic() + 5
-        while requeued.refused < 4 and time.monotonic() < deadline:
+        recorded = run_dir / "elastic" / "members.json"
+        while time.monotonic() < deadline and json.loads(recorded.read_text())["refused"] < 4:
             time.sleep(0.02)
-        assert requeued.refused == 4
-        assert json.loads((run_dir / "elastic" / "members.json").read_text())["refused"] == 4
+        assert requeued.refused == 4 and json.loads(recorded.read_text())["refused"] == 4
         assert mode_of(door_path(str(run_dir))) == 0o600
     finally:
         requeued.close()
@@ -305,3 +305,60 @@ def test_elastic_a_lost_consumers_waiting_long_poll_takes_none_of_its_reissued_t
     assert sorted(t["uid"] for t in again) == sorted(t["uid"] for t in held) and len(again) == 3
     assert dl.outstanding() == {"rollout_worker_0": 3}
     assert dl.get_next_items(3, 0.0, "rollout_worker_e3") == []  # nothing more goes to it
+
+
+def test_elastic_join_jobs_are_not_requeued_and_carry_no_secret(tmp_path: Path) -> None:
+    """launcher.elastic: each join job is one task on the elastic partition/qos with its time and
+    GPUs, --no-requeue, running ``launch.join --wait RUN_DIR`` after the setup lines."""
+    from nexrl_hpc.launcher.elastic_jobs import join_job_command
+    from tests.conftest import compose_config
+
+    cfg = compose_config(
+        [
+            "launcher=slurm",
+            "launcher.partition=main",
+            "launcher.elastic.count=2",
+            "launcher.elastic.partition=scavenger",
+            "launcher.elastic.qos=low",
+            "launcher.elastic.time_min=30",
+            "launcher.elastic.gpus=1",
+            "launcher.setup=[module load cuda]",
+        ]
+    )
+    cmd = join_job_command(cfg, str(tmp_path), str(tmp_path / "slurm"))
+    assert cmd[:3] == ["sbatch", "--parsable", "--no-requeue"]
+    for flag in ("--partition=scavenger", "--qos=low", "--time=30", "--gpus-per-task=1", "--ntasks=1"):
+        assert flag in cmd
+    script = cmd[-1].removeprefix("--wrap=").splitlines()
+    assert script[0] == "module load cuda"
+    assert script[1].endswith(f"-m launch.join --wait {tmp_path}")
+    default = compose_config(["launcher=slurm", "launcher.partition=main"])
+    assert "--partition=main" in join_job_command(default, str(tmp_path), str(tmp_path))
+    assert default["launcher"]["elastic"]["count"] == 0
+
+
+def test_elastic_join_wait_ends_when_the_run_ended_and_refuses_without_a_door(tmp_path: Path) -> None:
+    """``nexrl-join --wait``: a join job that starts after the run ended leaves (exit 0); without
+    --wait a run dir with no open door is refused (exit 2)."""
+    from nexrl_hpc.tracking.run_status import RunStatus
+
+    status = RunStatus(str(tmp_path))
+    status.started()
+    status.ended(0, "run finished")
+    (tmp_path / "config.yaml").write_text("runtime: {}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.join", "--wait", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "the run ended before this rank could join" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.join", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "elastic/join.json: no such file" in proc.stderr

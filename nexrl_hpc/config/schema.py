@@ -416,6 +416,14 @@ class PreemptionConfig(TypedDict):
     requeue: bool
 
 
+class ElasticJobsConfig(TypedDict):
+    count: Annotated[int, Ge(0)]  # launcher=slurm: join jobs submitted alongside the run's job
+    partition: str | None
+    qos: str | None
+    time_min: Annotated[int, Ge(1)]
+    gpus: Annotated[int, Ge(0)]
+
+
 class LauncherConfig(TypedDict):
     name: Literal["local", "slurm"]
     wait: bool
@@ -429,6 +437,7 @@ class LauncherConfig(TypedDict):
     rollout_ranks: Annotated[int, Ge(1)]
     setup: list[str]
     sbatch: dict[str, Any]
+    elastic: ElasticJobsConfig
     nodes: Annotated[int, Ge(1)] | None  # a one-component job: --nodes (null: Slurm packs the tasks)
     gres: str | None  # a one-component job: --gres, e.g. "gpu:8" (sites that count GPUs as gres)
     gpus_per_node: Annotated[int, Ge(1)] | None  # a one-component job: --gpus-per-node

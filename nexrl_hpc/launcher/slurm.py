@@ -28,6 +28,7 @@ from typing import Any, cast
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.config.validate import ConfigError, ConfigProblem
 from nexrl_hpc.launcher.cluster import Demand, check_job_in_partition
+from nexrl_hpc.launcher.elastic_jobs import submit_join_jobs
 from nexrl_hpc.launcher.hetjob import Component, HetSlurmExecutor, job_sizing
 from nexrl_hpc.runtime.network import is_loopback_spec
 from nexrl_hpc.runtime.placement import PlacementError, plan_placement, reward_rank_count, service_rank_count
@@ -344,6 +345,7 @@ def submit(config: RLTrainConfig) -> tuple[Any, dict[str, Any]]:
         folder, components, job_sizing(dict(lc)), **{k: v for k, v in parameters.items() if v is not None}
     )
     job = executor.submit(SlurmRun(run_config))
+    elastic_jobs = submit_join_jobs(config, run_dir, folder)  # launcher.elastic: they wait for its door
     info = {
         "job_id": str(job.job_id),
         "run_dir": run_dir,
@@ -355,6 +357,7 @@ def submit(config: RLTrainConfig) -> tuple[Any, dict[str, Any]]:
         "stderr": [str(Path(folder) / f"{job.job_id}_{t}_log.err") for t in range(world)],
         "train_log": os.path.join(run_dir, "train.log"),
         "submitted_at": time.time(),
+        "elastic_jobs": elastic_jobs,
     }
     path = os.path.join(run_dir, "launcher.json")
     with open(f"{path}.tmp", "w") as f:

@@ -237,6 +237,7 @@ class JoinDoor:
         self._welcome = welcome
         self._next_rank = first_rank
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()  # one writer of members.json at a time, each with the latest state
         self._members: dict[int, Member] = {}
         self._arrivals: list[Member] = []
         self._departures: list[tuple[int, str]] = []
@@ -470,17 +471,17 @@ class JoinDoor:
 
     def _write_members(self) -> None:
         """``<run_dir>/elastic/members.json``: every joiner's state (launch.status reads it)."""
-        with self._lock:
-            state = {
-                "generation": self.credential.generation,
-                "refused": self.refused,
-                "members": [m.public() for m in self._members.values()],
-            }
         path = os.path.join(self._run_dir, DOOR_DIR, MEMBERS_FILE)
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(state, f, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            logger.exception("elastic: could not write %s", path)
+        with self._file_lock:
+            with self._lock:
+                state = {
+                    "generation": self.credential.generation,
+                    "refused": self.refused,
+                    "members": [m.public() for m in self._members.values()],
+                }
+            try:
+                with open(f"{path}.tmp", "w") as f:
+                    json.dump(state, f, indent=1)
+                os.replace(f"{path}.tmp", path)
+            except OSError:
+                logger.exception("elastic: could not write %s", path)
