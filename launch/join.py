@@ -5,8 +5,9 @@ Started by hand or as its own Slurm job on any host that reaches the run's
 that user's alone; nothing secret is read from the command line or the environment). It serves
 rollouts until the run ends (exit 0), leaves on SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 (exit 0:
 its tasks in flight are re-issued), and exits 2 when the run refuses it (the reason on stderr).
-``--wait``: first wait for the run's door to open (launcher.elastic's join jobs; exit 0 if the run
-ends first).
+``--wait`` (launcher.elastic's join jobs): first wait for the run's door to open, and after the run
+stopped without ending (preempted, requeued) wait for its next start and join again as a new
+member; exit 0 once the run has ended.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,24 +42,31 @@ def main(argv: list[str] | None = None) -> int:
         format="[%(asctime)s][joined][%(name)s][%(levelname)s] - %(message)s",
         handlers=handlers,
     )
-    try:
-        if wait and not wait_for_door(run_dir):
-            print(f"nexrl-join {run_dir}: the run ended before this rank could join", file=sys.stderr)
-            return 0
-        return JoinedRank(run_dir, ROLES).serve()
-    except JoinRefused as exc:
-        print(f"error: nexrl-join {run_dir}: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ConnectionError) as exc:
-        print(f"error: nexrl-join {run_dir}: the run's door did not answer: {exc}", file=sys.stderr)
-        return 2
+    while True:  # --wait: through the run's requeues, until the run ends or this rank is told to leave
+        try:
+            if wait and not wait_for_door(run_dir):
+                print(f"nexrl-join {run_dir}: the run ended before this rank could join", file=sys.stderr)
+                return 0
+            rank = JoinedRank(run_dir, ROLES)
+            code = rank.serve()
+        except JoinRefused as exc:
+            print(f"error: nexrl-join {run_dir}: {exc}", file=sys.stderr)
+            return 2
+        except (OSError, ConnectionError) as exc:
+            if not wait:
+                print(f"error: nexrl-join {run_dir}: the run's door did not answer: {exc}", file=sys.stderr)
+                return 2
+            logging.getLogger("launch.join").info("the run's door did not answer (%s): waiting", exc)
+            time.sleep(2.0)
+            continue
+        if not wait or code == 0 or rank.left:
+            return code
+        logging.getLogger("launch.join").info("the run stopped (exit %d): waiting for its next start", code)
 
 
 def wait_for_door(run_dir: str, poll_s: float = 2.0) -> bool:
     """``--wait`` (a join job that may start before the run, or while it is requeued): until the
     run's door is open (True), or the run has ended (False)."""
-    import time
-
     from nexrl_hpc.runtime.elastic import JoinRefused, read_credential
     from nexrl_hpc.tracking.run_status import RunState, read_status
 

@@ -118,6 +118,11 @@ class JoinedRank:
         self._modules: list[NexRLModule] = []
         self._code = 0
 
+    @property
+    def left(self) -> bool:
+        """It ended on a leave signal (cancelled, preempted, its time up), not because the run stopped."""
+        return bool(self._leaving)
+
     def serve(self) -> int:
         cred = read_credential(self._run_dir)
         config = load_run_config(self._run_dir)
