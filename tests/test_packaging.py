@@ -51,7 +51,7 @@ def test_wheel_runs_from_another_directory(tmp_path: Path) -> None:
     source = sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "configs").rglob("*.yaml"))
     assert shipped == source
     scripts = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for name in ("nexrl-train", "nexrl-status", "nexrl-train-service", "nexrl-train-worker"):
+    for name in ("nexrl-train", "nexrl-status", "nexrl-join", "nexrl-train-service", "nexrl-train-worker"):
         assert f"{name} = " in scripts
 
     # a fresh venv: the dependencies come from this interpreter, the package only from the wheel
