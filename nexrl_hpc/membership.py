@@ -18,7 +18,6 @@ and ``rollout/leaves`` (since the previous step line), ``rollout/join_refused`` 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.core.execute import execute
@@ -165,10 +164,9 @@ class RolloutMembership:
                 door.first_task(waiting[name])
 
     def _load(self, service: Any, version: int) -> None:
-        """The version the others serve, from its export (weight.sync_weight_path)."""
+        """The version the others serve, from its export (weight.sync_weight_path), as the
+        publisher has every service load it (a service that cannot names the path)."""
         path = sync_weight_dir(self._c.config["weight"]["sync_weight_path"], version)
-        if not os.path.isdir(path):
-            raise RuntimeError(f"weight version {version} is not exported at {path}")
         execute(service.reload_weights, path, version)
 
     def _catch_up(self) -> None:
