@@ -19,6 +19,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # the join time counts from here (or from the door found, with --wait)
     args = sys.argv[1:] if argv is None else argv
     wait = "--wait" in args
     paths = [a for a in args if a != "--wait"]
@@ -44,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     while True:  # --wait: through the run's requeues, until the run ends or this rank is told to leave
         try:
-            if wait and not wait_for_door(run_dir):
-                print(f"nexrl-join {run_dir}: the run ended before this rank could join", file=sys.stderr)
-                return 0
-            rank = JoinedRank(run_dir, ROLES)
+            if wait:
+                if not wait_for_door(run_dir):
+                    print(f"nexrl-join {run_dir}: the run ended before this rank could join", file=sys.stderr)
+                    return 0
+                started = time.time()
+            rank = JoinedRank(run_dir, ROLES, started)
             code = rank.serve()
         except JoinRefused as exc:
             print(f"error: nexrl-join {run_dir}: {exc}", file=sys.stderr)

@@ -53,7 +53,6 @@ from nexrl_hpc.types import NexRLRole
 
 logger = logging.getLogger(__name__)
 
-STARTED_AT = time.time()  # this process's start (the import of this module): the join time's origin
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -69,8 +68,9 @@ class Admission:
     nonces: tuple[str, str]
 
 
-def prove_membership(cred: JoinCredential, timeout_s: float) -> Admission:
-    """Steps 1-3 of the handshake: the challenge answered, the door's own proof checked."""
+def prove_membership(cred: JoinCredential, timeout_s: float, started_at: float | None = None) -> Admission:
+    """Steps 1-3 of the handshake: the challenge answered, the door's own proof checked.
+    ``started_at``: when this joiner started (its join time's origin, for the status)."""
     conn = socket.create_connection((cred.host, cred.port), timeout=timeout_s)
     try:
         challenge = recv_frame(conn)
@@ -87,7 +87,7 @@ def prove_membership(cred: JoinCredential, timeout_s: float) -> Admission:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "job": os.environ.get("SLURM_JOB_ID"),
-                "started_at": STARTED_AT,
+                "started_at": started_at if started_at is not None else time.time(),
             },
         )
         reply = recv_frame(conn)
@@ -109,7 +109,9 @@ def prove_membership(cred: JoinCredential, timeout_s: float) -> Admission:
 class JoinedRank:
     """One joined rollout rank's life: ``serve()`` returns the process exit code."""
 
-    def __init__(self, run_dir: str, roles: RoleRegistry) -> None:
+    def __init__(self, run_dir: str, roles: RoleRegistry, started_at: float | None = None) -> None:
+        """``started_at``: when ``nexrl-join`` started (or found the run's door): the join time's origin."""
+        self._started_at = started_at
         self._run_dir = os.path.abspath(run_dir)
         self._roles = roles
         self._stop = threading.Event()  # rank 0 said shutdown/abort, or a signal said leave
@@ -128,7 +130,7 @@ class JoinedRank:
         config = load_run_config(self._run_dir)
         elastic = config["runtime"]["elastic"]
         started = time.monotonic()
-        admission = prove_membership(cred, elastic["handshake_timeout_s"])
+        admission = prove_membership(cred, elastic["handshake_timeout_s"], self._started_at)
         for sig in LEAVE_SIGNALS:
             signal.signal(sig, self._on_signal)
         try:
