@@ -1,6 +1,6 @@
 """Rollout throughput while rollout ranks join and leave a running mpirun job (``nexrl-join``).
 
-``mpirun -n 3`` (rank 0 the driver roles, a no-op trainer rank, one rollout rank); each rollout
+``mpirun -n 2`` (rank 0 the driver roles and the no-op trainer, one rollout rank); each rollout
 rank's LLM is a fake that answers after ``--latency-ms`` per request, ``--concurrency`` requests in
 flight per rank, and every step hands out ``--waves`` x ``--concurrency`` tasks, so a step takes
 ``waves / ranks`` x latency on ``ranks`` rollout ranks. The bench then runs ``nexrl-join RUN_DIR``
@@ -72,14 +72,16 @@ def served(run_dir: str, pid: int) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
-def rate(rows: list[dict[str, Any]], start: float, end: float, per_step: int) -> tuple[float, int]:
-    """Trajectories/s over the steps that began after ``start`` and ended by ``end``."""
-    spans = [
-        (a["time"], b["time"]) for a, b in zip(rows, rows[1:]) if a["time"] >= start and b["time"] <= end
-    ]
+def rate(
+    rows: list[dict[str, Any]], start: float, end: float, per_step: int
+) -> tuple[float, int, set[float]]:
+    """Trajectories/s over the steps that began after ``start`` and ended by ``end``; how many;
+    the rollout ranks their step lines counted (rollout/live_ranks)."""
+    spans = [(a, b) for a, b in zip(rows, rows[1:]) if a["time"] >= start and b["time"] <= end]
     if not spans:
-        return 0.0, 0
-    return per_step * len(spans) / sum(b - a for a, b in spans), len(spans)
+        return 0.0, 0, set()
+    seconds = sum(b["time"] - a["time"] for a, b in spans)
+    return per_step * len(spans) / seconds, len(spans), {b.get("rollout/live_ranks", -1.0) for _, b in spans}
 
 
 def main() -> None:
@@ -96,7 +98,7 @@ def main() -> None:
     cmd = [
         "mpirun",
         "-n",
-        "3",
+        "2",  # the no-op trainer needs no rank of its own: the driver and one rollout rank
         sys.executable,
         "-m",
         "launch.train",
@@ -162,7 +164,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     lines = []
     for i, (ranks, start, end) in enumerate(phases, 1):
-        measured, steps = rate(rows, start, end, per_step)
+        measured, steps, seen = rate(rows, start, end, per_step)
+        if seen != {float(ranks)}:
+            raise SystemExit(f"phase {i}: the run counted {sorted(seen)} rollout ranks, not {ranks}")
         ideal = ranks * base
         print(f"| {i} | {ranks} | {steps} | {measured:.1f} | {ideal:.1f} | {measured / ideal:.2f} |")
         lines.append(
