@@ -12,7 +12,8 @@ Two ways the set changes, both on the controller's thread between two looks at t
   one that goes silent is found by the heartbeats like any rank.
 
 Metrics on every step line: ``rollout/live_ranks`` (rollout workers generating), ``rollout/joins``
-and ``rollout/leaves`` (since the previous step line), ``rollout/join_refused`` (all the run).
+and ``rollout/leaves`` (since the previous step line: the tracker's per-step counts),
+``rollout/join_refused`` (all the run).
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ class RolloutMembership:
         self._waiting: dict[
             int, tuple[Any, int, int]
         ] = {}  # broadcast joiners: rank -> (worker, version, seen)
-        self._joins = self._leaves = 0
-        self._step = -1
 
     # --- lost ----------------------------------------------------------------------------------
     def continue_without(self, gone: set[str], reason: str) -> None:
@@ -63,7 +62,8 @@ class RolloutMembership:
         for rank in sorted({self._joined.pop(name) for name in gone if name in self._joined}):
             self._catching_up.pop(rank, None)
             self._waiting.pop(rank, None)
-            self._leaves += 1
+            if c.activity_tracker is not None:
+                c.activity_tracker.count_for_step("rollout/leaves")
             door = c.runtime.elastic_door()
             if door is not None:
                 door.left(rank, reason)
@@ -87,12 +87,9 @@ class RolloutMembership:
         self._catch_up()
         self._note_first_tasks(door)
         tracker = c.activity_tracker
-        step = tracker.get_training_step()
-        if step != self._step:  # the previous values went out with the previous step's line
-            self._step, self._joins, self._leaves = step, 0, 0
+        tracker.count_for_step("rollout/joins", 0.0)  # on every step line from now on, 0 or more
+        tracker.count_for_step("rollout/leaves", 0.0)
         tracker.set_gauge("rollout/live_ranks", float(len(c._rollout_workers)))
-        tracker.set_gauge("rollout/joins", float(self._joins))
-        tracker.set_gauge("rollout/leaves", float(self._leaves))
         tracker.set_gauge("rollout/join_refused", float(door.refused))
 
     def _admit(self, member: Member) -> None:
@@ -143,7 +140,7 @@ class RolloutMembership:
             door.turn_away(member, f"not wired in: {type(exc).__name__}: {exc}")
             return
         door.welcome(member)
-        self._joins += 1
+        c.activity_tracker.count_for_step("rollout/joins")
         logger.info(
             "elastic: rank %d (host %s%s) joined at weight version %d: %s",
             member.rank,

@@ -52,6 +52,7 @@ class ActivityTracker:
         self._training_step = 0
         self._heartbeats: dict[int, dict[str, Any]] = {}
         self._gauges: dict[str, float] = {}
+        self._step_counts: dict[str, float] = {}  # events since the last training-step line
         self.error_reporter = ErrorReporter(max_errors=max_errors)
         self.experiment_logger = experiment_logger
 
@@ -154,6 +155,11 @@ class ActivityTracker:
             return float(sum(h["stats"].get(key, 0) for h in self._heartbeats.values()))
 
     @quick
+    def count_for_step(self, name: str, n: float = 1.0) -> None:
+        """Added to the next training-step metrics line, then back to 0 (e.g. rollout/joins)."""
+        with self._lock:
+            self._step_counts[name] = self._step_counts.get(name, 0.0) + n
+
     def set_gauge(self, name: str, value: float) -> None:
         """A value added to every training-step metrics line (e.g. rpc/rejected)."""
         with self._lock:
@@ -236,9 +242,10 @@ class ActivityTracker:
         if self.experiment_logger is None:
             return
         data = kwargs.get("data")
-        if data and self._gauges and any(k.startswith("train/") for k in data):
+        if data and (self._gauges or self._step_counts) and any(k.startswith("train/") for k in data):
             with self._lock:
-                kwargs["data"] = {**data, **self._gauges}
+                kwargs["data"] = {**data, **self._gauges, **self._step_counts}
+                self._step_counts = dict.fromkeys(self._step_counts, 0.0)
         self.experiment_logger.post(backend, **kwargs)
 
     def experiment_logger_samples(self, step: int, rows: list[dict[str, Any]], tag: str = "samples") -> None:
