@@ -118,6 +118,10 @@ class RolloutMembership:
                 c.validator,
             )
             execute(worker.set_inference_service, service)
+            if (
+                c._reward_services
+            ):  # reward_model.placement=own_ranks: as start_reward_services hands them out
+                execute(worker.set_reward_service, c._reward_services[member.rank % len(c._reward_services)])
             version = execute(c.scheduler.get_rollout_model_version, c._model_tag)
             broadcast = execute(service.weight_receivers) > 0
             if not broadcast:
