@@ -291,7 +291,7 @@ def test_elastic_a_lost_consumers_waiting_long_poll_takes_none_of_its_reissued_t
 
     from tests.test_data_loader import loader
 
-    dl = loader(tmp_path, n_rows=4, rollout_repeat_n=1, shuffle=False)
+    dl = loader(tmp_path, n_rows=4, rollout_repeat_n=2, shuffle=False)
     dl.set_dispatch_budget(3)
     held = dl.get_next_items(3, 0.0, "rollout_worker_e3")
     got: list[list[dict[str, Any]]] = []
