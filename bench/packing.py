@@ -123,6 +123,7 @@ def main() -> None:
         *MODEL,
         f"data.batch_size={args.rows}",
         "data.rollout_repeat_n=1",
+        "algorithm.adv_estimator=reinforce_pp",  # one sample per prompt: no group estimator
         f"service.train_service.actor.ppo_mini_batch_size={args.rows}",
         "service.train_service.actor.grad_clip=1.0e9",
         "service.train_service.actor.optim.lr=1.0e-6",

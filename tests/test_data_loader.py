@@ -21,7 +21,10 @@ def write_rows(path: Path, rows: list[Any]) -> str:
 
 
 def loader(tmp_path: Path, n_rows: int = 3, **cfg_overrides: Any) -> DatasetLoader:
-    cfg = compose_config([f"data.{k}={v}" for k, v in cfg_overrides.items()])
+    overrides = [f"data.{k}={v}" for k, v in cfg_overrides.items()]
+    if cfg_overrides.get("rollout_repeat_n") == 1:  # one sample per prompt: no group estimator
+        overrides.append("algorithm.adv_estimator=reinforce_pp")
+    cfg = compose_config(overrides)
     files = [write_rows(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": str(i)} for i in range(n_rows)])]
     return DatasetLoader(cfg["data"], data_files=files)
 

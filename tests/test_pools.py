@@ -128,7 +128,12 @@ def test_pool_return_codes_and_batch_release() -> None:
 
 def test_pool_keeps_one_instance_per_model_tag() -> None:
     pool, wsc = make_pool(
-        **{"data.batch_size": 1, "data.rollout_repeat_n": 1, "trajectory_pool.key_list": "[]"}
+        **{
+            "data.batch_size": 1,
+            "data.rollout_repeat_n": 1,
+            "algorithm.adv_estimator": "reinforce_pp",  # one sample per prompt: no group estimator
+            "trajectory_pool.key_list": "[]",
+        }
     )
     pool.put_trajectory({"i": 0, "model_tag": "student"})
     pool.put_trajectory({"i": 1})

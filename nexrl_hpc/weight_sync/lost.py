@@ -1,7 +1,7 @@
 """Telling a service lost meanwhile (policy continue) from one that failed a sync.
 
 A rank declared dead fails every call to it with ``PeerDeadError``; the controller then removes its
-services from the publisher and the verifier (``controller._continue_without``), a moment later and
+services from the publisher and the verifier (``membership.RolloutMembership.continue_without``), a moment later and
 on another thread. Whoever saw the error waits for that removal, bounded: a lost service the
 controller keeps (any other policy) is the sync's failure, and the run stops anyway.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-REMOVAL_GRACE_S = 30.0  # the controller removes a lost rank's services at its next health check
+# the controller removes a lost rank's services in the health check that declares it dead
+REMOVAL_GRACE_S = 10.0
 
 
 def removed_meanwhile(
