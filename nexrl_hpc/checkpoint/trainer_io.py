@@ -1,6 +1,7 @@
 """A trainer rank's checkpoint files: the HF-layout model and this rank's optimizer state.
 
-``local_path/model`` holds the whole weights (written by rank 0 from the gathered state dict);
+``local_path/model`` holds the whole weights (written by rank 0 from the gathered state dict; a
+LoRA policy's: its adapter in PEFT layout, ``checkpoint.adapter``);
 ``local_path/optimizer/rank_<r>.safetensors`` holds rank ``r``'s optimizer and LR-schedule state,
 laid out as its parallel strategy shards it (an older checkpoint's ``rank_<r>.pt`` still loads).
 Weights load at any world size; optimizer state at the layout that wrote it, and single-process or
@@ -20,6 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nexrl_hpc.checkpoint.adapter import (
+    adapter_key_map,
+    check_adapter_dir,
+    read_adapter_dir,
+    write_adapter_dir,
+)
 from nexrl_hpc.checkpoint.digest import write_sidecar
 from nexrl_hpc.checkpoint.hf import fsync_path, peek_safetensors_dir, read_safetensors_dir, write_hf_model_dir
 from nexrl_hpc.checkpoint.reshard import (
@@ -67,6 +74,8 @@ class TrainerCheckpointIO:
         self.engine = engine  # service.train_service.engine: part of the optimizer file's layout
         self.base_model_dir = base_model_dir
         self.max_shard_bytes = max_shard_bytes
+        hf_model = par.unwrap(model)  # a LoRA policy (a peft model): its files are the adapter's
+        self.peft_model = hf_model if hasattr(hf_model, "peft_config") else None
 
     def write_model(self, path: str, fsync: bool, tied_head: bool = False) -> None:
         """Gather the full weights to rank 0, which writes the HF-layout directory: a tied weight
@@ -74,7 +83,9 @@ class TrainerCheckpointIO:
         name with ``tied_head`` (for an inference engine that reloads it only from there)."""
         par = self.par
         state = par.full_state_dict(self.model)
-        if par.rank == 0:
+        if par.rank == 0 and self.peft_model is not None:
+            write_adapter_dir(self.peft_model, state, path, self.base_model_dir, fsync=fsync)
+        elif par.rank == 0:
             hf_model = par.unwrap(self.model)
             state = with_tied_entries(state, hf_model) if tied_head else without_tied_entries(state, hf_model)
             # a durable copy is a checkpoint's: its weight files' digests go into COMPLETE
@@ -210,6 +221,8 @@ class TrainerCheckpointIO:
         """Why the HF directory cannot replace this model's weights (names, shapes), from the
         safetensors headers alone; None when it can."""
         par = self.par
+        if self.peft_model is not None:
+            return check_adapter_dir(model_dir, self._adapter_keys(), par.full_shapes(self.model))
         try:
             entries = peek_safetensors_dir(model_dir)
         except (OSError, ValueError) as exc:
@@ -265,11 +278,17 @@ class TrainerCheckpointIO:
         error: Exception | None = None
         if par.rank == 0:
             try:
-                state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
+                if self.peft_model is not None:
+                    state = read_adapter_dir(model_dir, self._adapter_keys())
+                else:
+                    state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
             except (OSError, ValueError) as exc:
                 error = exc
         par.agree(error)
         par.load_full_state_dict(self.model, state)
+
+    def _adapter_keys(self) -> dict[str, str]:
+        return adapter_key_map(self.peft_model, list(self.par.full_shapes(self.model)))
 
 
 def tied_weight_names(model: torch.nn.Module) -> dict[str, str]:

@@ -20,6 +20,15 @@ class OptimConfig(TypedDict):
     min_lr_ratio: Annotated[float, Ge(0.0), Le(1.0)]
 
 
+class LoraConfig(TypedDict):
+    rank: Annotated[int, Ge(0)]  # 0: full fine-tuning
+    alpha: Annotated[int, Ge(1)]
+    dropout: Annotated[float, Ge(0.0), Le(1.0)]
+    target_modules: str | list[str]  # "all-linear" or module names (peft's target_modules)
+    modules_to_save: list[str] | None
+    lr: Annotated[float, Gt(0.0)]  # the optimizer's lr when rank > 0
+
+
 class ActorConfig(TypedDict):
     ppo_epochs: Annotated[int, Ge(1)]
     ppo_mini_batch_size: Annotated[int, Ge(1)]
@@ -40,6 +49,7 @@ class ActorConfig(TypedDict):
     ]
     loss_norm_tokens: Annotated[int, Ge(1)]  # seq-mean-token-sum-norm's constant (the response budget)
     optim: OptimConfig
+    lora: LoraConfig
 
 
 class CriticConfig(TypedDict):

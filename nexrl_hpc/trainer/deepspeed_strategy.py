@@ -139,7 +139,7 @@ class DeepSpeedZeRO(ParallelStrategy):
         _ensure_local_rank()
         import deepspeed
 
-        client = make_optimizer(model.parameters())
+        client = make_optimizer([p for p in model.parameters() if p.requires_grad])
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=client, config=self.ds_config, dist_init_required=False
         )

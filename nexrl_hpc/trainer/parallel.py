@@ -47,8 +47,8 @@ class ParallelStrategy(ABC):
         make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Wrap the model and build its optimizer (an engine like DeepSpeed does both at once)."""
-        model = self.wrap(model)
-        return model, make_optimizer(model.parameters())
+        model = self.wrap(model)  # only what requires grad: a LoRA model's adapter
+        return model, make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The HF model inside what ``setup`` returned (its state-dict keys and ``config``)."""
@@ -285,7 +285,8 @@ def _local_shards(value: Any) -> Any:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks FSDP shards one by one (HF causal LMs keep them at ``model.layers``)."""
-    inner = getattr(model, "model", None)
+    get_base = getattr(model, "get_base_model", None)  # a peft model: the HF model inside
+    inner = getattr(get_base() if callable(get_base) else model, "model", None)
     layers = getattr(inner, "layers", None)
     return list(layers) if layers is not None else []
 

@@ -30,6 +30,7 @@ from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
 from nexrl_hpc.trainer.logprobs import padded_response_scores
+from nexrl_hpc.trainer.lora import learning_rate, lora_enabled, reference_log_probs, wrap_with_lora
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
 from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
@@ -164,6 +165,7 @@ class PolicyTrainer(TrainBackend):
         self.parallel: ParallelStrategy | None = None
         self._incomplete_load: str | None = None  # why the last load left the state half replaced
         self._role = "actor"
+        self._lora = False  # actor.lora.rank > 0: the model is a PeftModel
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_worker(
@@ -195,7 +197,10 @@ class PolicyTrainer(TrainBackend):
         self.model.train()
         if cfg["gradient_checkpointing"]:
             enable_activation_checkpointing(self.model)
-        if cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
+        self._lora = lora_enabled(cfg["actor"])  # the reference: the base with the adapter off
+        if self._lora:
+            self.model = wrap_with_lora(self.model, cfg["actor"]["lora"])
+        elif cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
             # in the compute dtype: it is never updated, so it needs no fp32 master
             self.ref_model = copy.deepcopy(self.model).to(compute_dtype).eval()
             for p in self.ref_model.parameters():
@@ -211,7 +216,7 @@ class PolicyTrainer(TrainBackend):
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
             return torch.optim.AdamW(
                 params,
-                lr=optim["lr"],
+                lr=learning_rate(cfg["actor"]),
                 betas=tuple(optim["betas"]),
                 eps=optim["eps"],
                 weight_decay=optim["weight_decay"],
@@ -431,11 +436,15 @@ class PolicyTrainer(TrainBackend):
             diff = (log_prob.detach() - part["behaviour_log_probs"]).abs() * part["response_mask"]
             mismatch = float(diff.max()) if diff.numel() else 0.0
         ref_log_prob = None
+        cfg = self._require_cfg()
+        chunk, temperature = cfg["logprob_chunk_tokens"], logit_temperature(cfg, part)
         if self.ref_model is not None:
             with torch.no_grad(), self._compute():
-                cfg = self._require_cfg()
-                ref_log_prob = response_log_probs(
-                    self.ref_model, part, cfg["logprob_chunk_tokens"], logit_temperature(cfg, part)
+                ref_log_prob = response_log_probs(self.ref_model, part, chunk, temperature)
+        elif self._lora and loss_fn.kl_penalty.coeff > 0:
+            with self._compute():
+                ref_log_prob = reference_log_probs(
+                    self.model, lambda m: response_log_probs(m, part, chunk, temperature)
                 )
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
