@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from nexrl_hpc.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer, response_log_probs
-from tests.conftest import REPO
+from nexrl_hpc.weight_sync.verify import FP32_TOLERANCE
+from tests.conftest import REPO, compose_config, run_train
+from tests.helpers.stale_engine import ADAPTER, ENV, sitecustomize_dir
 from tests.test_policy_trainer import make_batch, trainer
 
 LORA = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
@@ -153,3 +155,130 @@ def test_the_merge_command_exports_a_plain_model_with_the_adapted_log_probs(
         timeout=300,
     )
     assert bad.returncode == 2 and ADAPTER_CONFIG in bad.stderr
+
+
+FAST = [
+    "validate.validate_before_train=false",
+    "validate.validate_at_end=false",
+    "validate.eval.validate_freq=0",
+    "logger.backend=[]",
+]
+
+
+def _sync_rows(run_dir: Path) -> dict[int, dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "weight_sync/seconds" in r}
+
+
+def test_a_lora_run_ships_only_the_adapter_and_every_engine_serves_it(tmp_path: Path) -> None:
+    """weight.transport=broadcast (the default) with LoRA: each version's adapter goes by disk in
+    PEFT layout, the local engine applies it, and verification finds the trainer's adapted model."""
+    run_dir = tmp_path / "run"
+    lora = ["service.train_service.actor.lora.rank=8", "weight.keep_versions=2"]
+    proc = run_train([f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=3", *lora, *FAST])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exports = sorted(os.listdir(run_dir / "weights"))
+    assert exports == ["version_2", "version_3"]
+    assert sorted(os.listdir(run_dir / "weights" / "version_3")) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    adapter_bytes = (run_dir / "weights" / "version_3" / ADAPTER_WEIGHTS).stat().st_size
+    syncs = _sync_rows(run_dir)
+    assert sorted(syncs) == [0, 1, 2, 3]
+    for step, row in syncs.items():
+        assert row["weight_sync/verify_max_abs_diff"] <= FP32_TOLERANCE, (step, row)
+        assert 0 < row["weight_sync/bytes"] <= adapter_bytes + 4096, (step, row)
+    # every trajectory of step s was sampled with version s - 1's adapter (the engine's version)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert len(trained) == 3 and all(r["train/staleness_max"] == 0 for r in trained)
+
+
+def test_an_engine_that_never_applies_the_adapter_fails_the_first_step(tmp_path: Path) -> None:
+    """The engine labels each version but keeps serving the base model: version 0 (the adapter's
+    zero update) agrees, version 1 — the first trained adapter — stops the run, exit 1, naming the
+    server and the version."""
+    run_dir = tmp_path / "run"
+    site = sitecustomize_dir(tmp_path)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), ENV: ADAPTER}
+    lora = ["service.train_service.actor.lora.rank=8"]
+    proc = run_train(
+        [f"run_dir={run_dir}", "seed=3", "train_worker.total_train_steps=4", *lora, *FAST], env=env
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1, status
+    reason = str(status["reason"])
+    assert "weight version 1 failed verification" in reason, reason
+    assert "inference_service (http://127.0.0.1:" in reason, reason
+    assert sorted(_sync_rows(run_dir)) == [0]
+
+
+def test_the_local_engine_holds_one_adapter_after_many_syncs_and_scores_like_peft(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from nexrl_hpc.inference.engine import HFEngine
+    from nexrl_hpc.inference.lora_adapter import adapter_names
+
+    eng = trainer(tiny_model_dir, LORA)
+    engine = HFEngine(tiny_model_dir, max_batch_size=4, batch_wait_ms=0.0, seed=0, stop_timeout_s=10.0)
+    try:
+        prompt = [[1, 5, 7, 9, 4, 6, 8, 5, 11]]
+        base_scores = engine.prompt_log_probs(prompt)[0]
+        for version in range(1, 8):
+            _train(eng, 1, seed=version)
+            path = str(tmp_path / f"version_{version}")
+            eng.export_weights(path)
+            engine.load_weights_from_disk(path, version)
+            assert adapter_names(engine.model) == [f"version_{version}"]
+            assert engine.weight_version == version
+        engine.load_weights_from_disk(path, 7)  # the same version again: still one adapter
+        assert len(adapter_names(engine.model)) == 1
+        scores = torch.tensor(engine.prompt_log_probs(prompt)[0])
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, path).eval()
+        ids = torch.tensor(prompt)
+        with torch.no_grad():
+            logp = torch.log_softmax(peft_model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        expected = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        assert torch.allclose(scores, expected, atol=1e-5)
+        assert not torch.allclose(scores, torch.tensor(base_scores), atol=1e-4)  # the adapter is applied
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["service.train_service.actor.lora.target_modules=[nope_proj]"], "lora.target_modules", "no module"),
+        (["service.train_service.actor.lora.target_modules=.*nope.*"], "lora.target_modules", "no module"),
+        (["service.train_service.actor.lora.modules_to_save=[zzz]"], "lora.modules_to_save", "'zzz'"),
+        (
+            [
+                "service.inference_service.backend=sglang",
+                "service.inference_service.base_url=http://127.0.0.1:9",
+            ],
+            "service.inference_service.backend",
+            "cannot serve a LoRA adapter",
+        ),
+    ],
+)
+def test_preflight_refuses_what_lora_cannot_run(overrides: list[str], key: str, words: str) -> None:
+    from nexrl_hpc.config.validate import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose_config(["service.train_service.actor.lora.rank=8", *overrides])
+    assert key in str(err.value) and words in str(err.value)
+    compose_config(overrides)  # rank 0 (full fine-tuning): the same settings are fine
+
+
+def test_preflight_accepts_named_modules_and_exits_2_from_the_command_line(tmp_path: Path) -> None:
+    compose_config(
+        [
+            "service.train_service.actor.lora.rank=8",
+            "service.train_service.actor.lora.target_modules=[q_proj,v_proj]",
+            "service.train_service.actor.lora.modules_to_save=[lm_head]",
+        ]
+    )
+    args = [f"run_dir={tmp_path / 'run'}", "service.train_service.actor.lora.rank=8"]
+    proc = run_train([*args, "service.train_service.actor.lora.target_modules=[qq_proj]"], timeout=120)
+    assert proc.returncode == 2 and "service.train_service.actor.lora.target_modules" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

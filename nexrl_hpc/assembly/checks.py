@@ -41,6 +41,7 @@ from nexrl_hpc.trainer.checks import (
     shared_prompt_problems,
     train_service_problems,
 )
+from nexrl_hpc.trainer.lora_checks import lora_problems
 
 ConfigCheck = Callable[[Mapping], list[ConfigProblem]]
 
@@ -69,6 +70,7 @@ ROOM_CHECKS: tuple[ConfigCheck, ...] = (
     hardware_problems,
     inference_backend_problems,
     weight_broadcast_problems,
+    lora_problems,
 )
 """The rooms' checks in the order their problems are listed (the input files and the tiny model's
 shape come last, see ``semantic_problems``)."""

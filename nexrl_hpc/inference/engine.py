@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from nexrl_hpc.checkpoint.adapter import is_adapter_dir
 from nexrl_hpc.checkpoint.hf import read_safetensors_dir
+from nexrl_hpc.inference import lora_adapter
 from nexrl_hpc.models.tiny import load_model, load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
@@ -172,7 +174,10 @@ class HFEngine:
                 raise ValueError("prompt is empty")
 
     def load_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> str:
-        """Swap in weights from an HF-layout directory between two batches; returns a message."""
+        """Swap in weights from an HF-layout directory between two batches; returns a message. A
+        LoRA policy's adapter directory (PEFT layout) is applied to the base (``lora_adapter``)."""
+        if is_adapter_dir(model_path):
+            return lora_adapter.load_adapter(self, model_path, weight_version)
         state = read_safetensors_dir(model_path)
         with self._model_lock:
             current = self.model.state_dict()

@@ -17,7 +17,7 @@ import httpx
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
-from nexrl_hpc.weight_sync.transport import create_weight_transport, uses_broadcast
+from nexrl_hpc.weight_sync.transport import create_weight_transport, run_uses_broadcast
 
 if TYPE_CHECKING:
     from nexrl_hpc.inference.local_server import LocalInferenceServer
@@ -39,9 +39,7 @@ class InferenceService(NexRLModule):
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
         self._canary_http: httpx.Client | None = None  # weight verification's requests (score_canary)
-        self._broadcast = uses_broadcast(
-            config["weight"]["transport"], self._service["backend"], self._service["base_url"]
-        )
+        self._broadcast = run_uses_broadcast(config)  # a LoRA adapter: from disk
         self._transport = create_weight_transport(
             self._service["backend"],
             self._service["request_timeout_s"],

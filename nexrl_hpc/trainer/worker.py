@@ -40,7 +40,7 @@ from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
-from nexrl_hpc.weight_sync.transport import reload_needs_tied_head, uses_broadcast
+from nexrl_hpc.weight_sync.transport import reload_needs_tied_head, run_uses_broadcast
 from nexrl_hpc.weight_sync.verify import CanaryReference, trainer_canary_log_probs, verify_due
 
 if TYPE_CHECKING:
@@ -65,11 +65,9 @@ class TrainWorker(NexRLModule):
         self._long_poll_s = tw["long_poll_s"]
         self._ahead_poll_s = tw["send_ahead_poll_s"]
         self._sync_path = config["weight"]["sync_weight_path"]
-        inference = config["service"]["inference_service"]
-        # weights reach the engines by broadcast: nothing exported, the scheduler asks for them
-        self._broadcast = uses_broadcast(
-            config["weight"]["transport"], inference["backend"], inference["base_url"]
-        )
+        # weights reach the engines by broadcast: nothing exported, the scheduler asks for them (a
+        # LoRA adapter never: it is exported)
+        self._broadcast = run_uses_broadcast(config)
         self._model_tag = config["service"]["train_service"]["model_tag"]
         algo = config["algorithm"]
         self._recompute = algo["recompute_old_log_prob"]

@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from nexrl_hpc.config.schema import RLTrainConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -290,10 +292,20 @@ def reload_needs_tied_head(backend: str) -> bool:
     return backend == "vllm"
 
 
-def uses_broadcast(transport: str, backend: str, base_url: str | None) -> bool:
+def uses_broadcast(transport: str, backend: str, base_url: str | None, lora_rank: int = 0) -> bool:
     """Whether the weights reach this engine by broadcast: ``weight.transport=broadcast`` and an
-    engine the run starts itself (local, vLLM); SGLang and a server given by ``base_url`` load from disk."""
-    return transport == "broadcast" and backend in ("local", "vllm") and not base_url
+    engine the run starts itself (local, vLLM); SGLang and a server given by ``base_url`` load from
+    disk, and so does a LoRA policy's adapter (a few MB in PEFT layout, whatever the transport)."""
+    return transport == "broadcast" and backend in ("local", "vllm") and not base_url and lora_rank == 0
+
+
+def run_uses_broadcast(config: RLTrainConfig) -> bool:
+    """``uses_broadcast`` for the run's own inference service and policy."""
+    inference = config["service"]["inference_service"]
+    lora_rank = config["service"]["train_service"]["actor"]["lora"]["rank"]
+    return uses_broadcast(
+        config["weight"]["transport"], inference["backend"], inference["base_url"], lora_rank
+    )
 
 
 def broadcast_backend(configured: str, launch_mode: str) -> str:

@@ -5,7 +5,8 @@ process of a run, mpirun's ranks and their local servers included) patches both 
 version ``V`` of ``NEXRL_STALE_ENGINE="V"`` or ``"V:RANK"`` (on MPI rank RANK only, ``PMI_RANK``)
 is published, a disk reload loads version ``V - 1``'s export, and a broadcast is received by the
 local server but not loaded; either way the server then says it serves ``V`` — the failure a
-version label cannot see. Nothing else changes.
+version label cannot see. ``NEXRL_STALE_ENGINE="adapter"``: the local engine takes every LoRA
+adapter's version and never applies one (it serves the base model). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "NEXRL_STALE_ENGINE"
+ADAPTER = "adapter"  # NEXRL_STALE_ENGINE=adapter: the local engine never applies a LoRA adapter
 
 
 def install() -> None:
@@ -23,6 +25,9 @@ def install() -> None:
         return
     version_text, _, rank = spec.partition(":")
     if rank and os.environ.get("PMI_RANK") != rank:
+        return
+    if version_text == ADAPTER:
+        _label_adapters_without_loading()
         return
     stale_version = int(version_text)
     from nexrl_hpc.weight_sync.transport import DiskReloadTransport
@@ -60,6 +65,18 @@ def _receive_broadcasts_without_loading(stale_version: int) -> None:
         return f"received version {version}, loaded nothing"
 
     broadcast_receive.receive_into_engine = receive_stale
+
+
+def _label_adapters_without_loading() -> None:
+    """The local engine takes every LoRA adapter's version label and keeps serving the base model:
+    the adapter never reaches it, and its version says otherwise."""
+    from nexrl_hpc.inference import lora_adapter
+
+    def label_only(engine: Any, model_path: str, weight_version: int | None) -> str:
+        engine.weight_version = weight_version if weight_version is not None else engine.weight_version + 1
+        return f"took version {engine.weight_version}, loaded nothing"
+
+    lora_adapter.load_adapter = label_only
 
 
 def sitecustomize_dir(tmp_path: Path) -> Path:

@@ -1,0 +1,80 @@
+"""Pre-flight checks of ``service.train_service.actor.lora`` (exit 2 naming the key): the target
+and saved modules name modules of the model, and the inference engine can serve an adapter."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from nexrl_hpc.config.validate import ConfigProblem, g_safe
+
+LORA = "service.train_service.actor.lora"
+IS = "service.inference_service"
+
+# engines that serve a LoRA policy: nexrl_hpc's own server applies each version's adapter
+ADAPTER_ENGINES = ("local",)
+
+
+def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """rank > 0: every listed module exists in the model, and the engine takes adapters."""
+    rank = g_safe(cfg, f"{LORA}.rank")
+    if not isinstance(rank, int) or rank <= 0:
+        return []
+    problems: list[ConfigProblem] = []
+    backend = g_safe(cfg, f"{IS}.backend")
+    if backend not in ADAPTER_ENGINES:
+        problems.append(
+            ConfigProblem(
+                f"{IS}.backend",
+                f"{backend} cannot serve a LoRA adapter ({LORA}.rank={rank}): use backend=local, or "
+                f"{LORA}.rank=0 (full fine-tuning)",
+            )
+        )
+    names = _module_names(cfg)
+    if names is None:  # model.path's own check says why it does not load
+        return problems
+    target = g_safe(cfg, f"{LORA}.target_modules")
+    if target != "all-linear" and not any(_matches(target, n) for n in names):
+        problems.append(ConfigProblem(f"{LORA}.target_modules", f"{target!r} matches no module of the model"))
+    for module in g_safe(cfg, f"{LORA}.modules_to_save") or []:
+        if not any(_matches([module], n) for n in names):
+            problems.append(
+                ConfigProblem(f"{LORA}.modules_to_save", f"{module!r} matches no module of the model")
+            )
+    return problems
+
+
+def _matches(target: object, name: str) -> bool:
+    """peft's rule: a string is a regular expression over the whole module name, a list holds
+    names that a module's dotted name ends with."""
+    if isinstance(target, str):
+        return re.fullmatch(target, name) is not None
+    if isinstance(target, (list, tuple)) or hasattr(target, "__iter__"):
+        return any(name == t or name.endswith(f".{t}") for t in target)  # type: ignore[union-attr]
+    return False
+
+
+def _module_names(cfg: Mapping) -> list[str] | None:
+    """The model's module names, from a weightless (meta-device) copy built from its config: the
+    tiny model's settings or ``model.path``'s config.json (None when that does not load)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        path = g_safe(cfg, "model.path")
+        if path is None:
+            from nexrl_hpc.models.tiny import ARCHITECTURES
+
+            tiny = g_safe(cfg, "model.tiny")
+            assert isinstance(tiny, Mapping)
+            config_cls, _ = ARCHITECTURES[tiny["architecture"]]
+            keys = ("hidden_size", "intermediate_size", "num_hidden_layers")
+            heads = ("num_attention_heads", "num_key_value_heads")
+            config = config_cls(vocab_size=64, **{k: tiny[k] for k in (*keys, *heads)})
+        else:
+            config = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return None
+    return [name for name, _ in model.named_modules() if name]
