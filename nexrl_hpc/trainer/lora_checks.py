@@ -50,7 +50,7 @@ def _matches(target: object, name: str) -> bool:
     if isinstance(target, str):
         return re.fullmatch(target, name) is not None
     if isinstance(target, (list, tuple)) or hasattr(target, "__iter__"):
-        return any(name == t or name.endswith(f".{t}") for t in target)  # type: ignore[union-attr]
+        return any(name == t or name.endswith(f".{t}") for t in target)
     return False
 
 
