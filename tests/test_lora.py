@@ -24,12 +24,18 @@ from tests.conftest import REPO, compose_config, run_train
 from tests.helpers.stale_engine import ADAPTER, ENV, sitecustomize_dir
 from tests.test_policy_trainer import make_batch, trainer
 
-LORA = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
+LORA = [
+    "service.train_service.actor.lora.rank=4",
+    "service.train_service.actor.lora.alpha=8",
+    "service.train_service.actor.lora.modules_to_save=null",  # the adapter alone
+]
+# modules_to_save: auto, the tiny model's: its final norm and LM head trained in full beside the adapter
+LORA_AUTO = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
 
 
 def _base_and_adapter(eng: PolicyTrainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     state = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-    adapter = {k: v for k, v in state.items() if "lora_" in k}
+    adapter = {k: v for k, v in state.items() if "lora_" in k or "modules_to_save" in k}
     return {k: v for k, v in state.items() if k not in adapter}, adapter
 
 
@@ -46,7 +52,7 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tiny_model_dir:
     assert eng.optimizer is not None
     held = [p for group in eng.optimizer.param_groups for p in group["params"]]
     assert len(held) == len(trainable) and all(p.requires_grad for p in held)
-    assert eng.optimizer.param_groups[0]["lr"] == 1.0e-2  # actor.lora.lr, not actor.optim.lr
+    assert eng.optimizer.param_groups[0]["lr"] == 3.0e-3  # actor.lora.lr, not actor.optim.lr
     base0, adapter0 = _base_and_adapter(eng)
     metrics = _train(eng, 2)
     assert all(m["actor/optimizer_steps"] == 1 for m in metrics)
@@ -57,6 +63,25 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tiny_model_dir:
     assert any(not torch.equal(adapter0[k], adapter1[k]) for k in adapter0)
     # optimizer state exists only for the adapter
     assert len(eng.optimizer.state) == len(trainable)
+
+
+def test_auto_saved_modules_are_the_tiny_models_norm_and_head_and_none_for_a_model_path(
+    tiny_model_dir: str,
+) -> None:
+    eng = trainer(tiny_model_dir, LORA_AUTO)
+    trainable = [n for n, p in eng.model.named_parameters() if p.requires_grad]
+    saved = sorted({n.split(".modules_to_save")[0] for n in trainable if "modules_to_save" in n})
+    # peft matches modules_to_save by name suffix: "norm" is every RMSNorm (the layers' and the final one)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    layers = [f"base_model.model.model.layers.{i}.{n}" for i in range(2) for n in norms]
+    assert saved == sorted(["base_model.model.lm_head", "base_model.model.model.norm", *layers])
+    assert all("lora_" in n or "modules_to_save" in n for n in trainable)
+    base0, _ = _base_and_adapter(eng)
+    _train(eng, 1)
+    base1, _ = _base_and_adapter(eng)
+    assert all(torch.equal(base0[k], base1[k]) for k in base0)  # the originals stay: the copies train
+    with_path = trainer(tiny_model_dir, [*LORA_AUTO, f"model.path={tiny_model_dir}"])
+    assert all("lora_" in n for n, p in with_path.model.named_parameters() if p.requires_grad)
 
 
 def test_packing_and_gradient_checkpointing_train_the_same_adapter(tiny_model_dir: str) -> None:
@@ -93,7 +118,7 @@ def _log_probs(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_a_checkpoint_is_a_peft_adapter_that_gives_the_trainers_log_probs(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    eng = trainer(tiny_model_dir, LORA)
+    eng = trainer(tiny_model_dir, LORA_AUTO)
     _train(eng, 2)
     eng.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     model_dir = tmp_path / "ckpt" / "model"
@@ -111,11 +136,11 @@ def test_a_checkpoint_is_a_peft_adapter_that_gives_the_trainers_log_probs(
 
 
 def test_resume_continues_the_adapters_optimizer_state_exactly(tiny_model_dir: str, tmp_path: Path) -> None:
-    straight = trainer(tiny_model_dir, LORA)
+    straight = trainer(tiny_model_dir, LORA_AUTO)
     _train(straight, 2)
     straight.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     _train(straight, 2, seed=2)
-    resumed = trainer(tiny_model_dir, LORA)
+    resumed = trainer(tiny_model_dir, LORA_AUTO)
     resumed.load_checkpoint(str(tmp_path / "ckpt"), load_optimizer=True)
     _train(resumed, 2, seed=2)
     a, b = _base_and_adapter(straight)[1], _base_and_adapter(resumed)[1]
@@ -134,7 +159,7 @@ def test_a_full_checkpoint_does_not_load_into_a_lora_policy(tiny_model_dir: str,
 def test_the_merge_command_exports_a_plain_model_with_the_adapted_log_probs(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    eng = trainer(tiny_model_dir, LORA)
+    eng = trainer(tiny_model_dir, LORA_AUTO)
     _train(eng, 2)
     eng.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     out = tmp_path / "merged"

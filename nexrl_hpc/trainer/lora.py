@@ -9,13 +9,27 @@ of the base model. Weight syncs and checkpoints carry the adapter in PEFT layout
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 ADAPTER_INIT_SEED = 0
+
+
+# the random-init tiny model's RMSNorms (peft matches "norm" as a name suffix) and head
+TINY_MODEL_SAVED_MODULES = ["norm", "lm_head"]
+
+
+def resolved_actor(actor: Mapping[str, Any], model_path: str | None) -> dict[str, Any]:
+    """``actor`` with ``lora.modules_to_save: auto`` resolved: nothing for a model at
+    ``model.path``, the norms and LM head for the built-in tiny model (``model_path`` None)."""
+    lora = actor["lora"]
+    if lora["modules_to_save"] != "auto":
+        return dict(actor)
+    saved = list(TINY_MODEL_SAVED_MODULES) if model_path is None else None
+    return dict(actor, lora=dict(lora, modules_to_save=saved))
 
 
 def lora_enabled(actor: dict[str, Any]) -> bool:

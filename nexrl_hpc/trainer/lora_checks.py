@@ -36,8 +36,9 @@ def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
     target = g_safe(cfg, f"{LORA}.target_modules")
     if target != "all-linear" and not any(_matches(target, n) for n in names):
         problems.append(ConfigProblem(f"{LORA}.target_modules", f"{target!r} matches no module of the model"))
-    for module in g_safe(cfg, f"{LORA}.modules_to_save") or []:
-        if not any(_matches([module], n) for n in names):
+    saved = g_safe(cfg, f"{LORA}.modules_to_save")
+    for module in [] if saved == "auto" else saved or []:
+        if not any(n.endswith(str(module)) for n in names):  # peft's rule for modules_to_save
             problems.append(
                 ConfigProblem(f"{LORA}.modules_to_save", f"{module!r} matches no module of the model")
             )

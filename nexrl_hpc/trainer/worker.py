@@ -38,6 +38,7 @@ from nexrl_hpc.tracking.samples import decode_samples, write_samples
 from nexrl_hpc.tracking.timing import StepTimeline
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
+from nexrl_hpc.trainer.lora import resolved_actor
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import sync_weight_dir
 from nexrl_hpc.weight_sync.transport import reload_needs_tied_head, run_uses_broadcast
@@ -459,7 +460,7 @@ def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
     """What the train service workers need (the training service's ``initialize_worker`` payload)."""
     ts = config["service"]["train_service"]
     return {
-        "actor": ts["actor"],
+        "actor": resolved_actor(ts["actor"], config["model"]["path"]),  # lora.modules_to_save: auto
         "algorithm": {k: config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
         "engine": ts["engine"],
         "sequence_parallel_size": ts["sequence_parallel_size"],
