@@ -56,6 +56,7 @@ def placeholders(chatml_model_dir: str, tmp_path_factory: pytest.TempPathFactory
 def resolved(args: list[str], ph: dict[str, str]) -> list[str]:
     out = []
     for a in args:
+        a = a.replace("$MODELS/Qwen2.5-7B-Instruct", ph["model"])
         a = a.replace("$MODELS/Qwen2.5-0.5B-Instruct", ph["model"]).replace(
             "/models/Qwen2.5-0.5B-Instruct", ph["model"]
         )
@@ -68,7 +69,7 @@ def resolved(args: list[str], ph: dict[str, str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("page", ["docs/gpu.md", "README.md"])
+@pytest.mark.parametrize("page", ["docs/gpu.md", "README.md", "docs/lora.md"])
 def test_every_recipe_command_is_a_valid_config(page: str, placeholders: dict[str, str]) -> None:
     found = commands(REPO / page)
     assert found, f"no launch.train command with model.path in {page}"
