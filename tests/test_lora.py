@@ -307,3 +307,21 @@ def test_preflight_accepts_named_modules_and_exits_2_from_the_command_line(tmp_p
     proc = run_train([*args, "service.train_service.actor.lora.target_modules=[qq_proj]"], timeout=120)
     assert proc.returncode == 2 and "service.train_service.actor.lora.target_modules" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_fully_async_lora_run_resumes_and_the_engine_serves_the_resumed_adapter(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", "seed=3", "train_worker.save_freq=2", "weight.sync_mode=fully-async"]
+    args += ["service.train_service.actor.lora.rank=8", *FAST]
+    first = run_train([*args, "train_worker.total_train_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train([*args, "train_worker.total_train_steps=4"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    resumed = log[log.index("resumed at step 2") - 400 :]
+    assert "weight version 2 verified" in resumed  # the resumed adapter, checked on the engine
+    syncs = _sync_rows(run_dir)
+    assert sorted(syncs) == [0, 1, 2, 3, 4]
+    assert all(r["weight_sync/verify_max_abs_diff"] <= FP32_TOLERANCE for r in syncs.values())
+    adapter = run_dir / "checkpoints" / "global_step_4" / "model"
+    assert sorted(os.listdir(adapter)) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
