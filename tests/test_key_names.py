@@ -56,7 +56,7 @@ def test_ppo_mini_batch_size_says_it_counts_sequences_here_and_prompts_in_verl()
 def test_a_key_under_the_wrong_parent_is_found_elsewhere_in_the_tree() -> None:
     assert problems_of(["data.lr=1e-5"]) == {
         "data.lr": "unknown key (did you mean 'service.train_service.actor.optim.lr' or "
-        "'service.train_service.critic.optim.lr'?)"
+        "'service.train_service.actor.lora.lr' or 'service.train_service.critic.optim.lr'?)"
     }
     # several keys of that name: up to three, the close sibling first
     assert problems_of(["rollout_worker.batch_size=4"]) == {
