@@ -197,7 +197,8 @@ class PolicyTrainer(TrainBackend):
         self.model.train()
         if cfg["gradient_checkpointing"]:
             enable_activation_checkpointing(self.model)
-        self._lora = lora_enabled(cfg["actor"])  # the reference: the base with the adapter off
+        # the reference: the base with the adapter off; a distillation teacher is never adapted
+        self._lora = lora_enabled(cfg["actor"]) and self._role == "actor"
         if self._lora:
             self.model = wrap_with_lora(self.model, cfg["actor"]["lora"])
         elif cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
