@@ -101,8 +101,9 @@ def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def reference_log_probs(
-    model: torch.nn.Module, compute: Callable[[torch.nn.Module], torch.Tensor]
+    model: torch.nn.Module, compute: Callable[..., torch.Tensor], *args: Any
 ) -> torch.Tensor:
-    """``compute(model)`` with the adapter off and no gradient: the frozen reference's log-probs."""
+    """``compute(model, *args)`` with the adapter off and no gradient: the frozen reference's
+    log-probs (the KL reference is the base model; no copy of it is kept)."""
     with torch.no_grad(), adapter_disabled(model):
-        return compute(model)
+        return compute(model, *args)

@@ -197,8 +197,7 @@ class PolicyTrainer(TrainBackend):
         self.model.train()
         if cfg["gradient_checkpointing"]:
             enable_activation_checkpointing(self.model)
-        # the reference: the base with the adapter off; a distillation teacher is never adapted
-        self._lora = lora_enabled(cfg["actor"]) and self._role == "actor"
+        self._lora = lora_enabled(cfg["actor"]) and self._role == "actor"  # never a teacher
         if self._lora:
             self.model = wrap_with_lora(self.model, cfg["actor"]["lora"])
         elif cfg["algorithm"]["kl_loss_coef"] > 0:  # a frozen, unsharded copy on every rank
@@ -444,9 +443,7 @@ class PolicyTrainer(TrainBackend):
                 ref_log_prob = response_log_probs(self.ref_model, part, chunk, temperature)
         elif self._lora and loss_fn.kl_penalty.coeff > 0:
             with self._compute():
-                ref_log_prob = reference_log_probs(
-                    self.model, lambda m: response_log_probs(m, part, chunk, temperature)
-                )
+                ref_log_prob = reference_log_probs(self.model, response_log_probs, part, chunk, temperature)
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
         # a non-finite loss shows up in the grad norm of the step
