@@ -272,10 +272,12 @@ def test_bad_dataset_rows_are_skipped_counted_and_the_run_continues(tmp_path: Pa
 
 
 def nan_reward_for_first_row(task: dict[str, Any], response: str) -> dict[str, float]:
-    """Reward function used by the NaN test: poisons the group of row 0. A NaN reward would be
-    scored 0 by the reward runner; 1e39 is a valid reward that overflows the float32 batch to inf,
-    so the group's advantages and the loss are NaN."""
-    return {"reward": 1e39 if task["uid"] == "train-0" else 0.0}
+    """Reward function used by the NaN test: poisons one sample of row 0's group. A NaN reward
+    would be scored 0 by the reward runner; 1e39 is a valid reward that overflows the float32 batch
+    to inf, so the group's mean and advantages, and the loss, are NaN (one sample only: a group
+    whose rewards are all equal gets advantage 0 whatever they are)."""
+    poisoned = task["uid"] == "train-0" and task["sample_index"] == 0
+    return {"reward": 1e39 if poisoned else 0.0}
 
 
 def test_nan_loss_step_is_skipped_and_reported(tmp_path: Path) -> None:

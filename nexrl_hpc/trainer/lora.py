@@ -33,8 +33,10 @@ def resolved_actor(actor: Mapping[str, Any], model_path: str | None) -> dict[str
 
 
 def lora_enabled(actor: dict[str, Any]) -> bool:
-    """Whether ``actor.lora.rank`` asks for LoRA (0: full fine-tuning)."""
-    return int(actor["lora"]["rank"]) > 0
+    """Whether ``actor.lora.rank`` asks for LoRA (0: full fine-tuning). A critic's section has no
+    ``lora``: it trains its whole value model."""
+    lora = actor.get("lora")
+    return lora is not None and int(lora["rank"]) > 0
 
 
 def learning_rate(actor: dict[str, Any]) -> float:
