@@ -390,8 +390,8 @@ class JoinDoor:
         who = f"{peer} (host {hello.get('host')!s:.64}, pid {hello.get('pid')!s:.16})"
         problem = self._check_hello(hello, door_nonce, joiner_nonce)
         if problem:
+            self._count_refusal(who, problem)  # counted before the joiner hears it
             send_frame(conn, {"refused": problem})
-            self._count_refusal(who, problem)
             return False
         with self._lock:
             rank, self._next_rank = self._next_rank, self._next_rank + 1
@@ -455,8 +455,8 @@ class JoinDoor:
 
     def _refuse_member(self, member: Member, reason: str) -> None:
         member.state, member.since, member.reason = "refused", time.time(), reason
-        self._finish_handshake(member, {"refused": reason})
         self._count_refusal(f"rank {member.rank} ({member.host})", reason)
+        self._finish_handshake(member, {"refused": reason})
 
     def _finish_handshake(self, member: Member, message: dict[str, Any]) -> None:
         conn, member.conn = member.conn, None
