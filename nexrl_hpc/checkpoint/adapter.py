@@ -20,6 +20,9 @@ from nexrl_hpc.checkpoint.hf import fsync_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# an adapter on the head (or embedding) holds its low-rank factors, not a copy of the frozen base
+# layer, which peft would add by default (the vocabulary is never resized here)
+SAVE_EMBEDDINGS = False
 
 
 def is_adapter_dir(path: str) -> bool:
@@ -31,7 +34,7 @@ def adapter_state(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, 
     """The adapter's tensors of a full state dict of ``peft_model``, under the names PEFT saves."""
     from peft import get_peft_model_state_dict
 
-    picked = get_peft_model_state_dict(peft_model, state_dict=state)
+    picked = get_peft_model_state_dict(peft_model, state_dict=state, save_embedding_layers=SAVE_EMBEDDINGS)
     return {k: v.detach().to("cpu").contiguous() for k, v in picked.items()}
 
 
@@ -70,7 +73,7 @@ def adapter_key_map(peft_model: Any, live_names: list[str]) -> dict[str, str]:
     from peft import get_peft_model_state_dict
 
     probe = {name: torch.tensor(i) for i, name in enumerate(live_names)}
-    saved = get_peft_model_state_dict(peft_model, state_dict=probe)
+    saved = get_peft_model_state_dict(peft_model, state_dict=probe, save_embedding_layers=SAVE_EMBEDDINGS)
     return {k: live_names[int(v)] for k, v in saved.items()}
 
 

@@ -263,6 +263,8 @@ class VLLMInferenceConfig(TypedDict):
     dtype: Literal["float32", "bfloat16", "float16", "auto"]
     max_model_len: Annotated[int, Ge(1)] | None  # null: the model's max_position_embeddings
     pause_mode: Literal["wait", "keep"]  # weight reload: finish in-flight requests first | keep them
+    # a LoRA policy's adapters: the largest rank the server takes (vLLM's sizes); null: the smallest >= lora.rank
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None
     device: Literal["cpu", "cuda"]  # vLLM's platform (the server's VLLM_TARGET_DEVICE)
     gpu_memory_utilization: Annotated[float, Gt(0.0), Le(1.0)] | None  # cuda only; null: vLLM's default
     tensor_parallel_size: Annotated[int, Ge(1)]

@@ -1,6 +1,7 @@
-"""The local engine serving a LoRA policy: each weight sync's adapter (PEFT layout) on its base.
+"""Engines serving a LoRA policy: each weight sync's adapter (PEFT layout) on the base model.
 
-The first adapter wraps the engine's model in a ``PeftModel`` (the base weights stay as loaded,
+vLLM loads it itself (``weight_sync.transport``; its ``--max-lora-rank`` from ``vllm_max_lora_rank``).
+The local engine (``load_adapter``): the first adapter wraps the engine's model in a ``PeftModel`` (the base weights stay as loaded,
 unmerged); each later one is loaded beside it, made active, and the previous one deleted, so one
 adapter is held whatever the number of syncs. The engine's weight version is the adapter's.
 """
@@ -10,6 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 ADAPTER_PREFIX = "version_"
+
+# vLLM's --max-lora-rank values (its LoRAConfig)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(configured: int | None, lora_rank: int) -> int:
+    """vLLM's ``--max-lora-rank`` for adapters of ``lora_rank``: ``vllm.max_lora_rank``, or the
+    smallest of vLLM's sizes that holds it (the largest when none does: pre-flight refuses that)."""
+    if configured is not None:
+        return int(configured)
+    return next((r for r in VLLM_LORA_RANKS if r >= lora_rank), VLLM_LORA_RANKS[-1])
 
 
 def adapter_names(model: Any) -> list[str]:

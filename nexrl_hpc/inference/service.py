@@ -17,6 +17,7 @@ import httpx
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import long_poll, quick
 from nexrl_hpc.core.module import NexRLModule
+from nexrl_hpc.inference.lora_adapter import vllm_max_lora_rank
 from nexrl_hpc.weight_sync.transport import create_weight_transport, run_uses_broadcast
 
 if TYPE_CHECKING:
@@ -40,12 +41,18 @@ class InferenceService(NexRLModule):
         self._api_key: str | None = self._service["api_key"]
         self._canary_http: httpx.Client | None = None  # weight verification's requests (score_canary)
         self._broadcast = run_uses_broadcast(config)  # a LoRA adapter: from disk
+        lora_rank = int(self._train["actor"]["lora"]["rank"])
+        # vLLM with a LoRA policy: adapters up to this rank (0: full fine-tuning)
+        self._lora_max_rank = (
+            vllm_max_lora_rank(self._service["vllm"]["max_lora_rank"], lora_rank) if lora_rank else 0
+        )
         self._transport = create_weight_transport(
             self._service["backend"],
             self._service["request_timeout_s"],
             self._service["vllm"]["pause_mode"],
             broadcast=self._broadcast,
             tensor_parallel=self._service["vllm"]["tensor_parallel_size"],
+            lora_adapter_name=self._service["model"] if lora_rank else None,
         )
 
     @property
@@ -67,6 +74,7 @@ class InferenceService(NexRLModule):
                 log_name=f"{self._module_name}.log",
                 keep_alive_s=self._runtime["rpc"]["preauth_timeout_s"],
                 weight_broadcast=self._broadcast,
+                lora_max_rank=self._lora_max_rank,
             )
             self._server.launch()
             return

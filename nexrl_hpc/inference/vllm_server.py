@@ -16,6 +16,10 @@ its last response (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: ``runtime.rpc.preauth_timeo
 server starts with its soft descriptor limit at the hard one (the supervisor raises it; vLLM raises
 its own towards 65535 as well). Not bounded: a connection that never completes its first request
 head, and how many such connections wait at once (docs/security.md).
+
+A LoRA policy (``lora_max_rank`` > 0): LoRA is enabled for one adapter at a time, the base model is
+served as ``<name>:base`` and the policy's adapter, loaded at each weight sync, as ``<name>`` (the
+name every request of the run gives), so a request is never answered by the bare base by mistake.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "service.inference_service.vllm"
 GUARD_MODULE = "nexrl_vllm_guard"  # vllm_guard.py under this name in the server's private PYTHONPATH dir
+BASE_SUFFIX = ":base"  # with LoRA, the base model's served name is the run's model name with this
+
+
+def base_model_name(served_model_name: str, lora: bool) -> str:
+    """The name the server gives the base model (the adapter takes ``served_model_name`` with LoRA)."""
+    return f"{served_model_name}{BASE_SUFFIX}" if lora else served_model_name
 
 
 def free_port(host: str) -> int:
@@ -85,6 +95,7 @@ class VLLMServer:
         log_name: str = "vllm_server.log",
         keep_alive_s: float = 5.0,
         weight_broadcast: bool = False,
+        lora_max_rank: int = 0,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -100,6 +111,8 @@ class VLLMServer:
         self.weight_broadcast = (
             weight_broadcast  # weight.transport=broadcast: the run's weight-transfer engine
         )
+        self.lora_max_rank = lora_max_rank  # > 0: adapters up to this rank, one at a time
+        self.listed_name = base_model_name(served_model_name, lora_max_rank > 0)  # up when it lists this
 
     def command(self, port: int, host: str | None = None) -> list[str]:
         """The server's command line; ``host``: the address ``host`` resolved to (default: as configured)."""
@@ -111,7 +124,7 @@ class VLLMServer:
             "--model",
             self.model_dir,
             "--served-model-name",
-            self.served_model_name,
+            self.listed_name,
             "--host",
             host or cfg["host"],
             "--port",
@@ -133,6 +146,9 @@ class VLLMServer:
         ]
         if self.weight_broadcast:  # registered by the plugin in the private PYTHONPATH directory
             cmd += ["--weight-transfer-config", json.dumps({"backend": vllm_weight_plugin.ENGINE_NAME})]
+        if self.lora_max_rank:  # one adapter in use and one held: each sync's replaces the last in place
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_max_rank)]
+            cmd += ["--max-loras", "1", "--max-cpu-loras", "1"]
         if cfg["max_model_len"] is not None:
             cmd += ["--max-model-len", str(cfg["max_model_len"])]
         if cfg["tensor_parallel_size"] != 1:
@@ -156,6 +172,8 @@ class VLLMServer:
             VLLM_SERVER_DEV_MODE="1",  # /pause, /collective_rpc, /reset_prefix_cache, /resume
             HF_HUB_OFFLINE="1",  # never download: the model is a local directory
         )
+        if self.lora_max_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
         return env
 
     def start(self) -> str:
@@ -207,10 +225,10 @@ class VLLMServer:
                 resp = httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=2.0)
                 if resp.status_code == 200:
                     served = [m.get("id") for m in resp.json().get("data", [])]
-                    if self.served_model_name not in served:
+                    if self.listed_name not in served:
                         self.stop()
                         raise InferenceServerStartError(
-                            f"{self.base_url} serves {served}, not {self.served_model_name!r}: another "
+                            f"{self.base_url} serves {served}, not {self.listed_name!r}: another "
                             f"server holds the port ({CONFIG_KEY}.port)"
                         )
                     logger.info("vLLM server up at %s (pid %d)", self.base_url, self.process.pid)

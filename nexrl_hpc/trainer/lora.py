@@ -20,16 +20,34 @@ ADAPTER_INIT_SEED = 0
 
 # the random-init tiny model's RMSNorms (peft matches "norm" as a name suffix) and head
 TINY_MODEL_SAVED_MODULES = ["norm", "lm_head"]
+# vLLM serves no module trained in full: its linear layers and an untied head get the adapter instead
+TINY_MODEL_VLLM_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+]
 
 
-def resolved_actor(actor: Mapping[str, Any], model_path: str | None) -> dict[str, Any]:
-    """``actor`` with ``lora.modules_to_save: auto`` resolved: nothing for a model at
-    ``model.path``, the norms and LM head for the built-in tiny model (``model_path`` None)."""
+def resolved_actor(actor: Mapping[str, Any], model: Mapping[str, Any], backend: str) -> dict[str, Any]:
+    """``actor`` with ``lora.modules_to_save: auto`` resolved: nothing for a model at ``model.path``;
+    for the built-in tiny model (random norms and head) its norms and head trained in full, or, with
+    vLLM (which serves no such module), an adapter on its untied head beside the linear layers."""
     lora = actor["lora"]
     if lora["modules_to_save"] != "auto":
         return dict(actor)
-    saved = list(TINY_MODEL_SAVED_MODULES) if model_path is None else None
-    return dict(actor, lora=dict(lora, modules_to_save=saved))
+    if model["path"] is not None:
+        return dict(actor, lora=dict(lora, modules_to_save=None))
+    if backend != "vllm":
+        return dict(actor, lora=dict(lora, modules_to_save=list(TINY_MODEL_SAVED_MODULES)))
+    target = lora["target_modules"]
+    if target == "all-linear" and not model["tiny"]["tie_word_embeddings"]:
+        target = list(TINY_MODEL_VLLM_TARGETS)
+    return dict(actor, lora=dict(lora, modules_to_save=None, target_modules=target))
 
 
 def lora_enabled(actor: dict[str, Any]) -> bool:

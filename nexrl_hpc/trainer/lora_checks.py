@@ -1,5 +1,6 @@
 """Pre-flight checks of ``service.train_service.actor.lora`` (exit 2 naming the key): the target
-and saved modules name modules of the model, and the inference engine can serve an adapter."""
+and saved modules name modules of the model, and the inference engine can serve an adapter (vLLM:
+a server the run starts, a rank it takes, no module trained in full beside the adapter)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import re
 from collections.abc import Mapping
 
 from nexrl_hpc.config.validate import ConfigProblem, g_safe
+from nexrl_hpc.inference.lora_adapter import vllm_max_lora_rank
 
 LORA = "service.train_service.actor.lora"
 IS = "service.inference_service"
 
-# engines that serve a LoRA policy: nexrl_hpc's own server applies each version's adapter
-ADAPTER_ENGINES = ("local",)
+# engines that serve a LoRA policy: nexrl_hpc's own server applies each version's adapter, vLLM
+# loads it at run time (``/v1/load_lora_adapter``)
+ADAPTER_ENGINES = ("local", "vllm")
 
 
 def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
@@ -30,6 +33,8 @@ def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
                 f"{LORA}.rank=0 (full fine-tuning)",
             )
         )
+    if backend == "vllm":
+        problems += _vllm_problems(cfg, rank)
     names = _module_names(cfg)
     if names is None:  # model.path's own check says why it does not load
         return problems
@@ -42,6 +47,37 @@ def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
             problems.append(
                 ConfigProblem(f"{LORA}.modules_to_save", f"{module!r} matches no module of the model")
             )
+    return problems
+
+
+def _vllm_problems(cfg: Mapping, rank: int) -> list[ConfigProblem]:
+    """What vLLM's LoRA cannot take: a server the run did not start (its LoRA flags and base name
+    are the run's), a rank above ``--max-lora-rank``, modules trained in full beside the adapter."""
+    problems: list[ConfigProblem] = []
+    if g_safe(cfg, f"{IS}.base_url"):
+        problems.append(
+            ConfigProblem(
+                f"{IS}.base_url",
+                f"a LoRA policy ({LORA}.rank={rank}) needs the vLLM server the run starts itself (with "
+                "LoRA enabled, the adapter served under service.inference_service.model): unset base_url",
+            )
+        )
+    configured = g_safe(cfg, f"{IS}.vllm.max_lora_rank")
+    largest = vllm_max_lora_rank(configured if isinstance(configured, int) else None, rank)
+    if rank > largest:
+        key = f"{IS}.vllm.max_lora_rank" if configured is not None else f"{LORA}.rank"
+        problems.append(
+            ConfigProblem(key, f"{LORA}.rank={rank} is above the vLLM server's --max-lora-rank {largest}")
+        )
+    saved = g_safe(cfg, f"{LORA}.modules_to_save")
+    if saved not in ("auto", None) and list(saved):
+        problems.append(
+            ConfigProblem(
+                f"{LORA}.modules_to_save",
+                f"vLLM serves no module trained in full beside a LoRA adapter ({list(saved)}): null "
+                "(the adapter alone), or backend=local",
+            )
+        )
     return problems
 
 

@@ -458,9 +458,9 @@ class _StartedStep:
 
 def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
     """What the train service workers need (the training service's ``initialize_worker`` payload)."""
-    ts = config["service"]["train_service"]
+    ts, backend = config["service"]["train_service"], config["service"]["inference_service"]["backend"]
     return {
-        "actor": resolved_actor(ts["actor"], config["model"]["path"]),  # lora.modules_to_save: auto
+        "actor": resolved_actor(ts["actor"], config["model"], backend),  # lora.modules_to_save: auto
         "algorithm": {k: config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
         "engine": ts["engine"],
         "sequence_parallel_size": ts["sequence_parallel_size"],

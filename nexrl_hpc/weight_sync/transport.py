@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from nexrl_hpc.checkpoint.adapter import is_adapter_dir
 from nexrl_hpc.config.schema import RLTrainConfig
 
 logger = logging.getLogger(__name__)
@@ -108,11 +109,16 @@ class VLLMReloadTransport(WeightTransport):
 
     If any step fails the server stays paused: after a failed reload it may hold a mix of old and
     new tensors, and no sample must come from that. The next successful ``publish`` resumes it.
+
+    A LoRA policy's adapter directory (``lora_adapter_name`` set: the server was started with LoRA)
+    is loaded in place of the adapter of that name (``/v1/load_lora_adapter``, ``load_inplace``)
+    between the same pause and resume: the server holds one adapter whatever the number of syncs.
     """
 
-    def __init__(self, timeout_s: float, pause_mode: str):
+    def __init__(self, timeout_s: float, pause_mode: str, lora_adapter_name: str | None = None):
         self._timeout = timeout_s
         self._pause_mode = pause_mode
+        self._adapter_name = lora_adapter_name
         self._base_url: str | None = None
         self._headers: dict[str, str] = {}
         self._http = _http_client()
@@ -156,6 +162,9 @@ class VLLMReloadTransport(WeightTransport):
     def publish(self, model_path: str, version: int) -> None:
         if self._base_url is None:
             raise WeightSyncError("no inference endpoint set for weight sync")
+        if is_adapter_dir(model_path):
+            self._load_adapter(model_path, version)
+            return
         t0 = time.perf_counter()
         self._call("POST", "/pause", params={"mode": self._pause_mode})
         t1 = time.perf_counter()
@@ -173,6 +182,22 @@ class VLLMReloadTransport(WeightTransport):
             )
         t2 = time.perf_counter()
         self._label_version_and_resume(version, "loading")
+        t3 = time.perf_counter()
+        self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
+
+    def _load_adapter(self, adapter_dir: str, version: int) -> None:
+        if self._adapter_name is None:
+            raise WeightSyncError(
+                f"{adapter_dir} is a LoRA adapter, and the vLLM server at {self._base_url} was not "
+                "started for one (service.train_service.actor.lora.rank > 0 with a server the run starts)"
+            )
+        t0 = time.perf_counter()
+        self._call("POST", "/pause", params={"mode": self._pause_mode})
+        t1 = time.perf_counter()
+        body = {"lora_name": self._adapter_name, "lora_path": adapter_dir, "load_inplace": True}
+        self._call("POST", "/v1/load_lora_adapter", json=body)
+        t2 = time.perf_counter()
+        self._label_version_and_resume(version, "loading the adapter of")
         t3 = time.perf_counter()
         self.last_timings = {"pause": t1 - t0, "reload": t2 - t1, "version_resume": t3 - t2, "total": t3 - t0}
 
@@ -316,7 +341,12 @@ def broadcast_backend(configured: str, launch_mode: str) -> str:
 
 
 def create_weight_transport(
-    backend: str, timeout_s: float, vllm_pause_mode: str, broadcast: bool = False, tensor_parallel: int = 1
+    backend: str,
+    timeout_s: float,
+    vllm_pause_mode: str,
+    broadcast: bool = False,
+    tensor_parallel: int = 1,
+    lora_adapter_name: str | None = None,
 ) -> WeightTransport:
     if broadcast:
         if backend == "local":
@@ -327,7 +357,7 @@ def create_weight_transport(
     if backend == "sglang":
         return SGLangDiskTransport(timeout_s)
     if backend == "vllm":
-        return VLLMReloadTransport(timeout_s, vllm_pause_mode)
+        return VLLMReloadTransport(timeout_s, vllm_pause_mode, lora_adapter_name)
     if backend == "fake":
         return NoopTransport()
     raise ValueError(f"no weight transport for service.inference_service.backend={backend!r}")
