@@ -1,9 +1,10 @@
 """Engines serving a LoRA policy: each weight sync's adapter (PEFT layout) on the base model.
 
-vLLM loads it itself (``weight_sync.transport``; its ``--max-lora-rank`` from ``vllm_max_lora_rank``).
-The local engine (``load_adapter``): the first adapter wraps the engine's model in a ``PeftModel`` (the base weights stay as loaded,
-unmerged); each later one is loaded beside it, made active, and the previous one deleted, so one
-adapter is held whatever the number of syncs. The engine's weight version is the adapter's.
+vLLM loads it itself (``weight_sync.transport``; its ``--max-lora-rank`` from
+``vllm_max_lora_rank``). The local engine (``load_adapter``): the first adapter wraps the engine's
+model in a ``PeftModel`` (the base weights stay as loaded, unmerged); each later one is loaded
+beside it, made active, and the previous one deleted, so one adapter is held whatever the number of
+syncs. The engine's weight version is the adapter's.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ TINY_MODEL_VLLM_TARGETS = [
 
 def resolved_actor(actor: Mapping[str, Any], model: Mapping[str, Any], backend: str) -> dict[str, Any]:
     """``actor`` with ``lora.modules_to_save: auto`` resolved: nothing for a model at ``model.path``;
-    for the built-in tiny model (random norms and head) its norms and head trained in full, or, with
-    vLLM (which serves no such module), an adapter on its untied head beside the linear layers."""
+    for the built-in tiny model (a random head) its norms and head trained in full, or, with vLLM
+    (which serves no such module), an adapter on its untied head beside the linear layers."""
     lora = actor["lora"]
     if lora["modules_to_save"] != "auto":
         return dict(actor)
