@@ -9,6 +9,7 @@ reported with its traceback and the next stage still runs):
 - ``mpi_fsdp``: the same under ``mpirun`` (``launch_mode=mpi``: driver, a trainer group of 1 rank on
   NCCL with FSDP2, a rollout rank);
 - ``mpi_deepspeed``: the same with DeepSpeed ZeRO-3;
+- ``local_lora``: ``local`` with a rank-16 LoRA adapter (peft), each sync shipping only the adapter;
 - ``memory``: ``bench/memory.py`` (log-prob/entropy memory, bounded vs materialised) on the GPU.
 
 It prints, per stage: generation and training tokens/s, the trainer's MFU (model FLOPs of the
@@ -309,6 +310,7 @@ def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list
     if vllm_python() is not None:  # never on the GPU machine (vLLM cannot be carried): only by --only
         vllm = [*py, *train_args(args, model_dir, os.path.join(work, "local_vllm"))]
         stages.append(("local_vllm", [*vllm, "service.inference_service.backend=vllm"]))
+    lora = [*py, *train_args(args, model_dir, os.path.join(work, "local_lora"))]
     return stages + [
         (
             "mpi_fsdp",
@@ -320,6 +322,7 @@ def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list
             [*mpi, *train_args(args, model_dir, os.path.join(work, "mpi_deepspeed")), *group]
             + ["service.train_service.engine=deepspeed"],
         ),
+        ("local_lora", [*lora, "service.train_service.actor.lora.rank=16"]),
     ]
 
 

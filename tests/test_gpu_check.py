@@ -35,7 +35,7 @@ def load_gpu_check() -> ModuleType:
 @pytest.mark.e2e
 def test_dry_run_trains_every_stage_and_reports_its_numbers(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
-    stages = ["local", "mpi_fsdp", "mpi_deepspeed"]
+    stages = ["local", "mpi_fsdp", "mpi_deepspeed", "local_lora"]
     cmd = [
         sys.executable,
         str(SCRIPT),

@@ -179,6 +179,34 @@ def test_two_fsdp2_ranks_resumed_on_another_shape_continue_the_run(
         assert_weights_close(got / "weights", runs[same_shape] / "weights")
 
 
+def test_a_lora_adapters_optimizer_state_reshards_like_the_whole_models(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """2 FSDP2 ranks training a LoRA adapter, resumed by 1 FSDP2 rank and by the single-process
+    engine: the next steps are the uninterrupted run's and so is the exported adapter."""
+    from safetensors.torch import load_file
+
+    from nexrl_hpc.checkpoint.adapter import ADAPTER_WEIGHTS
+
+    m = tiny_model_dir
+    through, to1, to_single = tmp_path / "lora2", tmp_path / "lora_to1", tmp_path / "lora_single"
+    launch(2, [(m, str(through), "fsdp+lora", "through")])
+    ckpt = str(through / "ckpt")
+    launch(
+        1, [(m, str(to1), "fsdp+lora", "resume", ckpt), (m, str(to_single), "single+lora", "resume", ckpt)]
+    )
+    saved = load_file(str(through / "ckpt" / "model" / ADAPTER_WEIGHTS))
+    # the adapter and the tiny model's modules saved in full (its norms and head), nothing else
+    assert any("lora_A" in k for k in saved)
+    assert all("lora_" in k or k.endswith(("norm.weight", "lm_head.weight")) for k in saved)
+    reference = load_file(str(through / "weights" / ADAPTER_WEIGHTS))
+    for resumed in (to1, to_single):
+        assert_steps_match(metrics(resumed), metrics(through)[2:])
+        got = load_file(str(resumed / "weights" / ADAPTER_WEIGHTS))
+        assert set(got) == set(reference)
+        assert max(float((got[k] - reference[k]).abs().max()) for k in got) <= 1e-5
+
+
 def fake_checkpoint(root: Path, engine: str, world_size: int, zero_stage: int | None = None) -> Path:
     """A complete checkpoint dir whose optimizer files record ``engine`` on ``world_size`` ranks
     (the headers are all pre-flight reads)."""

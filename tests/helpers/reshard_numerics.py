@@ -8,7 +8,8 @@ what a resume on another shape is compared against (tests/test_reshard.py).
 break (the uninterrupted run). ``resume``: a fresh engine loads ``CKPT`` and saves it again at once
 in its own layout (``OUT_DIR/resaved``: what it holds after the load), then the same ``AFTER``
 updates. Both write every update's metrics and the final weights. Several cases, separated by
-``::``, run one after another in the same processes.
+``::``, run one after another in the same processes. An engine name ``<engine>+lora`` trains a
+rank-4 LoRA adapter (its optimizer state is the adapter's) instead of the whole model.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
     from tests.conftest import compose_config
     from tests.test_policy_trainer import make_batch
 
+    engine_name, _, variant = engine_name.partition("+")
+    lora = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
     cfg = compose_config(
         [
+            *(lora if variant == "lora" else []),
             f"service.train_service.engine={engine_name}",
             "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
             "service.train_service.actor.ppo_micro_batch_size=3",
