@@ -107,6 +107,13 @@ def test_fifty_adapter_syncs_leave_one_adapter_that_scores_like_peft_and_a_misse
         eng.export_weights(path)
         transport.publish(path, version)
         assert _served(server) == ["policy", "policy:base"], version
+    # a peer without the run's key loads nothing (vLLM's key on /v1, the run's guard elsewhere)
+    outsider = {"lora_name": "policy", "lora_path": str(tmp_path / "version_1"), "load_inplace": True}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = httpx.post(
+            f"{server.base_url}/v1/load_lora_adapter", json=outsider, headers=headers, timeout=10
+        )
+        assert refused.status_code == 401, refused.text
     info = httpx.get(f"{server.base_url}/weight_info", headers=_auth(server), timeout=10).json()
     assert info["weight_version"] == "50"
     expected = _peft_scores(model_dir, path)
