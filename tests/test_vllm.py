@@ -40,6 +40,7 @@ from nexrl_hpc.weight_sync.verify import (
     max_abs_diff,
 )
 from tests.conftest import compose_config, run_train
+from tests.helpers.vllm_canary import CanaryOnServer
 
 OVERRIDES = ["seed=1", "service.inference_service.backend=vllm"]
 
@@ -208,20 +209,8 @@ def test_weight_verification_scores_the_canary_as_the_trainer_does_and_names_a_s
     assert [len(s) for s in scored] == [len(p) - 1 for p in canary]
     assert max_abs_diff(reference, scored) <= 1e-4
 
-    class OnThisServer:
-        def get_module_name(self) -> str:
-            return "inference_service_1"
-
-        def describe(self) -> str:
-            return str(server.base_url)
-
-        def score_canary(self, prompts: list[list[int]]) -> list[list[float]]:
-            return engine_prompt_log_probs(
-                httpx.Client(), str(server.base_url), _auth(server), svc["model"], prompts, 30.0
-            )
-
     verifier = WeightVerifier(cfg)  # type: ignore[arg-type]
-    verifier.set_inference_services([OnThisServer()])
+    verifier.set_inference_services([CanaryOnServer(server, svc["model"])])
     assert verifier.verify(CanaryReference(version=5, prompts=canary, log_probs=reference)) <= 1e-4
     old_model = load_model(model_dir, attn_implementation=cfg["model"]["attn_implementation"]).eval()
     with torch.no_grad():

@@ -34,6 +34,7 @@ from nexrl_hpc.weight_sync.verify import (
     max_abs_diff,
 )
 from tests.conftest import compose_config, run_train
+from tests.helpers.vllm_canary import CanaryOnServer
 from tests.test_policy_trainer import make_batch, trainer
 
 VLLM = ["seed=1", "service.inference_service.backend=vllm"]
@@ -122,20 +123,8 @@ def test_fifty_adapter_syncs_leave_one_adapter_that_scores_like_peft_and_a_misse
     # asked: the run never requests it)
     assert max_abs_diff(expected, _peft_scores(model_dir, None)) > 1e-3
 
-    class OnThisServer:
-        def get_module_name(self) -> str:
-            return "inference_service_1"
-
-        def describe(self) -> str:
-            return str(server.base_url)
-
-        def score_canary(self, prompts: list[list[int]]) -> list[list[float]]:
-            return engine_prompt_log_probs(
-                httpx.Client(), str(server.base_url), _auth(server), svc["model"], prompts, 60.0
-            )
-
     verifier = WeightVerifier(cfg)  # type: ignore[arg-type]
-    verifier.set_inference_services([OnThisServer()])
+    verifier.set_inference_services([CanaryOnServer(server, svc["model"])])
     assert verifier.verify(CanaryReference(version=50, prompts=CANARY, log_probs=expected)) <= 1e-4
     eng.update_actor({"batch": make_batch(8, 99)})
     eng.export_weights(str(tmp_path / "version_51"))  # trained, exported, never sent
