@@ -320,3 +320,11 @@ def init_trainer_process_group(backend: str) -> None:
     dist.init_process_group(
         backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
     )
+
+
+def close_trainer_process_group() -> None:
+    """Destroy the process group once every rank is done with it: left to the interpreter's exit,
+    gloo's worker threads can outlive it and abort the process ("terminate called without an
+    active exception", SIGABRT) after the work succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

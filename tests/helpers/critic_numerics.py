@@ -69,3 +69,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from nexrl_hpc.trainer.parallel import close_trainer_process_group
+
+    close_trainer_process_group()

@@ -123,3 +123,6 @@ def tensors_of(value: object) -> list[torch.Tensor]:
 
 if __name__ == "__main__":
     main()
+    from nexrl_hpc.trainer.parallel import close_trainer_process_group
+
+    close_trainer_process_group()
