@@ -33,6 +33,8 @@ from nexrl_hpc.runtime.elastic import (
     write_credential,
 )
 from nexrl_hpc.runtime.elastic_rank import prove_membership
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
+from nexrl_hpc.tracking.run_status import read_status
 from tests.conftest import REPO
 
 ELASTIC: ElasticConfig = {
@@ -149,7 +151,8 @@ def test_elastic_door_refuses_and_counts_wrong_old_copied_and_foreign_credential
 
 
 # --- a real mpirun run ------------------------------------------------------------------------------
-STEPS = 200
+STEPS = 10_000  # never reached: the test stops the run at a checkpoint once its events have happened
+STEPS_WITH_C = 5  # steps trained after the third joiner served, before that stop
 
 
 def run_args(run_dir: Path) -> list[str]:
@@ -169,6 +172,17 @@ def run_args(run_dir: Path) -> list[str]:
         "validate.eval.validate_freq=0",
         "logger.backend=[]",
     ]
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step trained, by metrics.jsonl (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        if path.exists()
+        else []
+    )
+    return max((r["step"] for r in rows if "train/reward_mean" in r), default=0)
 
 
 def join(run_dir: Path, out: Path) -> subprocess.Popen:
@@ -206,8 +220,9 @@ def serving(run_dir: Path, pid: int) -> dict[str, Any] | None:
 def test_elastic_ranks_join_leave_and_rejoin_a_running_mpirun_run(tmp_path: Path) -> None:
     """mpirun -n 3 (driver, trainer, 1 rollout rank) under policy stop_on_error: two nexrl-join
     processes join and serve; one leaves on SIGTERM, one is SIGKILLed (found by its heartbeats);
-    a joiner with a wrong credential is refused and counted; a new one joins; the run finishes,
-    every step once and every prompt trained exactly as planned; the credential is in no log."""
+    a joiner with a wrong credential is refused and counted; a new one joins and serves; the run
+    trains on, then stops at a checkpoint on the preemption signal (rc 3) and tells the joiner to
+    stop: every step once and every prompt trained exactly as planned; the credential is in no log."""
     from tests.test_mpi import assert_trained_as_planned, metrics, mpirun
 
     run_dir = tmp_path / "run"
@@ -254,9 +269,14 @@ def test_elastic_ranks_join_leave_and_rejoin_a_running_mpirun_run(tmp_path: Path
         assert "proof does not match the credential" in outs[3].read_text()
         c = join(run_dir, outs[2])  # capacity comes back as a new member
         joined_c = wait_until("C serving", lambda: serving(run_dir, c.pid), run)
+        with_c = last_step(run_dir) + STEPS_WITH_C
+        wait_until(f"step {with_c}", lambda: last_step(run_dir) >= with_c, run)
+        status = read_status(str(run_dir))
+        assert status is not None
+        os.kill(int(status["pid"]), signal.SIGUSR2)  # the driver's preemption signal
         stdout, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stdout[-2000:] + stderr[-3000:]
-        assert c.wait(60) == 0  # told to stop by the run's end
+        assert run.returncode == PREEMPTED_EXIT, stdout[-2000:] + stderr[-3000:]
+        assert c.wait(60) == PREEMPTED_EXIT  # told the run stopped at a checkpoint (no --wait: it ends too)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
@@ -269,7 +289,8 @@ def test_elastic_ranks_join_leave_and_rejoin_a_running_mpirun_run(tmp_path: Path
     assert sum(r["rollout/joins"] for r in rows) == 3 and sum(r["rollout/leaves"] for r in rows) == 2
     assert max(r["rollout/live_ranks"] for r in rows) == 3 and rows[-1]["rollout/live_ranks"] == 2
     assert rows[-1]["rollout/join_refused"] == 1
-    assert_trained_as_planned(run_dir, STEPS)
+    assert_trained_as_planned(run_dir, rows[-1]["step"])
+    assert rows[-1]["step"] >= with_c
     assert "secret" not in json.loads(Path(door_path(str(run_dir))).read_text())  # gone with the run's door
     for path in [*run_dir.rglob("*"), *outs]:
         if path.is_file() and path.stat().st_size < 50 << 20:

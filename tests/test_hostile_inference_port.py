@@ -12,6 +12,7 @@ import json
 import os
 import re
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import pytest
 from nexrl_hpc.inference.local_server import LocalInferenceServer
 from nexrl_hpc.inference.server import LISTEN_BACKLOG
 from nexrl_hpc.rpc.preauth import FD_RESERVE, HARD_CAP_FACTOR
+from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
+from nexrl_hpc.tracking.run_status import read_status
 from tests.conftest import REPO, compose_config
 from tests.test_hostile_wire import still_open
 
@@ -153,9 +156,10 @@ def test_idle_and_slowloris_connections_are_closed_and_the_run_goes_on(
     assert "inference server: over 64 connections waiting for a request" in log
 
 
-# long enough that the run is still training when the server has closed the flood (the deadline plus
-# the accept lag) on an idle machine, where the default task runs several steps a second
-RUN_STEPS = 400
+# more steps than the test lets it train: the run is stopped at a checkpoint once it has trained on
+# after the flood was closed, so its length never races the flood's deadline
+RUN_STEPS = 100_000
+STEPS_AFTER_FLOOD = 5
 SERVER_UP = re.compile(r"local inference server up at http://(\S+):(\d+) \(pid (\d+)\)")
 
 
@@ -171,9 +175,10 @@ def flood(host: str, port: int, n: int) -> list[socket.socket]:
     return socks
 
 
-def test_a_run_trains_to_the_end_through_1200_connections_on_its_inference_port(tmp_path: Path) -> None:
+def test_a_run_trains_on_through_1200_connections_on_its_inference_port(tmp_path: Path) -> None:
     """The probe that failed a run: 1,200 idle and slowloris connections to the run's own server
-    while it trains. They are closed within the deadline and the run finishes (rc 0)."""
+    while it trains. They are closed within the deadline, the run trains on through its server, and
+    stops at a checkpoint on the preemption signal (rc 3) as any run does."""
     run_dir = tmp_path / "run"
     args = [
         f"run_dir={run_dir}",
@@ -208,16 +213,37 @@ def test_a_run_trains_to_the_end_through_1200_connections_on_its_inference_port(
         while still_open(socks) and time.monotonic() < flooded + PREAUTH_TIMEOUT_S + ACCEPT_LAG_S:
             time.sleep(0.5)
         left, closed_after = still_open(socks), time.monotonic() - t0
-        training = run.poll() is None  # the flood met a run still training, not one done
-        grown = rss(pid) - before if training else 0
-        out, _ = run.communicate(timeout=600)
+        grown = rss(pid) - before
+        at_close = last_step(run_dir)
+        deadline = time.monotonic() + 300
+        while last_step(run_dir) < at_close + STEPS_AFTER_FLOOD:  # rollouts through the same server
+            assert run.poll() is None and time.monotonic() < deadline, (
+                "the run stopped training after the flood"
+            )
+            time.sleep(0.2)
+        run.send_signal(signal.SIGUSR2)  # the preemption signal: checkpoint and stop
+        out, _ = run.communicate(timeout=300)
     finally:
         for s in socks:
             s.close()
         if run.poll() is None:
             run.kill()
     assert left == 0, f"{left} connections open after {closed_after:.1f}s"
-    assert training and grown <= 64 << 20, grown
-    assert run.returncode == 0, out[-3000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert max(steps) == RUN_STEPS
+    assert grown <= 64 << 20, grown
+    assert run.returncode == PREEMPTED_EXIT, out[-3000:]
+    status = read_status(str(run_dir))
+    assert status is not None and status["state"] == "preempted", status
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "train/reward_mean" in r]
+    assert steps == list(range(1, max(steps) + 1)) and max(steps) >= at_close + STEPS_AFTER_FLOOD
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step trained, by metrics.jsonl (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        if path.exists()
+        else []
+    )
+    return max((r["step"] for r in rows if "train/reward_mean" in r), default=0)
