@@ -344,3 +344,39 @@ def test_the_join_barrier_raises_the_reason_it_was_called_off() -> None:
     assert time.monotonic() - started < 5
     assert len(errors) == 2 and all(isinstance(e, BroadcastAborted) for e in errors)
     assert all("inference_service_2 failed: rank 5 is dead" in str(e) for e in errors)
+
+
+def test_a_neighbour_at_the_rendezvous_store_cannot_call_off_or_join_a_sync(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    """The store answers anyone who reaches its port. A neighbour who connects and writes the
+    call-off and a full join count under every prefix a sync could be given by counting (the
+    version and the sync number) changes nothing: the next sync's keys are under a prefix only the
+    run's signed calls carry, and its weights arrive."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nexrl_hpc.weight_sync.wire import _JOINED_KEY, ABORT_KEY
+
+    cfg, model_dir = setup
+    (service,) = _services(cfg, model_dir, tmp_path, ["inference_service_0"])
+    try:
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([service])
+        publisher.set_weight_source(_Source(_new_model(cfg)))
+        publisher.publish(1)  # the store exists from the first sync on
+        store = publisher._rendezvous
+        assert store is not None
+        outsider = dist.TCPStore(store.host, store.port, None, False, timeout=datetime.timedelta(seconds=10))
+        for sync in range(8):
+            outsider.set(f"v2.{sync}/{ABORT_KEY}", "the neighbour called it off")
+            outsider.add(f"v2.{sync}/{_JOINED_KEY}", 100)
+        model = build_tiny_model(dict(cfg["model"]["tiny"], init_seed=9))[0].eval()  # not sync 1's
+        publisher.set_weight_source(_Source(model))
+        publisher.publish(2)
+        assert _gap(cfg, service, model) <= 1e-4
+        prefixes = {store.spec(2, 2)["prefix"] for _ in range(2)}
+        assert len(prefixes) == 2 and all(len(p.rsplit(".", 1)[1]) == 32 for p in prefixes)
+    finally:
+        service.stop()

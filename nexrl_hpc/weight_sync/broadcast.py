@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import secrets
 from typing import Any
 
 
@@ -44,11 +45,16 @@ class BroadcastRendezvous:
         self._store.set(f"{spec['prefix']}/{ABORT_KEY}", reason)
 
     def spec(self, world_size: int, version: int) -> dict[str, Any]:
+        """The next sync's group. Its prefix ends in 128 random bits: the store takes connections
+        from anyone who can reach its port, and every key of the sync (each member's join, its
+        gloo/NCCL addresses, the call-off) lives under the prefix, which travels only in the
+        run's signed calls — a neighbour who cannot guess it can neither join, hijack nor call
+        off a sync."""
         return {
             "backend": self._backend,
             "host": self.host,
             "port": self.port,
-            "prefix": f"v{version}.{next(self._syncs)}",
+            "prefix": f"v{version}.{next(self._syncs)}.{secrets.token_hex(16)}",
             "world_size": world_size,
             "timeout_s": self._timeout_s,
             "bucket_bytes": self._bucket_bytes,
