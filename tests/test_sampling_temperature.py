@@ -10,7 +10,6 @@ teacher. The weight-sync canary compares prompt log-probs at temperature 1 on bo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from nexrl_hpc.trainer.logprobs import token_log_probs_and_entropy
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.weight_sync.verify import canary_batch
 from tests.conftest import compose_config, run_train
+from tests.helpers.vllm_venv import vllm_config
 from tests.test_policy_trainer import make_batch, trainer
 
 T = 0.7
@@ -214,11 +214,7 @@ def test_a_default_shape_run_at_temperature_07_has_no_logprob_mismatch(tmp_path:
 @pytest.mark.e2e
 def test_a_vllm_run_at_temperature_07_has_no_logprob_mismatch(tmp_path: Path) -> None:
     """vLLM asked for processed log-probs: its numbers are the trainer's log_softmax(logits / T)."""
-    python = compose_config(["service.inference_service.base_url=http://unused"])["service"][
-        "inference_service"
-    ]["vllm"]["python"]
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"vLLM's venv is missing ({python}): run `bash scripts/install_vllm.sh`")
+    vllm_config(["service.inference_service.backend=vllm"])
     run_dir = tmp_path / "run"
     proc = run_train(
         [

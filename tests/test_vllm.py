@@ -41,17 +41,14 @@ from nexrl_hpc.weight_sync.verify import (
 )
 from tests.conftest import compose_config, run_train
 from tests.helpers.vllm_canary import CanaryOnServer
+from tests.helpers.vllm_venv import vllm_config
 
 OVERRIDES = ["seed=1", "service.inference_service.backend=vllm"]
 
 
 @pytest.fixture(scope="module")
 def cfg() -> dict[str, Any]:
-    raw = compose_config([*OVERRIDES, "service.inference_service.base_url=http://unused"])  # no venv check
-    python = raw["service"]["inference_service"]["vllm"]["python"]
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"vLLM's venv is missing ({python}): run `bash scripts/install_vllm.sh`")
-    return compose_config(OVERRIDES)
+    return vllm_config(OVERRIDES)
 
 
 @pytest.fixture(scope="module")

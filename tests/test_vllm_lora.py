@@ -35,6 +35,7 @@ from nexrl_hpc.weight_sync.verify import (
 )
 from tests.conftest import compose_config, run_train
 from tests.helpers.vllm_canary import CanaryOnServer
+from tests.helpers.vllm_venv import vllm_config
 from tests.test_policy_trainer import make_batch, trainer
 
 VLLM = ["seed=1", "service.inference_service.backend=vllm"]
@@ -44,11 +45,7 @@ CANARY = [[1, 5, 7, 9, 4, 6, 8, 5, 11], [1, 12, 4, 4, 9, 3]]
 
 @pytest.fixture(scope="module")
 def cfg() -> dict[str, Any]:
-    raw = compose_config([*VLLM, "service.inference_service.base_url=http://unused"])  # no venv check
-    python = raw["service"]["inference_service"]["vllm"]["python"]
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"vLLM's venv is missing ({python}): run `bash scripts/install_vllm.sh`")
-    return compose_config([*VLLM, *LORA])
+    return vllm_config([*VLLM, *LORA])
 
 
 @pytest.fixture(scope="module")

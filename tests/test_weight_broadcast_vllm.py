@@ -21,18 +21,15 @@ import torch
 from nexrl_hpc.inference.vllm_server import VLLMServer
 from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
 from nexrl_hpc.weight_sync.transport import VLLMBroadcastTransport
-from tests.conftest import REPO, compose_config
+from tests.conftest import REPO
+from tests.helpers.vllm_venv import vllm_config
 
 OVERRIDES = ["service.inference_service.backend=vllm"]
 
 
 @pytest.fixture(scope="module")
 def cfg() -> dict[str, Any]:
-    raw = compose_config([*OVERRIDES, "service.inference_service.base_url=http://unused"])  # no venv check
-    python = raw["service"]["inference_service"]["vllm"]["python"]
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"vLLM's venv is missing ({python}): run `bash scripts/install_vllm.sh`")
-    return compose_config(OVERRIDES)
+    return vllm_config(OVERRIDES)
 
 
 @pytest.fixture(scope="module")
