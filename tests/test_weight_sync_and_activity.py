@@ -119,6 +119,64 @@ def test_failed_reload_does_not_bump_the_version(tmp_path: Any) -> None:
     assert wsc.get_train_model_version("default") == 1
 
 
+class ScoringService(RecordingService):
+    """A recorded engine that scores the canary with the weights of the last version it reloaded
+    (``weights[v]``: its log-probs under version ``v``); a joiner holds the base weights (0)."""
+
+    def __init__(self, name: str, weights: dict[int, list[list[float]]], on_reload: Any = None):
+        super().__init__()
+        self.name, self.weights, self.on_reload = name, weights, on_reload
+        self.scored = 0
+
+    def reload_weights(self, model_path: str, version: int) -> None:
+        if self.on_reload is not None:
+            self.on_reload()
+        super().reload_weights(model_path, version)
+
+    def score_canary(self, prompts: list[list[int]]) -> list[list[float]]:
+        self.scored += 1
+        return self.weights[self.published[-1][1] if self.published else 0]
+
+    def get_module_name(self) -> str:
+        return self.name
+
+    def describe(self) -> str:
+        return self.name
+
+
+def test_a_rank_joining_while_a_version_is_published_is_verified_from_the_next(tmp_path: Any) -> None:
+    """The joiner's engine is added while version 1 is being published: version 1 reached only the
+    engines there before, and only those are held to it; the joiner gets version 2 and its check."""
+    from nexrl_hpc.weight_sync.verify import CanaryReference, WeightVerificationError
+
+    weights = {0: [[-1.0, -2.0]], 1: [[-1.5, -0.5]], 2: [[-0.7, -0.9]]}
+    wsc, _, _, _ = make_wsc(tmp_path)
+    joiner = ScoringService("inference_service_e3", weights)
+    member = ScoringService("inference_service", weights)
+    member.on_reload = lambda: wsc.set_inference_services([member, joiner])  # mid-publish, once
+    wsc.set_inference_services([member])
+    wsc.train_worker_notify_weight_update(
+        "train_worker", "default", 1, CanaryReference(version=1, prompts=[[1, 2, 3]], log_probs=weights[1])
+    )
+    assert [v for _, v in member.published] == [1] and not joiner.published
+    assert (member.scored, joiner.scored) == (1, 0)
+    member.on_reload = None
+    wsc.train_worker_notify_weight_update(
+        "train_worker", "default", 2, CanaryReference(version=2, prompts=[[1, 2, 3]], log_probs=weights[2])
+    )
+    assert [v for _, v in joiner.published] == [2] and (member.scored, joiner.scored) == (2, 1)
+    # and an engine that got the version but serves other weights is still caught
+    weights[3] = weights[2]  # version 3: the same weights
+    joiner.weights = {**weights, 3: weights[0]}  # but the joiner's engine went back to its base
+    with pytest.raises(WeightVerificationError, match="version 3 failed verification: inference_service_e3 "):
+        wsc.train_worker_notify_weight_update(
+            "train_worker",
+            "default",
+            3,
+            CanaryReference(version=3, prompts=[[1, 2, 3]], log_probs=weights[2]),
+        )
+
+
 def test_activity_tracker_counts_inflight_work_and_quiescence() -> None:
     tracker = ActivityTracker()
     tracker.register_module("rollout_worker", object(), is_rollout_worker=True)

@@ -237,7 +237,9 @@ class RolloutScheduler(NexRLModule):
                 time.monotonic() - started, sent if sent is not None else export_bytes(path)
             )
             if canary is not None:
-                metrics["weight_sync/verify_max_abs_diff"] = self._verifier.verify(canary)
+                # the engines this version reached: a rank joining meanwhile gets the next one
+                served = self._publisher.served
+                metrics["weight_sync/verify_max_abs_diff"] = self._verifier.verify(canary, served)
             if self._activity_tracker is not None:
                 self._activity_tracker.experiment_logger_post("all", data=metrics, step=version)
         finally:

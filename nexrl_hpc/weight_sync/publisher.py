@@ -54,6 +54,9 @@ class WeightPublisher:
         self.last_sync: dict[
             str, Any
         ] = {}  # the last broadcast's bytes, buckets, seconds ({} after a disk sync)
+        # the services the last successful publish reached: a rank that joins while a version is
+        # being published is not among them (its engine gets the next one)
+        self.served: list[InferenceServiceRef] = []
 
     def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         """The inference services that must serve every new version (all rollout ranks' engines)."""
@@ -70,11 +73,13 @@ class WeightPublisher:
         controller then removes (policy continue) does not fail the publication: after a reload the
         others serve the version; a broadcast, whose group broke with it, is sent once more to the
         services left."""
-        self.last_sync = {}
+        self.last_sync, self.served = {}, []
         for attempt in range(2):
             services = list(self._inference_services)
-            failures, others_served = self._publish_once(services, version)
+            names = [execute(s.get_module_name) for s in services]
+            failures, others_served = self._publish_once(services, names, version)
             if not failures:
+                self.served = services
                 return
             removed = removed_meanwhile(
                 [n for n, e in failures if isinstance(e, PeerDeadError)],
@@ -98,14 +103,14 @@ class WeightPublisher:
                 raise WeightSyncError(
                     f"weight version {version} not {how}: " + "; ".join(f"{n}: {e}" for n, e in failures)
                 )
+            self.served = [s for s, n in zip(services, names) if n not in removed]
             return
 
     def _publish_once(
-        self, services: list[InferenceServiceRef], version: int
+        self, services: list[InferenceServiceRef], names: list[str], version: int
     ) -> tuple[list[tuple[str, BaseException]], bool]:
         """One try: the failures ``(name, error)``, and whether the services not among them serve
         ``version`` (a reload: each on its own) or not (a broadcast: one group, broken by any)."""
-        names = [execute(s.get_module_name) for s in services]
         if self._source is not None and services:
             receivers: list[tuple[InferenceServiceRef, int]] = []
             for name, service in zip(names, services):

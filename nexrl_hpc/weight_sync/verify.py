@@ -185,16 +185,19 @@ class WeightVerifier:
     def set_inference_services(self, services: Sequence[InferenceServiceRef]) -> None:
         self._inference_services = list(services)
 
-    def verify(self, reference: CanaryReference) -> float:
-        """The largest |Δ log p| over the engines; raises ``WeightVerificationError`` naming each
-        engine over ``tolerance`` (or that could not score the canary)."""
+    def verify(
+        self, reference: CanaryReference, services: Sequence[InferenceServiceRef] | None = None
+    ) -> float:
+        """The largest |Δ log p| over the engines (``services``, those the version was published
+        to; default: all); raises ``WeightVerificationError`` naming each engine over
+        ``tolerance`` (or that could not score the canary)."""
         version, prompts = reference["version"], reference["prompts"]
         if not all(math.isfinite(v) for row in reference["log_probs"] for v in row):
             raise WeightVerificationError(
                 f"weight version {version}: the trainer's own log-probs of the canary are not finite: "
                 "the weights are broken (NaN or inf), whatever the engines serve"
             )
-        services = list(self._inference_services)
+        services = list(self._inference_services if services is None else services)
         futures = [(s, execute_async(s.score_canary, prompts)) for s in services]
         tokens = sum(len(p) - 1 for p in prompts)
         worst, failures = 0.0, []
