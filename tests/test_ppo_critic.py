@@ -300,11 +300,12 @@ def test_ppo_under_mpirun_with_a_critic_group_at_temperature_07(
 
 
 @pytest.mark.e2e
-def test_the_critic_on_two_fsdp2_ranks_equals_the_critic_in_one_process(
+def test_the_critic_on_two_fsdp2_or_zero3_ranks_equals_the_critic_in_one_process(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    """torchrun, two gloo ranks: FSDP2's values, value loss, gradient norm and the values after one
-    update are the single process's (micro-batches of 3, mini-batches of 6: two optimizer steps)."""
+    """torchrun, two gloo ranks: FSDP2's and DeepSpeed ZeRO-3's values, value loss, gradient norm
+    and the values after one update are the single process's (micro-batches of 3, mini-batches of
+    6: two optimizer steps)."""
     import os
     import shutil
 
@@ -328,11 +329,13 @@ def test_the_critic_on_two_fsdp2_ranks_equals_the_critic_in_one_process(
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    assert result["values"] <= 1e-5 and result["after"] <= 1e-5, result
-    assert result["moved"] > 1e-3, result  # the update changed the values
-    assert result["vf_loss"][0] == pytest.approx(result["vf_loss"][1], rel=1e-5), result
-    assert result["grad_norm"][0] == pytest.approx(result["grad_norm"][1], rel=1e-4), result
+    results = json.loads(out.read_text())
+    assert list(results) == ["fsdp", "deepspeed"]
+    for result in results.values():
+        assert result["values"] <= 1e-5 and result["after"] <= 1e-5, results
+        assert result["moved"] > 1e-3, results  # the update changed the values
+        assert result["vf_loss"][0] == pytest.approx(result["vf_loss"][1], rel=1e-5), results
+        assert result["grad_norm"][0] == pytest.approx(result["grad_norm"][1], rel=1e-4), results
 
 
 def test_mpi_mode_places_the_critic_on_its_own_group_and_says_what_fits() -> None:

@@ -1,8 +1,9 @@
-"""PPO's critic on two gloo ranks under FSDP2 against the same critic in one process.
+"""PPO's critic on two gloo ranks under FSDP2 and under DeepSpeed ZeRO-3 against the same critic
+in one process.
 
-Both critics start from one value-model directory (its head saved, so both start equal); each
+Every critic starts from one value-model directory (its head saved, so all start equal); each
 scores a batch (the values ``compute_log_prob`` answers), takes one value update on it, and scores
-it again. Rank 0 writes the largest differences and the two updates' losses.
+it again. Rank 0 writes, per engine, the largest differences and the two updates' losses.
 
     torchrun --nproc_per_node 2 -m tests.helpers.critic_numerics OUT.json VALUE_MODEL_DIR
 """
@@ -28,6 +29,7 @@ def run(model_dir: str, engine: str, world_size: int) -> tuple[torch.Tensor, dic
         [
             "algorithm=ppo",
             f"service.train_service.critic.engine={engine}",
+            "service.train_service.deepspeed.zero_stage=3",
             "service.train_service.critic.ppo_micro_batch_size=3",
             "service.train_service.critic.ppo_mini_batch_size=6",
         ]
@@ -53,15 +55,17 @@ def main() -> None:
 
     init_trainer_process_group("gloo")
     out_path, model_dir = sys.argv[1], sys.argv[2]
-    values, metrics, after = run(model_dir, "fsdp", world_size)
     ref_values, ref_metrics, ref_after = run(model_dir, "single", 1)
-    result = {
-        "values": float((values - ref_values).abs().max()),
-        "after": float((after - ref_after).abs().max()),
-        "moved": float((ref_after - ref_values).abs().max()),
-        "vf_loss": [metrics["critic/vf_loss"], ref_metrics["critic/vf_loss"]],
-        "grad_norm": [metrics["critic/grad_norm"], ref_metrics["critic/grad_norm"]],
-    }
+    result = {}
+    for engine in ("fsdp", "deepspeed"):
+        values, metrics, after = run(model_dir, engine, world_size)
+        result[engine] = {
+            "values": float((values - ref_values).abs().max()),
+            "after": float((after - ref_after).abs().max()),
+            "moved": float((ref_after - ref_values).abs().max()),
+            "vf_loss": [metrics["critic/vf_loss"], ref_metrics["critic/vf_loss"]],
+            "grad_norm": [metrics["critic/grad_norm"], ref_metrics["critic/grad_norm"]],
+        }
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
