@@ -130,14 +130,16 @@ def test_local_server_by_broadcast_serves_what_a_disk_reload_serves(
 
 class _KillsAfterFirstBucket(SingleProcess):
     """Sends 64 KiB buckets (the tiny model is a few of them); after the first it SIGKILLs
-    ``victim``'s server and goes on sending."""
+    ``victim``'s server (once) and goes on sending."""
 
-    def __init__(self, victim: InferenceService):
-        self.victim = victim
+    def __init__(self, victim: InferenceService, before_kill: Any = None):
+        self.victim, self.before_kill = victim, before_kill
 
     def weight_buckets(self, model: Any, bucket_bytes: int, skip: set[str]) -> Iterator[Any]:
         for i, bucket in enumerate(super().weight_buckets(model, 64 << 10, skip)):
-            if i == 1:
+            if i == 1 and self.victim._server is not None and self.victim._server.process.poll() is None:
+                if self.before_kill is not None:
+                    self.before_kill()
                 server = self.victim._server
                 assert server is not None and server.process is not None
                 os.killpg(server.process.pid, signal.SIGKILL)
@@ -172,6 +174,31 @@ def test_server_killed_mid_broadcast_fails_the_sync_naming_it_within_the_timeout
     finally:
         keeps.stop()
         dies.stop()
+
+
+def test_a_leaving_joined_rank_killed_mid_broadcast_does_not_fail_the_sync(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    """A joined rank that leaves (scancel) tells rank 0 first, whose controller drops its service
+    from the weight-sync set; then its server goes, in the middle of a broadcast. The error of its
+    call is not the sync's failure: the version is broadcast again to the services left."""
+    cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=20"])
+    keeps, leaves = _services(cfg, setup[1], tmp_path, ["inference_service_0", "inference_service_e3"])
+    try:
+        model = _new_model(cfg)
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([keeps, leaves])
+        departed = lambda: publisher.set_inference_services([keeps])  # noqa: E731 - the controller's poll
+        killing = _Source(model, _KillsAfterFirstBucket(leaves, before_kill=departed))
+        publisher.set_weight_source(killing)
+        publisher.publish(1)
+        assert leaves._server is not None and leaves._server.process.poll() is not None  # killed mid-sync
+        # the broken broadcast raised; the one sent again, to the service left, is the one recorded
+        assert len(killing.sent) == 1 and publisher.served == [keeps]
+        assert _gap(cfg, keeps, model) <= 1e-4
+    finally:
+        keeps.stop()
+        leaves.stop()
 
 
 @pytest.mark.e2e
@@ -301,6 +328,7 @@ def test_a_lost_rank_the_controller_keeps_fails_the_sync_naming_it(
     from nexrl_hpc.weight_sync import lost as lost_module
 
     monkeypatch.setattr(lost_module, "REMOVAL_GRACE_S", 1.0)
+    monkeypatch.setattr(lost_module, "DEPARTURE_GRACE_S", 1.0)
     cfg = compose_config(["seed=1", f"run_dir={tmp_path / 'run'}", "weight.broadcast_timeout_s=60"])
     (keeps,) = _services(cfg, setup[1], tmp_path, ["inference_service_0"])
     try:

@@ -147,13 +147,16 @@ class JoinedRank:
         )
         self._serve_until_stopped(config, admission, endpoint)
         if self._leaving:
-            abort_modules(self._modules)  # its server goes now; rank 0 re-issues its tasks
+            # rank 0 first: it retires this rank (its calls here fail as a lost rank's, its tasks
+            # are re-issued) before the server goes, so a sync or canary in flight here is not
+            # mistaken for an engine that failed
             try:
                 endpoint.call_async(
                     0, RPC_MODULE, "elastic_leave", (admission.rank, self._leaving), {}, 5.0
                 ).result(timeout=5.0)
             except Exception:
                 pass  # rank 0 sees it silent instead
+            abort_modules(self._modules)
             return 0
         _stop_quietly(self._modules)
         self._released.wait(config["runtime_monitor"]["stop_timeout_s"])

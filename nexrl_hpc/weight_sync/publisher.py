@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from nexrl_hpc.config.schema import WeightConfig
 from nexrl_hpc.core.execute import execute, execute_async
-from nexrl_hpc.rpc.calls import PeerDeadError
 from nexrl_hpc.runtime.network import resolve_bind_address
 from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
-from nexrl_hpc.weight_sync.lost import removed_meanwhile
+from nexrl_hpc.weight_sync.lost import removed_of
 from nexrl_hpc.weight_sync.transport import WeightSyncError, broadcast_backend
 
 if TYPE_CHECKING:
@@ -81,9 +80,8 @@ class WeightPublisher:
             if not failures:
                 self.served = services
                 return
-            removed = removed_meanwhile(
-                [n for n, e in failures if isinstance(e, PeerDeadError)],
-                lambda: [execute(s.get_module_name) for s in self._inference_services],
+            removed = removed_of(
+                dict(failures), lambda: [execute(s.get_module_name) for s in self._inference_services]
             )
             for name in sorted(removed):
                 logger.warning(

@@ -23,8 +23,7 @@ import httpx
 
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.core.execute import execute, execute_async
-from nexrl_hpc.rpc.calls import PeerDeadError
-from nexrl_hpc.weight_sync.lost import removed_meanwhile
+from nexrl_hpc.weight_sync.lost import removed_of
 from nexrl_hpc.weight_sync.transport import WeightSyncError
 
 if TYPE_CHECKING:
@@ -206,8 +205,8 @@ class WeightVerifier:
             try:
                 diff = max_abs_diff(reference["log_probs"], future.result())
             except Exception as exc:
-                if isinstance(exc, PeerDeadError) and removed_meanwhile(
-                    [name], lambda: [execute(s.get_module_name) for s in self._inference_services]
+                if removed_of(
+                    {name: exc}, lambda: [execute(s.get_module_name) for s in self._inference_services]
                 ):
                     logger.warning("%s was lost while scoring the canary of version %d", name, version)
                     continue  # lost meanwhile (policy continue), as in the publisher
