@@ -91,6 +91,17 @@ def chatml_padded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_chatml_model_dir(out, CHATML_TEXTS, 512, model_vocab_size=PADDED_MODEL_VOCAB)
 
 
+def last_trained_step(run_dir: Path) -> int:
+    """The last step a run trained, by its metrics.jsonl (0 before the first; a line still being
+    written is left out)."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    rows = [json.loads(line) for line in lines if line.endswith("}")]
+    return max((r["step"] for r in rows if "train/reward_mean" in r), default=0)
+
+
 def run_train(
     args: list[str], timeout: float = 600, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ from nexrl_hpc.inference.server import LISTEN_BACKLOG
 from nexrl_hpc.rpc.preauth import FD_RESERVE, HARD_CAP_FACTOR
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 from nexrl_hpc.tracking.run_status import read_status
-from tests.conftest import REPO, compose_config
+from tests.conftest import REPO, compose_config, last_trained_step
 from tests.test_hostile_wire import still_open
 
 pytestmark = pytest.mark.e2e
@@ -214,9 +214,9 @@ def test_a_run_trains_on_through_1200_connections_on_its_inference_port(tmp_path
             time.sleep(0.5)
         left, closed_after = still_open(socks), time.monotonic() - t0
         grown = rss(pid) - before
-        at_close = last_step(run_dir)
+        at_close = last_trained_step(run_dir)
         deadline = time.monotonic() + 300
-        while last_step(run_dir) < at_close + STEPS_AFTER_FLOOD:  # rollouts through the same server
+        while last_trained_step(run_dir) < at_close + STEPS_AFTER_FLOOD:  # rollouts through the same server
             assert run.poll() is None and time.monotonic() < deadline, (
                 "the run stopped training after the flood"
             )
@@ -236,14 +236,3 @@ def test_a_run_trains_on_through_1200_connections_on_its_inference_port(tmp_path
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "train/reward_mean" in r]
     assert steps == list(range(1, max(steps) + 1)) and max(steps) >= at_close + STEPS_AFTER_FLOOD
-
-
-def last_step(run_dir: Path) -> int:
-    """The last step trained, by metrics.jsonl (0 before the first)."""
-    path = run_dir / "metrics.jsonl"
-    rows = (
-        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        if path.exists()
-        else []
-    )
-    return max((r["step"] for r in rows if "train/reward_mean" in r), default=0)
