@@ -356,8 +356,9 @@ class NexRLController:
         """Errors by policy, dead ranks, dead modules: raises ``RunFailed`` if the run cannot go on."""
         assert self._health is not None
         self._health.check_module_exceptions()
+        self._members.take_departures()  # joined ranks that said they leave (runtime.elastic)
         self._health.check_health()
-        self._members.poll()  # rollout ranks that joined or left (runtime.elastic)
+        self._members.poll()  # rollout ranks that joined
 
     # --- shutdown -------------------------------------------------------------------------------
     def _stop(self) -> None:

@@ -5,7 +5,7 @@ Two ways the set changes, both on the controller's thread between two looks at t
 - **Lost** (``continue_without``, policy continue; or any joined rank, whatever the policy): the rest
   are re-wired (scheduler, weight publisher, verifier) and the lost workers' tasks are re-issued
   through the data loaders' ledger, exactly once.
-- **Joined** (``poll``; runtime.elastic, runtime/elastic.py): a proven joiner's worker and service
+- **Joined** (``poll``, ``take_departures``; runtime.elastic, runtime/elastic.py): a proven joiner's worker and service
   are wired in between tasks: the service loads the version the others serve (from its export on
   disk; a broadcast receiver instead joins the next publication's group) before its worker starts,
   and is in the weight-sync set from then on. A joined rank that says it leaves is lost as above;
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutMembership:
-    """The controller's rollout set: ``continue_without`` (lost) and ``poll`` (joins, leaves, gauges)."""
+    """The controller's rollout set: ``continue_without`` (lost), ``take_departures`` (leaves) and
+    ``poll`` (joins, gauges)."""
 
     def __init__(self, controller: NexRLController) -> None:
         self._c = controller
@@ -59,7 +60,10 @@ class RolloutMembership:
                 n = execute(c.dataloader.requeue_consumer, name)
                 m = execute(c.validate_dataloader.requeue_consumer, name)
                 logger.warning("re-issued %d training and %d validation task(s) that %s held", n, m, name)
-        for rank in sorted({self._joined.pop(name) for name in gone if name in self._joined}):
+        # a joined rank leaves once, however many of its modules are found lost and in how many looks
+        ranks = {self._joined[name] for name in gone if name in self._joined}
+        self._joined = {n: r for n, r in self._joined.items() if r not in ranks}
+        for rank in sorted(ranks):
             self._catching_up.pop(rank, None)
             self._waiting.pop(rank, None)
             if c.activity_tracker is not None:
@@ -69,18 +73,26 @@ class RolloutMembership:
                 door.left(rank, reason)
 
     # --- joins and leaves ------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Wire in the joiners that arrived, drop the joined ranks that said they leave, and keep
-        the gauges current. Joiners wait while a validation runs (its workers are fixed)."""
+    def take_departures(self) -> None:
+        """Drop the joined ranks that said they leave (before the health check looks: a leaving
+        rank's server may already be gone, and it left rather than died)."""
         c = self._c
         door = c.runtime.elastic_door()
-        if door is None or c._health is None or c.activity_tracker is None:
+        if door is None or c._health is None:
             return
         for rank, reason in door.take_departures():
             names = [n for n, r in self._joined.items() if r == rank]
             c.runtime.retire_rank(rank, reason)  # first: nothing it still sends is served after the re-issue
             if names:
                 c._health.lose_modules(names, f"joined rank {rank} left ({reason})")
+
+    def poll(self) -> None:
+        """Wire in the joiners that arrived (departures: ``take_departures``), and keep the gauges
+        current. Joiners wait while a validation runs (its workers are fixed)."""
+        c = self._c
+        door = c.runtime.elastic_door()
+        if door is None or c._health is None or c.activity_tracker is None:
+            return
         if not execute(c.scheduler.is_waiting_for_validation):
             for member in door.take_arrivals():
                 self._admit(member)

@@ -35,7 +35,7 @@ from nexrl_hpc.runtime.elastic import (
 from nexrl_hpc.runtime.elastic_rank import prove_membership
 from nexrl_hpc.runtime.preemption import PREEMPTED_EXIT
 from nexrl_hpc.tracking.run_status import read_status
-from tests.conftest import REPO
+from tests.conftest import REPO, last_trained_step
 
 ELASTIC: ElasticConfig = {
     "enabled": True,
@@ -174,17 +174,6 @@ def run_args(run_dir: Path) -> list[str]:
     ]
 
 
-def last_step(run_dir: Path) -> int:
-    """The last step trained, by metrics.jsonl (0 before the first)."""
-    path = run_dir / "metrics.jsonl"
-    rows = (
-        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        if path.exists()
-        else []
-    )
-    return max((r["step"] for r in rows if "train/reward_mean" in r), default=0)
-
-
 def join(run_dir: Path, out: Path) -> subprocess.Popen:
     with open(out, "w") as f:
         return subprocess.Popen(
@@ -269,8 +258,8 @@ def test_elastic_ranks_join_leave_and_rejoin_a_running_mpirun_run(tmp_path: Path
         assert "proof does not match the credential" in outs[3].read_text()
         c = join(run_dir, outs[2])  # capacity comes back as a new member
         joined_c = wait_until("C serving", lambda: serving(run_dir, c.pid), run)
-        with_c = last_step(run_dir) + STEPS_WITH_C
-        wait_until(f"step {with_c}", lambda: last_step(run_dir) >= with_c, run)
+        with_c = last_trained_step(run_dir) + STEPS_WITH_C
+        wait_until(f"step {with_c}", lambda: last_trained_step(run_dir) >= with_c, run)
         status = read_status(str(run_dir))
         assert status is not None
         os.kill(int(status["pid"]), signal.SIGUSR2)  # the driver's preemption signal
@@ -383,3 +372,48 @@ def test_elastic_join_wait_ends_when_the_run_ended_and_refuses_without_a_door(tm
         timeout=120,
     )
     assert proc.returncode == 2 and "elastic/join.json: no such file" in proc.stderr
+
+
+def test_elastic_a_joined_ranks_leave_counts_once_when_its_modules_are_lost_in_two_looks() -> None:
+    """A leaving rank's server may be found dead by one health check and its worker lost with the
+    rank's notice in the next: one leave, one status entry, both modules out of the rollout set."""
+    from types import SimpleNamespace
+
+    from nexrl_hpc.core.activity import ActivityTracker
+    from nexrl_hpc.membership import RolloutMembership
+    from nexrl_hpc.types import NexRLRole
+
+    class Named:
+        def __init__(self, name: str):
+            self.name = name
+
+        def get_module_name(self) -> str:
+            return self.name
+
+        def requeue_consumer(self, name: str) -> int:
+            return 0
+
+    left: list[tuple[int, str]] = []
+    tracker = ActivityTracker()
+    roles = {
+        "rollout_worker_e4": NexRLRole.ROLLOUT_WORKER,
+        "inference_service_e4": NexRLRole.INFERENCE_SERVICE,
+    }
+    controller = SimpleNamespace(
+        _rollout_workers=[Named("rollout_worker"), Named("rollout_worker_e4")],
+        _inference_services=[Named("inference_service"), Named("inference_service_e4")],
+        scheduler=SimpleNamespace(set_inference_services=lambda services: None),
+        _health=SimpleNamespace(module_roles=roles),
+        dataloader=Named("dataloader"),
+        validate_dataloader=Named("validate_dataloader"),
+        activity_tracker=tracker,
+        runtime=SimpleNamespace(elastic_door=lambda: SimpleNamespace(left=lambda *a: left.append(a))),
+    )
+    members = RolloutMembership(controller)  # type: ignore[arg-type]
+    members._joined = {"rollout_worker_e4": 4, "inference_service_e4": 4}
+    members.continue_without({"inference_service_e4"}, "module(s) not alive: inference_service_e4")
+    members.continue_without({"rollout_worker_e4"}, "joined rank 4 left (SIGTERM)")
+    assert left == [(4, "module(s) not alive: inference_service_e4")]
+    assert tracker._step_counts["rollout/leaves"] == 1.0
+    assert [w.name for w in controller._rollout_workers] == ["rollout_worker"]
+    assert [s.name for s in controller._inference_services] == ["inference_service"]
