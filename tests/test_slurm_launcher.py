@@ -140,6 +140,13 @@ def test_heterogeneous_job_learns_across_two_hosts_and_shrugs_off_an_outsider(
     assert not marker.exists()
     val = [r["val/accuracy"] for r in metrics(run_dir) if "val/accuracy" in r]
     assert val[0] <= 0.3 and val[-1] >= 0.8, val
+    # the default transport across hosts: every sync a broadcast to both rollout ranks' engines,
+    # each verified to compute with the trainer's weights; no weights through the filesystem
+    syncs = [r for r in metrics(run_dir) if "weight_sync/seconds" in r]
+    assert len(syncs) >= 50 and all(r["weight_sync/bytes"] > 0 for r in syncs)
+    assert all(r["weight_sync/verify_max_abs_diff"] <= 1e-4 for r in syncs), syncs
+    assert "verified on 2 engine(s)" in (run_dir / "train.log").read_text()
+    assert not (run_dir / "weights").exists()
     status = subprocess.run(
         [sys.executable, "-m", "launch.status", str(run_dir)],
         cwd=REPO,
