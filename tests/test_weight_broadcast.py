@@ -408,3 +408,30 @@ def test_a_neighbour_at_the_rendezvous_store_cannot_call_off_or_join_a_sync(
         assert len(prefixes) == 2 and all(len(p.rsplit(".", 1)[1]) == 32 for p in prefixes)
     finally:
         service.stop()
+
+
+def test_a_trainer_that_cannot_send_fails_the_sync_without_a_second_try(
+    setup: tuple[dict[str, Any], str], tmp_path: Path
+) -> None:
+    """The trainer's side failing is the sync's failure, named; it is no lost service to broadcast
+    again without (one attempt, the service left as it was)."""
+
+    class Broken(_Source):
+        def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
+            self.sent.append({"attempt": True})
+            raise RuntimeError("the trainer's gather failed")
+
+    cfg, model_dir = setup
+    (service,) = _services(cfg, model_dir, tmp_path, ["inference_service_0"])
+    try:
+        publisher = WeightPublisher(cfg["weight"])
+        publisher.set_inference_services([service])
+        broken = Broken(_new_model(cfg))
+        publisher.set_weight_source(broken)
+        with pytest.raises(
+            WeightSyncError, match="weight version 1 not broadcast: .*trainer: .*gather failed"
+        ):
+            publisher.publish(1)
+        assert len(broken.sent) == 1 and publisher.served == []
+    finally:
+        service.stop()

@@ -80,8 +80,9 @@ class WeightPublisher:
             if not failures:
                 self.served = services
                 return
-            removed = removed_of(
-                dict(failures), lambda: [execute(s.get_module_name) for s in self._inference_services]
+            removed = removed_of(  # services only: the trainer's side of a broadcast is never removed
+                {n: e for n, e in failures if n in names},
+                lambda: [execute(s.get_module_name) for s in self._inference_services],
             )
             for name in sorted(removed):
                 logger.warning(
