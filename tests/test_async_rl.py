@@ -385,10 +385,10 @@ def test_async_modes_announce_a_version_while_the_next_step_trains_and_in_order(
     controller = SlowAnnouncements(0.2)
     worker.set_module_references(None, controller)  # type: ignore[arg-type]
     t0 = time.monotonic()
-    worker._announce(1)
+    worker._announcer.announce(1)
     returned = time.monotonic() - t0
-    worker._announce(2)  # waits for version 1's announcement first
-    worker._wait_announced()
+    worker._announcer.announce(2)  # waits for version 1's announcement first
+    worker._announcer.wait()
     assert [v for v, _, _ in controller.calls] == [1, 2]
     assert controller.calls[1][1] >= controller.calls[0][2]  # one at a time
     if mode == "sync":
@@ -408,10 +408,10 @@ def test_a_failed_background_announcement_fails_the_trainer_at_its_next_announce
     worker = TrainWorker(cfg, NoopTrainService())
     controller = SlowAnnouncements(0.05, fail_at=1)
     worker.set_module_references(None, controller)  # type: ignore[arg-type]
-    worker._announce(1)
+    worker._announcer.announce(1)
     with pytest.raises(RuntimeError, match="publishing version 1 failed"):
-        worker._announce(2)
+        worker._announcer.announce(2)
     assert [v for v, _, _ in controller.calls] == [1]  # version 2 was not announced after the failure
-    worker._announce(3)  # the announcement thread outlives a failed announcement
-    worker._wait_announced()
+    worker._announcer.announce(3)  # the announcement thread outlives a failed announcement
+    worker._announcer.wait()
     assert [v for v, _, _ in controller.calls] == [1, 3]

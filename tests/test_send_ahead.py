@@ -154,7 +154,7 @@ def run_loop(
     if canary is not None:
         worker.set_canary(canary)
     worker._loop()
-    worker._wait_announced()
+    worker._announcer.wait()
     return events
 
 

@@ -9,17 +9,14 @@ anything trains past this step, so before a batch sent ahead) -> tell the weight
 step's batch while it trains this one, in the async modes (``_send_ahead``).
 
 In the async modes the announcement (the inference service's reload, the next batch's release)
-runs on the worker's announcement thread while the next step trains: the trainer waits only for
-the previous announcement before it makes the next, so versions are published in order and a
-failed publication fails the next step; a checkpoint, and the worker before it reports itself
-done, wait for the announcement in flight.
+runs on the announcement thread while the next step trains (announce.py: versions published in
+order, a failed publication fails the next step); a checkpoint, and the worker before it reports
+itself done, wait for the announcement in flight.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 from nexrl_hpc.tracking.rollout_dump import dump_rollouts
 from nexrl_hpc.tracking.samples import decode_samples, write_samples
 from nexrl_hpc.tracking.timing import StepTimeline
+from nexrl_hpc.trainer.announce import VersionAnnouncer
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight
 from nexrl_hpc.trainer.batch_contract import REQUIRED_KEYS
 from nexrl_hpc.trainer.lora import resolved_actor
@@ -96,12 +94,9 @@ class TrainWorker(NexRLModule):
         self._stop_requested = False  # preemption: the next step to finish is this session's last
         self._stopped_early = False
         self._in_step = False
-        self._announcing: Future | None = None  # async modes: the announcement in flight
-        self._announcements: queue.SimpleQueue[tuple[int, CanaryReference | None, Future]] = (
-            queue.SimpleQueue()
-        )
+        # each exported version to the scheduler; the async modes in the background (announce.py)
+        self._announcer = VersionAnnouncer(self._notify, self._async, lambda: f"{self._module_name}-announce")
         self._canary: list[list[int]] = []  # weight verification's prompts (set_canary)
-        self._announcer: threading.Thread | None = None  # made at the first announcement
         self._timeline = StepTimeline()  # the step-time breakdown (tracking/timing.py)
         # module references: the module itself in local mode, a handle with its methods elsewhere
         self._train_batch_pool: TrainBatchPoolRef | None = None
@@ -229,7 +224,7 @@ class TrainWorker(NexRLModule):
                         self._finish_step(started, ahead is not None)
                         started = ahead
                     if self._train_step >= self._total_steps or self._stopped_early:
-                        self._wait_announced()
+                        self._announcer.wait()
             finally:
                 self._in_step = False
                 self._timeline.begin_wait()
@@ -280,7 +275,7 @@ class TrainWorker(NexRLModule):
         self._timeline.add("timing/old_log_prob_s", t_teacher - t0)
         self._timeline.add("timing/teacher_log_prob_s", t1 - t_teacher)
         if self._broadcast:  # the previous version is sent before this update changes the weights
-            self._wait_announced()
+            self._announcer.wait()
         update = self._client.start_update_actor(
             {"batch": tensors, "meta_info": {"global_token_num": batch.metadata.get("global_token_num")}},
             "" if self._broadcast else sync_weight_dir(self._sync_path, step),
@@ -376,7 +371,7 @@ class TrainWorker(NexRLModule):
         # already with the trainer: this step's checkpoint would hold its weights); later, at the next
         early = self._stop_requested and step < self._total_steps and not ahead
         if (self._save_freq > 0 and step % self._save_freq == 0) or step == self._total_steps or early:
-            self._wait_announced()  # the checkpoint sees no release of a batch half done
+            self._announcer.wait()  # the checkpoint sees no release of a batch half done
             t4 = time.monotonic()
             self.save_checkpoint()
             timeline.add("timing/checkpoint_s", time.monotonic() - t4)
@@ -386,7 +381,7 @@ class TrainWorker(NexRLModule):
         else:
             t5, wall = time.monotonic(), time.time()
             canary = started.canary if started.canary is not None else self.canary_reference(step)
-            self._announce(step, canary)
+            self._announcer.announce(step, canary)
             timeline.waited("timing/weight_sync_s", time.monotonic() - t5, (wall, time.time()))
 
     def _write_samples(self, step: int, batch: Batch) -> None:
@@ -398,35 +393,6 @@ class TrainWorker(NexRLModule):
         write_samples(self._run_dir, step, rows)
         self._activity_tracker.experiment_logger_samples(step, rows)
 
-    def _announce(self, step: int, canary: CanaryReference | None = None) -> None:
-        """Tell the weight sync controller that version ``step`` is exported: it publishes it and
-        releases the next batch. Sync mode waits (the next batch needs these weights); the async
-        modes hand it to the announcement thread once the previous announcement has ended (a daemon
-        thread: one stuck behind a validation that never ends must not hold the process's exit)."""
-        if not self._async:
-            self._notify(step, canary)
-            return
-        self._wait_announced()
-        announced: Future = Future()
-        if self._announcer is None:
-            self._announcer = threading.Thread(
-                target=self._announce_loop, name=f"{self._module_name}-announce", daemon=True
-            )
-            self._announcer.start()
-        self._announcements.put((step, canary, announced))
-        self._announcing = announced
-
-    def _announce_loop(self) -> None:
-        """The announcement thread: one thread for the run (starting a thread per step waits for
-        it to run, a GIL hand-off the trainer's thread paid on every step)."""
-        while True:
-            step, canary, announced = self._announcements.get()
-            try:
-                self._notify(step, canary)
-                announced.set_result(None)
-            except BaseException as exc:  # handed to the trainer thread, raised at its next wait
-                announced.set_exception(exc)
-
     def _notify(self, step: int, canary: CanaryReference | None) -> None:
         """The announcement itself (with the trainer's canary log-probs when the sync is verified)."""
         assert self._scheduler is not None
@@ -435,12 +401,6 @@ class TrainWorker(NexRLModule):
             execute(notify, self._module_name, self._model_tag, step)
         else:
             execute(notify, self._module_name, self._model_tag, step, canary)
-
-    def _wait_announced(self) -> None:
-        """The announcement in flight has ended (its error, e.g. a failed publication, is raised here)."""
-        announcing, self._announcing = self._announcing, None
-        if announcing is not None:
-            announcing.result()
 
 
 @dataclass
