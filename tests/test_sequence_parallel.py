@@ -55,6 +55,14 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {  # name: (K/V heads, overrides
         ),
     ),
     "kv2_packed_eager": (2, PACKED),
+    "kv2_padded_sdpa_lora_kl": (
+        2,
+        (
+            "model.attn_implementation=sdpa",
+            "service.train_service.actor.lora.rank=8",
+            "algorithm.kl_loss_coef=0.1",  # LoRA's reference: the same model with the adapter off
+        ),
+    ),
 }
 
 

@@ -316,7 +316,9 @@ def enable_sequence_parallel(model: Any, group: Any, size: int, rank: int) -> Se
         raise ValueError(
             f"{KEY} > 1 wraps eager, sdpa or flash attention, not model.attn_implementation={kind}"
         )
-    base = getattr(model, "model", None)
+    # the decoder: under a LoRA policy's PeftModel, of the causal LM it wraps
+    causal_lm = model.get_base_model() if hasattr(model, "peft_config") else model
+    base = getattr(causal_lm, "model", None)
     if base is None:
         raise ValueError(f"{KEY} > 1 needs an HF causal LM with its decoder at .model")
     inner_config = copy.copy(config)  # shallow: the wrapped implementation's name on a copy

@@ -65,7 +65,10 @@ def run_case(model_dir: str, out: str, sequence_parallel: int, extra: list[str])
     batch = make_long_batch(11, seed=3)
     logp = eng.compute_log_prob({"batch": dict(batch)})["batch"]["old_log_probs"]
     metrics = eng.update_actor({"batch": dict(batch)})["meta_info"]["metrics"]
-    grads = {name: p.grad.full_tensor() for name, p in eng.model.named_parameters()}  # collective
+    trained = [
+        (name, p) for name, p in eng.model.named_parameters() if p.requires_grad
+    ]  # LoRA: the adapter's
+    grads = {name: p.grad.full_tensor() for name, p in trained}  # collective
     if dist.get_rank() == 0:
         mask = batch["response_mask"].bool()
         torch.save({"logp": logp[mask], "metrics": metrics, "grads": grads}, out)
