@@ -1,5 +1,6 @@
 """MPI mode under a real Slurm (the dev cluster's two hosts): srun --mpi=pmi2, a SIGKILLed rollout rank
-on the other host survived, a trainer group across hosts, loopback refused on a job across hosts."""
+on the other host survived, a trainer group across hosts, loopback refused on a job across hosts,
+vLLM servers on both hosts fed by broadcast."""
 
 from __future__ import annotations
 
@@ -214,3 +215,53 @@ def test_fsdp2_trainer_group_across_hosts_learns(
         "rank_0.safetensors",
         "rank_1.safetensors",
     ]
+
+
+def test_vllm_rollout_ranks_on_both_hosts_learn_by_broadcast(
+    slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
+) -> None:
+    """The default task with backend=vllm under srun: a CPU vLLM server on each host's rollout rank
+    (driver and rollout rank 0 on one host, trainer and rollout rank 1 on the other). Every sync is
+    a broadcast over the cluster network through vLLM's weight-transfer API to both servers, each
+    verified to compute with the trainer's weights; nothing goes through the filesystem; the run
+    learns as the other multi-rank runs do."""
+    run_dir = tmp_path / "vllm"
+    n1, n2 = (n["name"] for n in two_hosts.nodes)
+    proc = subprocess.run(
+        [
+            "srun",
+            "--mpi=pmi2",
+            "-n4",
+            "--distribution=arbitrary",
+            f"--nodelist={n1},{n2},{n1},{n2}",
+            "--kill-on-bad-exit=1",
+            sys.executable,
+            "-m",
+            "launch.train",
+            "launch_mode=mpi",
+            f"run_dir={run_dir}",
+            "seed=2",
+            "service.inference_service.backend=vllm",
+            f"runtime.rpc.interface={two_hosts.interface}",
+            "validate.validate_before_train=false",
+            "validate.eval.validate_freq=0",  # the held-out set once, at the end
+            "logger.backend=[]",
+        ],
+        cwd=REPO,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = json.loads((run_dir / "logs" / "ranks.json").read_text())
+    rollout_hosts = {r["host"] for r in ranks if r["group"] == "rollout"}
+    assert len(rollout_hosts) == 2, ranks
+    rows = metrics(run_dir)
+    syncs = [r for r in rows if "weight_sync/seconds" in r]
+    assert len(syncs) >= 50 and all(r["weight_sync/bytes"] > 0 for r in syncs)
+    assert max(r["weight_sync/verify_max_abs_diff"] for r in syncs) <= 1e-4
+    assert "verified on 2 engine(s)" in (run_dir / "train.log").read_text()
+    assert not (run_dir / "weights").exists()
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    assert val == [(50, val[0][1])] and val[0][1] >= 0.8, val  # validated once, at the end
