@@ -1,26 +1,30 @@
-"""Resume on another shape: a checkpoint of 2 FSDP2 trainer ranks resumed by 1, 3 and 4 ranks and by
-the single-process engine continues the run.
+"""Resume on another shape: a checkpoint of 2 FSDP2 trainer ranks resumed by 1, 3 and 4 ranks, by
+the single-process engine and by 2 DeepSpeed ZeRO-3 ranks, and one of 2 ZeRO-3 ranks resumed by 1
+and 4 FSDP2 ranks, the single-process engine and 1 and 3 ZeRO-3 ranks, continue the run.
 
 What "continues exactly" means here. The state a resume starts from is the checkpoint's, so:
 
 - the state the resumed trainer holds is the saved one, bit for bit: its weights, and its
   optimizer state (AdamW's moments and step count, its param groups, the LR schedule) gathered
   whole again equal the saved files' gathered whole (each trainer re-saves what it loaded, in its
-  own layout; the files are concatenated here without the code under test);
+  own layout; the files are concatenated here without the code under test); ZeRO-3's fp32 masters
+  are the saved masters, or the other engine's fp32 weights, and a trainer resumed from ZeRO-3
+  takes its weights from the saved masters (not from the model files);
 - the steps after it are those of the uninterrupted run of the checkpoint's shape, and of the
   uninterrupted run of the resumed shape, to fp32 tolerance: an engine of another world size sums
   the same gradients in another order (1e-6 on the loss, 1e-5 on the grad norm and the weights,
   the bounds tests/test_parallel_engines.py holds every engine to); the scheduled LR is equal.
 
 Torchrun ranks on gloo (tests/helpers/reshard_numerics.py). What cannot be resharded (DeepSpeed
-ZeRO's partitions, into another engine, world size or stage) is refused before the run starts:
-exit 2 naming the key.
+ZeRO stages 0-2, and ZeRO-3 files of DeepSpeed's own state_dict, into another engine, world size or
+stage) is refused before the run starts: exit 2 naming the key.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,21 +58,38 @@ def launch(ranks: int, cases: list[tuple[str, ...]]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """2 FSDP2 ranks through a checkpoint (``fsdp2``); resumed from it by 1 FSDP2 rank, the
-    single-process engine, 3 and 4 FSDP2 ranks; the single engine's re-saved checkpoint resumed by
-    3 FSDP2 ranks; the uninterrupted runs of 1 and 4 FSDP2 ranks."""
+    """2 FSDP2 ranks and 2 ZeRO-3 ranks through a checkpoint (``fsdp2``, ``zero3x2``); the FSDP2
+    one resumed by 2 ZeRO-3 ranks, 1 FSDP2 rank, the single-process engine, 3 and 4 FSDP2 ranks; the
+    ZeRO-3 one resumed by 1 and 4 FSDP2 ranks, the single-process engine, 1 and 3 ZeRO-3 ranks, and
+    (its model files changed: the weights must come from its fp32 masters) by 1 FSDP2 rank and 1
+    ZeRO-3 rank; the single engine's re-saved checkpoint resumed by 3 FSDP2 ranks; the
+    uninterrupted runs of 1 and 4 FSDP2 ranks and 1 ZeRO-3 rank. One torchrun launch per world size."""
+    pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
     root = tmp_path_factory.mktemp("reshard")
-    m, r = tiny_model_dir, {name: root / name for name in ("fsdp2", "fsdp1", "fsdp4")}
-    ckpt = str(r["fsdp2"] / "ckpt")
-    for name in ("to1", "to_single", "to3", "to4", "single_to3"):
-        r[name] = root / name
-    launch(2, [(m, str(r["fsdp2"]), "fsdp", "through")])
+    m = tiny_model_dir
+    r = {name: root / name for name in RESUMED | {"fsdp2", "fsdp1", "fsdp4", "zero3x2", "zero3x1"}}
+    ckpt, z3 = str(r["fsdp2"] / "ckpt"), str(r["zero3x2"] / "ckpt")
+    launch(
+        2,
+        [
+            (m, str(r["fsdp2"]), "fsdp", "through"),
+            (m, str(r["zero3x2"]), "deepspeed", "through"),
+            (m, str(r["fsdp2_to_zero3x2"]), "deepspeed", "resume", ckpt),
+        ],
+    )
+    masters_only = str(with_other_model_files(Path(z3), root / "zero3_other_model_files"))
     launch(
         1,
         [
             (m, str(r["to1"]), "fsdp", "resume", ckpt),
             (m, str(r["to_single"]), "single", "resume", ckpt),
             (m, str(r["fsdp1"]), "fsdp", "through"),
+            (m, str(r["zero3_to1"]), "fsdp", "resume", z3),
+            (m, str(r["zero3_to_single"]), "single", "resume", z3),
+            (m, str(r["zero3_to_zero3x1"]), "deepspeed", "resume", z3),
+            (m, str(r["zero3x1"]), "deepspeed", "through"),
+            (m, str(r["masters_to1"]), "fsdp", "resume", masters_only),
+            (m, str(r["masters_to_zero3x1"]), "deepspeed", "resume", masters_only),
         ],
     )
     single_ckpt = str(r["to_single"] / "resaved")
@@ -77,22 +98,64 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
         [
             (m, str(r["to3"]), "fsdp", "resume", ckpt),
             (m, str(r["single_to3"]), "fsdp", "resume", single_ckpt),
+            (m, str(r["zero3_to_zero3x3"]), "deepspeed", "resume", z3),
         ],
     )
-    launch(4, [(m, str(r["to4"]), "fsdp", "resume", ckpt), (m, str(r["fsdp4"]), "fsdp", "through")])
+    launch(
+        4,
+        [
+            (m, str(r["to4"]), "fsdp", "resume", ckpt),
+            (m, str(r["fsdp4"]), "fsdp", "through"),
+            (m, str(r["zero3_to4"]), "fsdp", "resume", z3),
+        ],
+    )
     return r
 
 
-def parameter_names(model_dir: str) -> list[str]:
-    """The model's parameters in ``named_parameters`` order: what a single-process file's indices name."""
+# resumed run: (the run whose checkpoint it loads, its trainer ranks, the uninterrupted run of its shape)
+CASES: dict[str, tuple[str, int, str | None]] = {
+    "to1": ("fsdp2", 1, "fsdp1"),
+    "to_single": ("fsdp2", 1, "fsdp1"),
+    "to3": ("fsdp2", 3, None),
+    "to4": ("fsdp2", 4, "fsdp4"),
+    "single_to3": ("fsdp2", 3, None),  # the single engine's re-saved checkpoint of fsdp2's
+    "fsdp2_to_zero3x2": ("fsdp2", 2, "zero3x2"),
+    "zero3_to1": ("zero3x2", 1, "fsdp1"),
+    "zero3_to_single": ("zero3x2", 1, "fsdp1"),
+    "zero3_to4": ("zero3x2", 4, "fsdp4"),
+    "zero3_to_zero3x1": ("zero3x2", 1, "zero3x1"),
+    "zero3_to_zero3x3": ("zero3x2", 3, None),  # partitions of 3 ranks: the last one padded
+    "masters_to1": ("zero3x2", 1, "fsdp1"),  # zero3x2's checkpoint with other model files
+    "masters_to_zero3x1": ("zero3x2", 1, "zero3x1"),
+}
+RESUMED = set(CASES)
+
+
+def with_other_model_files(ckpt: Path, copy: Path) -> Path:
+    """A copy of a ZeRO-3 checkpoint whose model files hold other weights (each one 1e-2 off): a
+    resume that continues the run took its weights from the optimizer files' fp32 masters."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, copy)
+    for path in (copy / "model").glob("*.safetensors"):
+        weights = load_file(str(path))
+        save_file({k: v + 1e-2 for k, v in weights.items()}, str(path), metadata={"format": "pt"})
+    return copy
+
+
+def parameter_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """The model's parameters in ``named_parameters`` order (what a single-process file's indices
+    name) with their shapes."""
     from transformers import AutoModelForCausalLM
 
-    return [n for n, _ in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()]
+    return {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
 
 
-def whole_optimizer_state(ckpt: Path, names: list[str]) -> dict[str, Any]:
+def whole_optimizer_state(ckpt: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """Every rank file of ``ckpt`` read and concatenated in rank order (an FSDP2 shard is a run of
-    dim-0 rows), keyed by parameter name; the param groups and LR schedule of rank 0."""
+    dim-0 rows, a ZeRO-3 partition a run of the flattened parameter's elements), keyed by parameter
+    name; the param groups and LR schedule of rank 0; ZeRO-3's fp32 masters apart (``masters``)."""
+    names = list(shapes)
     files = sorted((ckpt / "optimizer").glob("rank_*.safetensors"), key=lambda p: int(p.stem[5:]))
     saved = [load_state_file(str(f)) for f in files]
     assert [s["world_size"] for s in saved] == [len(saved)] * len(saved)
@@ -109,13 +172,14 @@ def whole_optimizer_state(ckpt: Path, names: list[str]) -> dict[str, Any]:
                 assert all(torch.equal(p, pieces[0]) for p in pieces), (name, k)
                 state[name][k] = pieces[0]
             else:
-                state[name][k] = torch.cat(pieces)
+                state[name][k] = torch.cat([p.reshape(-1) for p in pieces]).reshape(shapes[name])
+    masters = {name: entry.pop("master") for name, entry in state.items() if "master" in entry}
     groups = [
         {k: v for k, v in g.items() if k != "params"}
         | {"params": [names[p] if isinstance(p, int) else p for p in g["params"]]}
         for g in saved[0]["optimizer"]["param_groups"]
     ]
-    return {"state": state, "param_groups": groups, "scheduler": saved[0]["scheduler"]}
+    return {"state": state, "param_groups": groups, "scheduler": saved[0]["scheduler"], "masters": masters}
 
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -148,32 +212,29 @@ def assert_weights_close(a: Path, b: Path) -> None:
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-5
 
 
-@pytest.mark.parametrize(
-    "resumed,same_shape",
-    [("to1", "fsdp1"), ("to_single", "fsdp1"), ("to3", None), ("to4", "fsdp4"), ("single_to3", None)],
-)
-def test_two_fsdp2_ranks_resumed_on_another_shape_continue_the_run(
-    tiny_model_dir: str, runs: dict[str, Path], resumed: str, same_shape: str | None
+@pytest.mark.parametrize("resumed", sorted(CASES))
+def test_a_checkpoint_resumed_on_another_shape_or_engine_continues_the_run(
+    tiny_model_dir: str, runs: dict[str, Path], resumed: str
 ) -> None:
-    names = parameter_names(tiny_model_dir)
-    saved = runs["fsdp2"] / "ckpt"
+    shapes = parameter_shapes(tiny_model_dir)
+    saved_by, ranks, same_shape = CASES[resumed]
+    saved = runs[saved_by] / "ckpt"
     got = runs[resumed]
     # the state after the load is the saved one, bit for bit (the weights and the optimizer's)
-    assert_same_state(whole_optimizer_state(got / "resaved", names), whole_optimizer_state(saved, names))
-    assert (
-        len(list((got / "resaved" / "optimizer").glob("rank_*.safetensors")))
-        == {"to1": 1, "to_single": 1, "to3": 3, "to4": 4, "single_to3": 3}[resumed]
-    )
-    w_saved, w_got = (
-        read_safetensors_dir(str(saved / "model")),
-        read_safetensors_dir(str(got / "resaved" / "model")),
-    )
-    assert all(torch.equal(w_saved[k], w_got[k]) for k in w_saved) and set(w_saved) == set(w_got)
+    before, after_load = whole_optimizer_state(saved, shapes), whole_optimizer_state(got / "resaved", shapes)
+    assert_same_state(after_load, before)
+    assert len(list((got / "resaved" / "optimizer").glob("rank_*.safetensors"))) == ranks
+    # the weights: ZeRO-3's fp32 masters where it saved them, else the model files (fp32 masters)
+    w_saved = before["masters"] or read_safetensors_dir(str(saved / "model"))
+    w_got = read_safetensors_dir(str(got / "resaved" / "model"))
+    assert set(w_saved) == set(w_got) and all(torch.equal(w_saved[k], w_got[k]) for k in w_saved)
+    if after_load["masters"]:  # a ZeRO-3 trainer's masters: the saved ones, or the other engine's weights
+        assert all(torch.equal(w_saved[k], after_load["masters"][k]) for k in w_saved)
     # the next steps: the uninterrupted run of the checkpoint's shape, and of the resumed shape
     after = metrics(got)
     assert [m["actor/lr"] for m in after] == [1e-3, 1e-3]  # the warm-up ended across the checkpoint
-    assert_steps_match(after, metrics(runs["fsdp2"])[2:])
-    assert_weights_close(got / "weights", runs["fsdp2"] / "weights")
+    assert_steps_match(after, metrics(runs[saved_by])[2:])
+    assert_weights_close(got / "weights", runs[saved_by] / "weights")
     if same_shape is not None:
         assert_steps_match(after, metrics(runs[same_shape])[2:])
         assert_weights_close(got / "weights", runs[same_shape] / "weights")
@@ -207,14 +268,21 @@ def test_a_lora_adapters_optimizer_state_reshards_like_the_whole_models(
         assert max(float((got[k] - reference[k]).abs().max()) for k in got) <= 1e-5
 
 
-def fake_checkpoint(root: Path, engine: str, world_size: int, zero_stage: int | None = None) -> Path:
+def fake_checkpoint(
+    root: Path, engine: str, world_size: int, zero_stage: int | None = None, layout: str = "by_name"
+) -> Path:
     """A complete checkpoint dir whose optimizer files record ``engine`` on ``world_size`` ranks
-    (the headers are all pre-flight reads)."""
+    (the headers are all pre-flight reads); ``layout="state_dict"``: a ZeRO-3 file of DeepSpeed's
+    own ``state_dict`` (as written before ZeRO-3 files were keyed by name)."""
     ckpt = root / "checkpoints" / "global_step_2"
     (ckpt / "optimizer").mkdir(parents=True)
     optimizer: dict[str, Any] = {"state": {}, "param_groups": []}
     if zero_stage is not None:
         optimizer["zero_stage"] = zero_stage
+    if zero_stage == 3 and layout == "by_name":
+        optimizer["layout"] = "flat_by_name"
+    elif zero_stage is not None:  # DeepSpeed's state_dict: flat groups, no names
+        optimizer = {"zero_stage": zero_stage, "optimizer_state_dict": {}, "fp32_flat_groups": []}
     for rank in range(world_size):
         save_state_file(
             {
@@ -230,24 +298,31 @@ def fake_checkpoint(root: Path, engine: str, world_size: int, zero_stage: int | 
     return ckpt
 
 
+DS = "service.train_service.engine=deepspeed"
+STAGE2 = "service.train_service.deepspeed.zero_stage=2"
+
+
 @pytest.mark.parametrize(
     "saved,run,key",
     [
-        (("fsdp", 2, None), ["service.train_service.engine=deepspeed"], "service.train_service.engine"),
-        (("deepspeed", 2, 3), [], "service.train_service.engine"),  # into engine=single
-        (("deepspeed", 2, 3), ["service.train_service.engine=deepspeed"], "service.train_service.world_size"),
-        (
-            ("deepspeed", 1, 3),
-            ["service.train_service.engine=deepspeed", "service.train_service.deepspeed.zero_stage=2"],
-            "service.train_service.deepspeed.zero_stage",
-        ),
+        (("fsdp", 2, None), [DS, STAGE2], "service.train_service.engine"),
+        (("deepspeed", 2, 2), [], "service.train_service.engine"),  # into engine=single
+        (("deepspeed", 2, 2), [DS, STAGE2], "service.train_service.world_size"),
+        (("deepspeed", 1, 3), [DS, STAGE2], "service.train_service.deepspeed.zero_stage"),
+        (("deepspeed", 1, 2), [DS], "service.train_service.deepspeed.zero_stage"),
+        (("deepspeed", 2, 3, "state_dict"), [DS], "service.train_service.world_size"),
+        (("deepspeed", 2, 3, "state_dict"), [], "service.train_service.engine"),
         (("fsdp", 2, None), [], None),  # resharded into the single-process engine
         (("single", 1, None), ["service.train_service.engine=fsdp"], None),
-        (("deepspeed", 1, 3), ["service.train_service.engine=deepspeed"], None),  # the same layout
+        (("fsdp", 2, None), [DS], None),  # into ZeRO-3 (the default stage)
+        (("deepspeed", 2, 3), [], None),  # ZeRO-3 into the single-process engine
+        (("deepspeed", 2, 3), [DS], None),  # ZeRO-3 on another world size
+        (("deepspeed", 1, 3, "state_dict"), [DS], None),  # the same layout
+        (("deepspeed", 1, 2), [DS, STAGE2], None),  # the same layout
     ],
 )
 def test_pre_flight_refuses_a_layout_change_it_cannot_reshard_naming_the_key(
-    tmp_path: Path, saved: tuple[str, int, int | None], run: list[str], key: str | None
+    tmp_path: Path, saved: tuple[Any, ...], run: list[str], key: str | None
 ) -> None:
     ckpt = fake_checkpoint(tmp_path, *saved)
     assert layout_problems([f"run_dir={tmp_path}", *run]) == ([] if key is None else [key])
@@ -260,6 +335,8 @@ def test_pre_flight_refuses_a_layout_change_it_cannot_reshard_naming_the_key(
         f"{key}: {ckpt / 'optimizer' / 'rank_0.safetensors'}: optimizer state of engine={saved[0]} on {saved[1]} rank(s)"
         in message
     )
+    assert "ZeRO stages 0-2 load only into the engine, stage and world size that wrote them" in message
+    assert ("from before ZeRO-3 files were keyed by name" in message) == (len(saved) > 3)
     # resume.mode=from_path reads the checkpoint it names; disable reads none
     other = [f"run_dir={tmp_path / 'other'}", "resume.mode=from_path", f"resume.resume_path={ckpt}"]
     assert layout_problems([*other, *run]) == [key]
@@ -279,15 +356,9 @@ def layout_problems(overrides: list[str]) -> list[str]:
 
 def test_a_refused_resume_exits_2_naming_the_key_before_anything_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    fake_checkpoint(run_dir, "deepspeed", 2, 3)
+    fake_checkpoint(run_dir, "deepspeed", 2, 2)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.train",
-            f"run_dir={run_dir}",
-            "service.train_service.engine=deepspeed",
-        ],
+        [sys.executable, "-m", "launch.train", f"run_dir={run_dir}", DS, STAGE2],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -295,7 +366,8 @@ def test_a_refused_resume_exits_2_naming_the_key_before_anything_starts(tmp_path
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "service.train_service.world_size: " in proc.stderr
-    assert "engine=deepspeed on 2 rank(s) (ZeRO stage 3) does not load on 1 rank(s)" in proc.stderr
+    assert "engine=deepspeed on 2 rank(s) (ZeRO stage 2) does not load on 1 rank(s)" in proc.stderr
+    assert "ZeRO stages 0-2 load only into the engine, stage and world size that wrote them" in proc.stderr
     assert not (run_dir / "config.yaml").exists()  # refused before the run wrote anything
 
 

@@ -182,7 +182,7 @@ def write_hf_model_dir(
         fsync_path(parent)
 
 
-def _safetensors_files(model_path: str) -> list[str]:
+def safetensors_files(model_path: str) -> list[str]:
     """The weight files of an HF-layout directory (single file, or the shards its index names)."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -198,7 +198,7 @@ def _safetensors_files(model_path: str) -> list[str]:
 def peek_safetensors_dir(model_path: str) -> dict[str, TensorEntry]:
     """Every tensor's name, dtype and shape from the headers alone (no tensor bytes read)."""
     found: dict[str, TensorEntry] = {}
-    for path in _safetensors_files(model_path):
+    for path in safetensors_files(model_path):
         fd = os.open(path, os.O_RDONLY)
         try:
             found.update((e.name, e) for e in read_header(fd, path)[0])
@@ -216,7 +216,7 @@ def read_safetensors_dir(
     they match in dtype and shape (``tensor_reads.read_tensors``); the rest are new tensors."""
     state: dict[str, torch.Tensor] = {}
     into = exclusive(into or {})  # tied weights may sit in different files
-    for path in _safetensors_files(model_path):
+    for path in safetensors_files(model_path):
         fd = os.open(path, os.O_RDONLY)
         try:
             entries, _ = read_header(fd, path)

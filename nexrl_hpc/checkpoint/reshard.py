@@ -1,17 +1,31 @@
 """Optimizer state saved by one trainer layout, loaded into another: resume on another shape.
 
 The per-rank optimizer files (``trainer_io``) are keyed so that their layout can be undone without
-the process group that wrote them: a single-process file holds every parameter whole (AdamW's
-state keyed by the parameter's index in ``named_parameters`` order), an FSDP2 file holds each
-parameter's dim-0 shard keyed by its name, and FSDP2 shards dim 0 as ``torch.chunk`` does (rank
-``r`` of ``W`` holds rows ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)``). So a trainer of
-any world size and either of these engines reads, for each of its parameters, the rows it holds
-now out of whichever saved files hold them (header-addressed ``pread``s: no rank reads the whole
-state), and gets bit for bit the values that were saved.
+the process group that wrote them. Each rank's file holds, for each parameter, one contiguous range
+of the parameter's elements in row-major (flattened) order:
 
-DeepSpeed ZeRO's files hold flat partitions of its parameter groups, laid out by its own
-bookkeeping; they load only into the engine, stage and world size that wrote them. ``layout_problem``
-is the rule both the pre-flight check and the trainer apply.
+- a single-process file holds every parameter whole (AdamW's state keyed by the parameter's index
+  in ``named_parameters`` order);
+- an FSDP2 file holds each parameter's dim-0 shard keyed by its name; FSDP2 shards dim 0 as
+  ``torch.chunk`` does (rank ``r`` of ``W`` holds rows ``[r*c, min((r+1)*c, n))`` with
+  ``c = ceil(n / W)``), so its range is elements ``[lo*row, hi*row)``;
+- a DeepSpeed ZeRO-3 file holds each parameter's partition keyed by its name, as a flat 1-D tensor
+  of the valid elements (ZeRO-3 partitions the flattened parameter: ``p = ceil(numel / W)``, rank
+  ``r`` holds ``[r*p, min((r+1)*p, numel))``; the last rank's padding is not saved), with the fp32
+  master partition beside the moments (``master``: with bf16 the model files hold the rounded weights).
+
+So a trainer of any world size and any of these engines reads, for each of its parameters, the
+element range it holds now out of whichever saved files hold parts of it (header-addressed
+``pread``s, one contiguous read per saved piece: no rank reads the whole state), and gets bit for
+bit the values that were saved: FSDP2 and single-process trainers in their parameters' shapes, a
+ZeRO-3 trainer as flat partitions. A ZeRO-3 trainer resuming from another engine takes its fp32
+masters from the checkpoint's model files (fp32: the other engines' masters); a single-process or
+FSDP2 trainer resuming from ZeRO-3 takes its weights from the saved masters.
+
+DeepSpeed ZeRO stages 0-2 (and ZeRO-3 files of DeepSpeed's own ``state_dict``, from before its files
+were keyed by name) hold flat partitions of parameter groups laid out by DeepSpeed's bookkeeping;
+they load only into the engine, stage and world size that wrote them. ``layout_problem`` is the
+rule both the pre-flight check and the trainer apply.
 """
 
 from __future__ import annotations
@@ -23,10 +37,12 @@ from typing import Any
 
 import torch
 
+from nexrl_hpc.checkpoint.hf import safetensors_files
 from nexrl_hpc.checkpoint.state_file import StateFileError, peek_state_file
-from nexrl_hpc.checkpoint.tensor_reads import TensorEntry
+from nexrl_hpc.checkpoint.tensor_reads import TensorEntry, TensorFileError, read_header
 
-RESHARDABLE_ENGINES = ("single", "fsdp")  # their files say which rows of which parameter they hold
+FLAT_BY_NAME = "flat_by_name"  # a ZeRO-3 optimizer file's "layout": its state keyed by parameter name
+MASTER = "master"  # a ZeRO-3 file's fp32 master partition, beside AdamW's moments
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,7 @@ class SavedLayout:
     engine: str
     world_size: int
     zero_stage: int | None  # DeepSpeed's ZeRO stage; None for the other engines
+    by_name: bool = True  # False: DeepSpeed's own state_dict (loads at the same layout only)
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,11 @@ class LiveLayout:
     engine: str
     world_size: int
     zero_stage: int | None
+
+
+def reshardable(engine: str, zero_stage: int | None, by_name: bool = True) -> bool:
+    """Whether optimizer state of this engine says which elements of which parameter it holds."""
+    return engine in ("single", "fsdp") or (engine == "deepspeed" and zero_stage == 3 and by_name)
 
 
 def optimizer_dir(checkpoint_dir: str) -> str:
@@ -68,48 +90,59 @@ def saved_layout(checkpoint_dir: str) -> SavedLayout | None:
     except (OSError, StateFileError) as exc:
         raise ValueError(f"{path}: cannot read its header: {exc}") from exc
     engine = str(head.get("engine", "single"))
-    stage = None
+    stage, by_name = None, True
     if engine == "deepspeed":
         optimizer = head.get("optimizer")
-        stage = int(optimizer.get("zero_stage", 0)) if isinstance(optimizer, dict) else 0
-    return SavedLayout(engine, int(head.get("world_size", 1)), stage)
+        optimizer = optimizer if isinstance(optimizer, dict) else {}
+        stage = int(optimizer.get("zero_stage", 0))
+        by_name = optimizer.get("layout") == FLAT_BY_NAME
+    return SavedLayout(engine, int(head.get("world_size", 1)), stage, by_name)
 
 
 def layout_problem(saved: SavedLayout, live: LiveLayout) -> tuple[str, str] | None:
     """``(config key, why)`` when optimizer state of layout ``saved`` cannot be loaded by a trainer
-    of layout ``live``; None when it can (the same layout, or both engines reshardable)."""
-    same = saved.engine == live.engine and saved.world_size == live.world_size
-    if same and saved.zero_stage == live.zero_stage:
+    of layout ``live``; None when it can (the same layout, or both layouts reshardable)."""
+    if (saved.engine, saved.world_size, saved.zero_stage) == (live.engine, live.world_size, live.zero_stage):
         return None
-    if saved.engine in RESHARDABLE_ENGINES and live.engine in RESHARDABLE_ENGINES:
+    if reshardable(saved.engine, saved.zero_stage, saved.by_name) and reshardable(
+        live.engine, live.zero_stage
+    ):
         return None
     what = f"optimizer state of engine={saved.engine} on {saved.world_size} rank(s)"
     if saved.engine == "deepspeed":
         what += f" (ZeRO stage {saved.zero_stage})"
+    rule = (
+        "only engines single, fsdp and deepspeed with ZeRO stage 3 resume on another shape "
+        "(ZeRO stages 0-2 load only into the engine, stage and world size that wrote them"
+    )
+    rule += (
+        "; this ZeRO-3 file is DeepSpeed's own state_dict, from before ZeRO-3 files were keyed by name)"
+        if reshardable(saved.engine, saved.zero_stage) and not saved.by_name
+        else ")"
+    )
     options = (
         "resume with the layout that wrote it, or start a new run from its weights "
         "(model.path=<checkpoint>/model)"
     )
     if saved.engine != live.engine:
-        return (
-            "service.train_service.engine",
-            f"{what} is not resharded into engine={live.engine}: only engines "
-            f"{' and '.join(RESHARDABLE_ENGINES)} resume on another shape; {options}",
+        into = f"engine={live.engine}" + (
+            f" with ZeRO stage {live.zero_stage}" if live.zero_stage is not None else ""
         )
-    if saved.world_size != live.world_size:
+        return ("service.train_service.engine", f"{what} is not resharded into {into}: {rule}; {options}")
+    if saved.zero_stage != live.zero_stage:
         return (
-            "service.train_service.world_size",
-            f"{what} does not load on {live.world_size} rank(s): DeepSpeed's partitions are "
-            f"resharded by no engine here; {options}",
+            "service.train_service.deepspeed.zero_stage",
+            f"{what} does not load with zero_stage={live.zero_stage}: {rule}; {options}",
         )
     return (
-        "service.train_service.deepspeed.zero_stage",
-        f"{what} does not load with zero_stage={live.zero_stage}; {options}",
+        "service.train_service.world_size",
+        f"{what} does not load on {live.world_size} rank(s): {rule}; {options}",
     )
 
 
 def dim0_rows(engine: str, rank: int, world_size: int, rows: int) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` of a parameter with ``rows`` rows that ``rank`` holds under ``engine``."""
+    """The rows ``[lo, hi)`` of a parameter with ``rows`` rows that ``rank`` holds under ``engine``
+    (FSDP2: a ``torch.chunk`` of dim 0; the others: every row)."""
     if engine != "fsdp":
         return 0, rows
     chunk = math.ceil(rows / world_size) if rows else 0
@@ -117,14 +150,30 @@ def dim0_rows(engine: str, rank: int, world_size: int, rows: int) -> tuple[int, 
     return lo, min(lo + chunk, rows)
 
 
+def flat_range(engine: str, rank: int, world_size: int, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` of a parameter of ``shape``, flattened row-major, that ``rank`` of
+    ``world_size`` holds under ``engine``: an FSDP2 shard's rows, a ZeRO-3 partition, or all."""
+    numel = math.prod(shape)
+    if engine == "deepspeed":
+        part = math.ceil(numel / world_size)
+        lo = min(rank * part, numel)
+        return lo, min(lo + part, numel)
+    rows = shape[0] if shape else 1
+    lo, hi = dim0_rows(engine, rank, world_size, rows)
+    row = numel // rows if rows else 0
+    return lo * row, hi * row
+
+
 @dataclass(frozen=True)
 class LiveParameter:
-    """One parameter of the resuming trainer: its name, whole shape and the rows this rank holds."""
+    """One parameter of the resuming trainer: its name, whole shape, the elements ``[lo, hi)`` of it
+    (flattened) this rank holds, and the shape they have here (FSDP2: rows; ZeRO-3: flat)."""
 
     name: str
     shape: tuple[int, ...]
     lo: int
     hi: int
+    local_shape: tuple[int, ...]
 
 
 def saved_files(checkpoint_dir: str, saved: SavedLayout) -> list[tuple[str, Any]]:
@@ -162,12 +211,12 @@ def _by_name(head: Any, names: list[str], path: str) -> tuple[dict[str, dict[str
 
 
 def _read(fd: int, path: str, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of ``entry`` (a 0-d entry whole), read from the file."""
-    row_shape = entry.shape[1:]
-    row_bytes = math.prod(row_shape) * torch.empty((), dtype=entry.dtype).element_size()
-    shape: tuple[int, ...] = (hi - lo, *row_shape) if entry.shape else ()
-    begin = entry.begin + lo * row_bytes if entry.shape else entry.begin
-    size = (hi - lo) * row_bytes if entry.shape else entry.end - entry.begin
+    """Elements ``[lo, hi)`` of ``entry`` flattened (one contiguous read), as a 1-D tensor; a 0-d
+    entry whole."""
+    size_of = torch.empty((), dtype=entry.dtype).element_size()
+    shape: tuple[int, ...] = (hi - lo,) if entry.shape else ()
+    begin = entry.begin + lo * size_of if entry.shape else entry.begin
+    size = (hi - lo) * size_of if entry.shape else entry.end - entry.begin
     data = bytearray(size)
     view, done = memoryview(data), 0
     while done < size:
@@ -179,7 +228,7 @@ def _read(fd: int, path: str, entry: TensorEntry, lo: int, hi: int) -> torch.Ten
 
 
 class _Pieces:
-    """The saved files, open, and where each parameter's rows are in them."""
+    """The saved files, open, and where each parameter's elements are in them."""
 
     def __init__(self, files: list[tuple[str, Any]], saved: SavedLayout, names: list[str]):
         self.saved = saved
@@ -193,71 +242,115 @@ class _Pieces:
         for fd in self.fds:
             os.close(fd)
 
-    def rows(self, param: LiveParameter, key: str) -> torch.Tensor:
-        """``param``'s state ``key`` for the rows this rank holds, from every saved file holding some."""
-        pieces = []
-        n = param.shape[0] if param.shape else 1
+    def flat(self, param: LiveParameter, key: str) -> torch.Tensor | None:
+        """``param``'s state ``key`` for the elements this rank holds (1-D), from every saved file
+        holding some; a scalar whole; None when no file holds it."""
+        pieces, found = [], False
         for rank, state in enumerate(self.states):
             entry = state.get(param.name, {}).get(key)
             if not isinstance(entry, TensorEntry):
                 continue
-            s_lo, s_hi = dim0_rows(self.saved.engine, rank, self.saved.world_size, n)
             if not entry.shape:  # a scalar (AdamW's step): every file holds the same
                 return _read(self.fds[rank], self.paths[rank], entry, 0, 0)
-            if entry.shape != (s_hi - s_lo, *param.shape[1:]):
+            found = True
+            s_lo, s_hi = flat_range(self.saved.engine, rank, self.saved.world_size, param.shape)
+            if math.prod(entry.shape) != s_hi - s_lo:
                 raise ValueError(
-                    f"{self.paths[rank]}: {param.name} {key} has shape {list(entry.shape)}; rows "
+                    f"{self.paths[rank]}: {param.name} {key} has shape {list(entry.shape)}; elements "
                     f"{s_lo}..{s_hi} of {list(param.shape)} expected"
                 )
             lo, hi = max(param.lo, s_lo), min(param.hi, s_hi)
             if lo < hi:
                 pieces.append(_read(self.fds[rank], self.paths[rank], entry, lo - s_lo, hi - s_lo))
+        if not found:
+            return None
         if not pieces:
-            if param.lo == param.hi:  # this rank holds no row of it
-                return torch.empty((0, *param.shape[1:]))
+            if param.lo == param.hi:  # this rank holds no element of it
+                return torch.empty((0,))
             raise ValueError(f"{self.paths[0]}: no saved rank holds {param.name} {key}")
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _local(flat: torch.Tensor, param: LiveParameter) -> torch.Tensor:
+    return flat if flat.dim() == 0 else flat.reshape(param.local_shape)
 
 
 def resharded_state(
     checkpoint_dir: str, saved: SavedLayout, live_engine: str, params: list[LiveParameter]
 ) -> dict[str, Any]:
     """What this rank's own optimizer file would hold had its layout saved the checkpoint:
-    ``{"optimizer", "scheduler", "global_step"}``, the optimizer state in the live engine's form
-    (keyed by name for fsdp, by index for single), each tensor read from the rows that hold it."""
+    ``{"optimizer", "scheduler", "global_step", "masters"}``, the optimizer state in the live
+    engine's form (keyed by name for fsdp and deepspeed, by index for single; ZeRO-3's with its
+    fp32 masters), each tensor read from the elements that hold it. ``masters``: for a single or
+    fsdp trainer, the saved ZeRO-3 masters its weights become (empty from other engines)."""
     names = [p.name for p in params]
     files = saved_files(checkpoint_dir, saved)
     pieces = _Pieces(files, saved, names)
+    masters: dict[str, torch.Tensor] = {}
     try:
         state: dict[Any, dict[str, Any]] = {}
         for index, param in enumerate(params):
-            keys = {k for s in pieces.states for k in s.get(param.name, {})}
-            if not keys:
-                continue  # no state saved for it (never stepped): none now either
-            key_of = param.name if live_engine == "fsdp" else index
-            state[key_of] = {k: _value(pieces, param, k) for k in sorted(keys)}
+            entry = {
+                k: _value(pieces, param, k)
+                for k in sorted({k for s in pieces.states for k in s.get(param.name, {})})
+            }
+            if live_engine != "deepspeed" and isinstance(entry.get(MASTER), torch.Tensor):
+                masters[param.name] = entry.pop(MASTER)
+            if entry:  # none saved for it (never stepped): none now either
+                state[index if live_engine == "single" else param.name] = entry
         position = {name: i for i, name in enumerate(names)}
         groups = [
-            dict(g, params=[p if live_engine == "fsdp" else position[p] for p in g["params"]])
+            dict(g, params=[position[p] if live_engine == "single" else p for p in g["params"]])
             for g in pieces.groups
         ]
     finally:
         pieces.close()
+    optimizer: dict[str, Any] = {"state": state, "param_groups": groups}
+    if live_engine == "deepspeed":
+        if saved.engine != "deepspeed":  # the other engines' masters are the checkpoint's fp32 weights
+            _masters_from_model_dir(os.path.join(checkpoint_dir, "model"), params, state)
+        optimizer.update(zero_stage=3, layout=FLAT_BY_NAME)
     head = files[0][1]
     return {
-        "optimizer": {"state": state, "param_groups": groups},
+        "optimizer": optimizer,
         "scheduler": _whole(head["scheduler"], files[0][0]),
         "global_step": head["global_step"],
+        "masters": masters,
     }
 
 
 def _value(pieces: _Pieces, param: LiveParameter, key: str) -> Any:
-    """A state entry: rows when tensor-valued, the plain value otherwise (the same in every file)."""
+    """A state entry: this rank's elements when tensor-valued, the plain value otherwise (the same
+    in every file)."""
     for state in pieces.states:
         value = state.get(param.name, {}).get(key)
         if value is not None and not isinstance(value, TensorEntry):
             return value
-    return pieces.rows(param, key)
+    flat = pieces.flat(param, key)
+    return None if flat is None else _local(flat, param)
+
+
+def _masters_from_model_dir(model_dir: str, params: list[LiveParameter], state: dict[Any, dict]) -> None:
+    """Each parameter's elements of its fp32 weight in the HF directory into its state's ``master``
+    (a name the directory lacks, as a LoRA adapter's, keeps the master the weights' load set)."""
+    for path in safetensors_files(model_dir):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            try:
+                entries = {e.name: e for e in read_header(fd, path)[0]}
+            except TensorFileError as exc:
+                raise ValueError(str(exc)) from exc
+            for param in params:
+                entry = entries.get(param.name)
+                if entry is None or param.name not in state:
+                    continue
+                if entry.shape != param.shape:
+                    raise ValueError(
+                        f"{path}: {param.name} has shape {list(entry.shape)}, not {list(param.shape)}"
+                    )
+                state[param.name][MASTER] = _read(fd, path, entry, param.lo, param.hi).float()
+        finally:
+            os.close(fd)
 
 
 def _whole(node: Any, path: str) -> Any:
@@ -265,8 +358,7 @@ def _whole(node: Any, path: str) -> Any:
     if isinstance(node, TensorEntry):
         fd = os.open(path, os.O_RDONLY)
         try:
-            rows = node.shape[0] if node.shape else 0
-            return _read(fd, path, node, 0, rows)
+            return _read(fd, path, node, 0, math.prod(node.shape)).reshape(node.shape)
         finally:
             os.close(fd)
     if isinstance(node, dict):

@@ -4,8 +4,9 @@
 LoRA policy's: its adapter in PEFT layout, ``checkpoint.adapter``);
 ``local_path/optimizer/rank_<r>.safetensors`` holds rank ``r``'s optimizer and LR-schedule state,
 laid out as its parallel strategy shards it (an older checkpoint's ``rank_<r>.pt`` still loads).
-Weights load at any world size; optimizer state at the layout that wrote it, and single-process or
-FSDP2 state at any world size of either engine (``reshard``: each rank reads the rows it holds now).
+Weights load at any world size; optimizer state at the layout that wrote it, and single-process,
+FSDP2 or ZeRO-3 state at any world size of any of these engines (``reshard``: each rank reads the
+elements it holds now). ZeRO-3 state always loads that way, at its own layout too.
 
 A load runs in two phases: ``check`` reads headers only and raises on every rank when any rank
 cannot load (nothing changed yet); ``load`` then writes into the live weights and optimizer state,
@@ -15,6 +16,7 @@ so an exception there may leave them half replaced (the trainer marks itself unu
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from nexrl_hpc.checkpoint.reshard import (
     LiveLayout,
     LiveParameter,
     SavedLayout,
-    dim0_rows,
+    flat_range,
     layout_problem,
     resharded_state,
     saved_files,
@@ -147,9 +149,14 @@ class TrainerCheckpointIO:
         when the files load as they are (or are refused by the same-layout check, naming them)."""
         saved = saved_layout(os.path.dirname(os.path.dirname(files.optimizer_file)))
         live = self.live_layout()
-        if saved is None or (saved.engine, saved.world_size) == (live.engine, live.world_size):
+        if saved is None or layout_problem(saved, live):
             return None
-        return None if layout_problem(saved, live) else saved
+        by_name_zero3 = saved.engine == live.engine == "deepspeed" and saved.by_name
+        return (
+            saved
+            if by_name_zero3 or (saved.engine, saved.world_size) != (live.engine, live.world_size)
+            else None
+        )
 
     def load(self, files: CheckpointFiles, load_optimizer: bool) -> None:
         """After ``check``: the bytes go straight into the live weights and optimizer state where
@@ -180,8 +187,9 @@ class TrainerCheckpointIO:
             self.scheduler.load_state_dict(saved["scheduler"])
 
     def _load_resharded(self, files: CheckpointFiles, saved: SavedLayout) -> None:
-        """Weights, then the rows of the optimizer state this rank holds now out of every saved
-        rank's file (``reshard``), loaded as if this layout had saved them."""
+        """Weights, then the elements of the optimizer state this rank holds now out of every saved
+        rank's file (``reshard``), loaded as if this layout had saved them; ZeRO-3's saved fp32
+        masters replace the weights of a single or FSDP2 trainer (its fp32 parameters)."""
         assert self.optimizer is not None and self.scheduler is not None
         state: dict[str, Any] = {}
         error: Exception | None = None
@@ -192,30 +200,59 @@ class TrainerCheckpointIO:
             error = exc
         self.par.agree(error)
         self._load_weights(files.model_dir)
+        if state["masters"]:
+            self._load_masters(state["masters"])
         self.par.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
+    def _load_masters(self, masters: dict[str, torch.Tensor]) -> None:
+        """The saved fp32 masters into this rank's part of each parameter (an FSDP2 shard's local
+        rows, or the whole parameter)."""
+        with torch.no_grad():
+            for name, p in self.par.unwrap(self.model).named_parameters():
+                if name in masters:
+                    to_local = getattr(p, "to_local", None)
+                    local = to_local() if to_local is not None else p.data
+                    local.copy_(masters[name].to(local.device, local.dtype))
+
     def live_parameters(self) -> list[LiveParameter]:
-        """The optimizer's parameters in its order, each with its name, whole shape and the dim-0
-        rows this rank holds (an FSDP2 DTensor's shard, else all)."""
+        """The optimizer's parameters in its order (ZeRO-3: the trainable ones in ``named_parameters``
+        order), each with its name, whole shape and the elements this rank holds: an FSDP2
+        DTensor's shard of rows, a ZeRO-3 partition (``ds_tensor``), else all."""
         assert self.optimizer is not None
-        names = {id(p): n for n, p in self.par.unwrap(self.model).named_parameters()}
+        named = [(n, p) for n, p in self.par.unwrap(self.model).named_parameters()]
+        if self.engine == "deepspeed":
+            return [self._zero3_parameter(n, p) for n, p in named if p.requires_grad]
+        names = {id(p): n for n, p in named}
         out = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 shape = tuple(p.shape)
-                rows = shape[0] if shape else 1
-                lo, hi = 0, rows
+                lo, hi = 0, p.numel()
+                local_shape = shape
                 to_local = getattr(p, "to_local", None)
                 if to_local is not None:
-                    lo, hi = dim0_rows("fsdp", self.par.rank, self.par.world_size, rows)
-                    if to_local().shape[:1] != (hi - lo,):
+                    lo, hi = flat_range("fsdp", self.par.rank, self.par.world_size, shape)
+                    local_shape = tuple(to_local().shape)
+                    if math.prod(local_shape) != hi - lo:
                         raise ValueError(
-                            f"{names[id(p)]}: FSDP2 shard of {list(to_local().shape)} rows, "
-                            f"{hi - lo} expected (rows {lo}..{hi})"
+                            f"{names[id(p)]}: FSDP2 shard of {list(local_shape)}, elements {lo}..{hi} "
+                            f"of {list(shape)} expected"
                         )
-                out.append(LiveParameter(names[id(p)], shape, lo, hi))
+                out.append(LiveParameter(names[id(p)], shape, lo, hi, local_shape))
         return out
+
+    def _zero3_parameter(self, name: str, p: torch.nn.Parameter) -> LiveParameter:
+        """A ZeRO-3 parameter's partition: ``ds_tensor`` holds ``ceil(numel / world)`` elements of the
+        flattened parameter, the valid ones ``[rank*part, min((rank+1)*part, numel))``."""
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        lo, hi = flat_range("deepspeed", self.par.rank, self.par.world_size, shape)
+        part = getattr(p, "ds_tensor", None)
+        if part is None or part.numel() != math.ceil(math.prod(shape) / self.par.world_size):
+            raise ValueError(
+                f"{name}: not a ZeRO-3 partition of ceil({math.prod(shape)} / {self.par.world_size}) elements"
+            )
+        return LiveParameter(name, shape, lo, hi, (hi - lo,))
 
     def _check_weights(self, model_dir: str) -> Exception | None:
         """Why the HF directory cannot replace this model's weights (names, shapes), from the
@@ -261,7 +298,7 @@ class TrainerCheckpointIO:
         engine, par = self.engine, self.par
         if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
             return None
-        layout = SavedLayout(str(saved.get("engine", "single")), int(saved.get("world_size", 1)), None)
+        layout = SavedLayout(str(saved.get("engine", "single")), int(saved.get("world_size", 1)), None, False)
         refused = layout_problem(layout, self.live_layout())
         why = f" ({refused[0]}: {refused[1]})" if refused else " (an older torch.save file: not resharded)"
         return ValueError(

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nexrl_hpc.trainer.parallel import ParallelStrategy
+from nexrl_hpc.trainer.zero3_state import is_by_name, load_zero3_state, zero3_state
 from nexrl_hpc.weight_sync.wire import plan_buckets
 
 # DeepSpeed 0.19 calls a collective torch 2.13 deprecates, once per step per rank: noise in every log
@@ -249,6 +250,10 @@ class DeepSpeedZeRO(ParallelStrategy):
 
     # --- optimizer state (this rank's partition) -------------------------------------------------
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """ZeRO-3: this rank's partition of each parameter keyed by name (``zero3_state``: resharded
+        into any layout); stages 0-2: DeepSpeed's own state_dict (loads at the same layout only)."""
+        if self.stage == 3:
+            return zero3_state(self.engine)
         return _plain(self.engine.optimizer.state_dict())
 
     def optimizer_state_in_place(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
@@ -265,6 +270,9 @@ class DeepSpeedZeRO(ParallelStrategy):
                 f"service.train_service.deepspeed.zero_stage={self.stage}: resume with the same stage, "
                 "or load the weights only (load_optimizer=False)"
             )
+        if self.stage == 3 and is_by_name(state):
+            load_zero3_state(self.engine, state)
+            return
         opt = self.engine.optimizer
         if isinstance(opt, torch.optim.Optimizer):  # stage 0: the client optimizer itself
             opt.load_state_dict(state)
