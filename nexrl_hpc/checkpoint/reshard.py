@@ -89,6 +89,11 @@ def saved_layout(checkpoint_dir: str) -> SavedLayout | None:
         head = peek_state_file(path)
     except (OSError, StateFileError) as exc:
         raise ValueError(f"{path}: cannot read its header: {exc}") from exc
+    return layout_of(head)
+
+
+def layout_of(head: Any) -> SavedLayout:
+    """The layout an optimizer file's structure (its header, or the file read) records."""
     engine = str(head.get("engine", "single"))
     stage, by_name = None, True
     if engine == "deepspeed":
@@ -342,13 +347,14 @@ def _masters_from_model_dir(model_dir: str, params: list[LiveParameter], state: 
                 raise ValueError(str(exc)) from exc
             for param in params:
                 entry = entries.get(param.name)
-                if entry is None or param.name not in state:
+                if entry is None:
                     continue
                 if entry.shape != param.shape:
                     raise ValueError(
                         f"{path}: {param.name} has shape {list(entry.shape)}, not {list(param.shape)}"
                     )
-                state[param.name][MASTER] = _read(fd, path, entry, param.lo, param.hi).float()
+                master = _read(fd, path, entry, param.lo, param.hi).float()
+                state.setdefault(param.name, {})[MASTER] = master
         finally:
             os.close(fd)
 

@@ -36,6 +36,7 @@ from nexrl_hpc.checkpoint.reshard import (
     LiveParameter,
     SavedLayout,
     flat_range,
+    layout_of,
     layout_problem,
     resharded_state,
     saved_files,
@@ -298,7 +299,7 @@ class TrainerCheckpointIO:
         engine, par = self.engine, self.par
         if saved.get("world_size", 1) == par.world_size and saved.get("engine", "single") == engine:
             return None
-        layout = SavedLayout(str(saved.get("engine", "single")), int(saved.get("world_size", 1)), None, False)
+        layout = layout_of(saved)
         refused = layout_problem(layout, self.live_layout())
         why = f" ({refused[0]}: {refused[1]})" if refused else " (an older torch.save file: not resharded)"
         return ValueError(

@@ -481,7 +481,7 @@ class PolicyTrainer(TrainBackend):
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
         """Weights load at any world size; optimizer state at the layout that wrote it, or resharded
-        between any world sizes of engines single and fsdp (``checkpoint.reshard``) — otherwise
+        between any world sizes of engines single, fsdp and ZeRO-3 (``checkpoint.reshard``) — else
         the error says so. Names, shapes and
         layout are checked before a tensor byte is read, so a wrong checkpoint changes nothing; a
         load that fails after that leaves this trainer refusing to train until a load succeeds."""
