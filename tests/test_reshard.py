@@ -67,7 +67,8 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
     root = tmp_path_factory.mktemp("reshard")
     m = tiny_model_dir
-    r = {name: root / name for name in RESUMED | {"fsdp2", "fsdp1", "fsdp4", "zero3x2", "zero3x1"}}
+    through = {"fsdp2", "fsdp1", "fsdp4", "zero3x2", "zero3x1", "zero3x2_state_dict"}
+    r = {name: root / name for name in RESUMED | through | {"state_dict_resumed"}}
     ckpt, z3 = str(r["fsdp2"] / "ckpt"), str(r["zero3x2"] / "ckpt")
     launch(
         2,
@@ -75,6 +76,8 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
             (m, str(r["fsdp2"]), "fsdp", "through"),
             (m, str(r["zero3x2"]), "deepspeed", "through"),
             (m, str(r["fsdp2_to_zero3x2"]), "deepspeed", "resume", ckpt),
+            (m, str(r["zero3x2_state_dict"]), "deepspeed+state_dict", "through"),
+            (m, str(r["state_dict_resumed"]), "deepspeed", "resume", str(r["zero3x2_state_dict"] / "ckpt")),
         ],
     )
     masters_only = str(with_other_model_files(Path(z3), root / "zero3_other_model_files"))
@@ -412,3 +415,25 @@ def test_mpi_run_of_two_fsdp2_trainer_ranks_resumes_on_one_with_two_rollout_rank
     saved = run_dir / "checkpoints"
     assert len(list((saved / "global_step_4" / "optimizer").glob("rank_*.safetensors"))) == 2
     assert len(list((saved / "global_step_8" / "optimizer").glob("rank_*.safetensors"))) == 1
+
+
+def test_a_zero3_checkpoint_of_deepspeeds_own_state_dict_still_resumes_on_its_layout(
+    tiny_model_dir: str, runs: dict[str, Path]
+) -> None:
+    """ZeRO-3 optimizer files written as DeepSpeed's ``state_dict`` (checkpoints from before they
+    were keyed by name) load into the layout that wrote them: the run continues as uninterrupted,
+    and the state re-saved by name is the one a by-name checkpoint of that run holds."""
+    from nexrl_hpc.checkpoint.reshard import SavedLayout, saved_layout
+
+    saved = runs["zero3x2_state_dict"] / "ckpt"
+    assert saved_layout(str(saved)) == SavedLayout("deepspeed", 2, 3, by_name=False)
+    assert "fp32_flat_groups" in load_state_file(str(saved / "optimizer" / "rank_0.safetensors"))["optimizer"]
+    got = runs["state_dict_resumed"]
+    shapes = parameter_shapes(tiny_model_dir)
+    by_name = whole_optimizer_state(runs["zero3x2"] / "ckpt", shapes)
+    resaved = whole_optimizer_state(got / "resaved", shapes)
+    assert_same_state(resaved, by_name)
+    assert set(resaved["masters"]) == set(by_name["masters"]) == set(shapes)
+    assert all(torch.equal(by_name["masters"][k], v) for k, v in resaved["masters"].items())
+    assert_steps_match(metrics(got), metrics(runs["zero3x2"])[2:])
+    assert_weights_close(got / "weights", runs["zero3x2"] / "weights")

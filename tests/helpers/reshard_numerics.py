@@ -9,7 +9,9 @@ break (the uninterrupted run). ``resume``: a fresh engine loads ``CKPT`` and sav
 in its own layout (``OUT_DIR/resaved``: what it holds after the load), then the same ``AFTER``
 updates. Both write every update's metrics and the final weights. Several cases, separated by
 ``::``, run one after another in the same processes. An engine name ``<engine>+lora`` trains a
-rank-4 LoRA adapter (its optimizer state is the adapter's) instead of the whole model.
+rank-4 LoRA adapter (its optimizer state is the adapter's) instead of the whole model;
+``deepspeed+state_dict`` saves ZeRO-3's optimizer files as DeepSpeed's own ``state_dict`` (the
+files of checkpoints written before they were keyed by parameter name).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -57,6 +60,11 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
     eng = PolicyTrainer(model_dir)
     eng.initialize_worker(TrainWorker(cfg, eng).train_service_config(), world_size=world_size)  # type: ignore[arg-type]
     eng.init_model()
+    if variant == "state_dict":  # this engine's files as before: DeepSpeed's own optimizer state_dict
+        from nexrl_hpc.trainer.deepspeed_strategy import _plain
+
+        strategy: Any = eng.parallel
+        strategy.optimizer_state = lambda model, optimizer: _plain(strategy.engine.optimizer.state_dict())
     batches = [make_batch(13, seed=s) for s in range(SAVED_AT + AFTER)]
     metrics = []
     if mode == "through":
