@@ -12,6 +12,10 @@ The optimizer handed back to the engine is the client AdamW that DeepSpeed wraps
 LambdaLR sets the learning rate on its param groups, which are the groups the ZeRO optimizer steps.
 The generated DeepSpeed config comes from ``service.train_service.deepspeed``; its ``config``
 mapping is merged on top (raw DeepSpeed keys for what the section does not name).
+
+Checkpoints: ZeRO-3's optimizer state is saved by parameter name (``zero3_state``), so it resumes
+on any world size and into or out of the other engines (``checkpoint.reshard``); stages 0-2 save
+DeepSpeed's own ``state_dict``, which loads only into the stage and world size that wrote it.
 """
 
 from __future__ import annotations
