@@ -246,27 +246,35 @@ def test_a_checkpoint_resumed_on_another_shape_or_engine_continues_the_run(
 def test_a_lora_adapters_optimizer_state_reshards_like_the_whole_models(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    """2 FSDP2 ranks training a LoRA adapter, resumed by 1 FSDP2 rank and by the single-process
-    engine: the next steps are the uninterrupted run's and so is the exported adapter."""
+    """2 FSDP2 ranks training a LoRA adapter, resumed by 1 FSDP2 rank, by the single-process engine
+    and by 1 ZeRO-3 rank; 2 ZeRO-3 ranks training it, resumed by 1 FSDP2 rank: the next steps are
+    the uninterrupted run's and so is the exported adapter."""
+    pytest.importorskip("deepspeed", reason="engine=deepspeed needs the deepspeed extra")
     from safetensors.torch import load_file
 
     from nexrl_hpc.checkpoint.adapter import ADAPTER_WEIGHTS
 
     m = tiny_model_dir
     through, to1, to_single = tmp_path / "lora2", tmp_path / "lora_to1", tmp_path / "lora_single"
-    launch(2, [(m, str(through), "fsdp+lora", "through")])
+    to_zero3, zero3, zero3_to1 = tmp_path / "lora_to_zero3", tmp_path / "lora_zero3x2", tmp_path / "zero3_to1"
+    launch(2, [(m, str(through), "fsdp+lora", "through"), (m, str(zero3), "deepspeed+lora", "through")])
     ckpt = str(through / "ckpt")
     launch(
-        1, [(m, str(to1), "fsdp+lora", "resume", ckpt), (m, str(to_single), "single+lora", "resume", ckpt)]
+        1,
+        [
+            (m, str(to1), "fsdp+lora", "resume", ckpt),
+            (m, str(to_single), "single+lora", "resume", ckpt),
+            (m, str(to_zero3), "deepspeed+lora", "resume", ckpt),
+            (m, str(zero3_to1), "fsdp+lora", "resume", str(zero3 / "ckpt")),
+        ],
     )
     saved = load_file(str(through / "ckpt" / "model" / ADAPTER_WEIGHTS))
     # the adapter and the tiny model's modules saved in full (its norms and head), nothing else
     assert any("lora_A" in k for k in saved)
     assert all("lora_" in k or k.endswith(("norm.weight", "lm_head.weight")) for k in saved)
-    reference = load_file(str(through / "weights" / ADAPTER_WEIGHTS))
-    for resumed in (to1, to_single):
-        assert_steps_match(metrics(resumed), metrics(through)[2:])
-        got = load_file(str(resumed / "weights" / ADAPTER_WEIGHTS))
+    for resumed, run in ((to1, through), (to_single, through), (to_zero3, through), (zero3_to1, zero3)):
+        assert_steps_match(metrics(resumed), metrics(run)[2:])
+        got, reference = (load_file(str(r / "weights" / ADAPTER_WEIGHTS)) for r in (resumed, run))
         assert set(got) == set(reference)
         assert max(float((got[k] - reference[k]).abs().max()) for k in got) <= 1e-5
 

@@ -281,13 +281,19 @@ def _local(flat: torch.Tensor, param: LiveParameter) -> torch.Tensor:
 
 
 def resharded_state(
-    checkpoint_dir: str, saved: SavedLayout, live_engine: str, params: list[LiveParameter]
+    checkpoint_dir: str,
+    saved: SavedLayout,
+    live_engine: str,
+    params: list[LiveParameter],
+    model_names: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What this rank's own optimizer file would hold had its layout saved the checkpoint:
     ``{"optimizer", "scheduler", "global_step", "masters"}``, the optimizer state in the live
     engine's form (keyed by name for fsdp and deepspeed, by index for single; ZeRO-3's with its
     fp32 masters), each tensor read from the elements that hold it. ``masters``: for a single or
-    fsdp trainer, the saved ZeRO-3 masters its weights become (empty from other engines)."""
+    fsdp trainer, the saved ZeRO-3 masters its weights become (empty from other engines).
+    ``model_names``: a parameter's name in the checkpoint's model files where it differs (a LoRA
+    adapter's), for a ZeRO-3 trainer's masters read from them."""
     names = [p.name for p in params]
     files = saved_files(checkpoint_dir, saved)
     pieces = _Pieces(files, saved, names)
@@ -313,7 +319,7 @@ def resharded_state(
     optimizer: dict[str, Any] = {"state": state, "param_groups": groups}
     if live_engine == "deepspeed":
         if saved.engine != "deepspeed":  # the other engines' masters are the checkpoint's fp32 weights
-            _masters_from_model_dir(os.path.join(checkpoint_dir, "model"), params, state)
+            _masters_from_model_dir(os.path.join(checkpoint_dir, "model"), params, state, model_names or {})
         optimizer.update(zero_stage=3, layout=FLAT_BY_NAME)
     head = files[0][1]
     return {
@@ -335,9 +341,12 @@ def _value(pieces: _Pieces, param: LiveParameter, key: str) -> Any:
     return None if flat is None else _local(flat, param)
 
 
-def _masters_from_model_dir(model_dir: str, params: list[LiveParameter], state: dict[Any, dict]) -> None:
-    """Each parameter's elements of its fp32 weight in the HF directory into its state's ``master``
-    (a name the directory lacks, as a LoRA adapter's, keeps the master the weights' load set)."""
+def _masters_from_model_dir(
+    model_dir: str, params: list[LiveParameter], state: dict[Any, dict], file_names: dict[str, str]
+) -> None:
+    """Each parameter's elements of its fp32 weight in the checkpoint's model files (under its name
+    there: ``file_names`` or its own) into its state's ``master``; a parameter the files lack keeps
+    the master the weights' load set."""
     for path in safetensors_files(model_dir):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -346,7 +355,7 @@ def _masters_from_model_dir(model_dir: str, params: list[LiveParameter], state: 
             except TensorFileError as exc:
                 raise ValueError(str(exc)) from exc
             for param in params:
-                entry = entries.get(param.name)
+                entry = entries.get(file_names.get(param.name, param.name))
                 if entry is None:
                     continue
                 if entry.shape != param.shape:

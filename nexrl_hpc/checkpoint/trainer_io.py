@@ -196,7 +196,11 @@ class TrainerCheckpointIO:
         error: Exception | None = None
         try:  # read before the weights change: a file that fails here leaves the trainer as it was
             checkpoint_dir = os.path.dirname(os.path.dirname(files.optimizer_file))
-            state = resharded_state(checkpoint_dir, saved, self.engine, self.live_parameters())
+            in_files = None  # a LoRA adapter's files name its weights as peft saves them
+            if self.peft_model is not None and self.engine == "deepspeed":
+                in_files = {live: name for name, live in self._adapter_keys().items()}
+            params = self.live_parameters()
+            state = resharded_state(checkpoint_dir, saved, self.engine, params, in_files)
         except (OSError, ValueError) as exc:
             error = exc
         self.par.agree(error)
