@@ -68,7 +68,8 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     root = tmp_path_factory.mktemp("reshard")
     m = tiny_model_dir
     through = {"fsdp2", "fsdp1", "fsdp4", "zero3x2", "zero3x1", "zero3x2_state_dict"}
-    r = {name: root / name for name in RESUMED | through | {"state_dict_resumed"}}
+    more = {"state_dict_resumed", *BF16}
+    r = {name: root / name for name in RESUMED | through | more}
     ckpt, z3 = str(r["fsdp2"] / "ckpt"), str(r["zero3x2"] / "ckpt")
     launch(
         2,
@@ -78,6 +79,9 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
             (m, str(r["fsdp2_to_zero3x2"]), "deepspeed", "resume", ckpt),
             (m, str(r["zero3x2_state_dict"]), "deepspeed+state_dict", "through"),
             (m, str(r["state_dict_resumed"]), "deepspeed", "resume", str(r["zero3x2_state_dict"] / "ckpt")),
+            (m, str(r["bf16_zero3x2"]), "deepspeed+bf16", "through"),
+            (m, str(r["bf16_fsdp2"]), "fsdp+bf16", "through"),
+            (m, str(r["bf16_zero3x2_resumed"]), "deepspeed+bf16", "resume", str(r["bf16_zero3x2"] / "ckpt")),
         ],
     )
     masters_only = str(with_other_model_files(Path(z3), root / "zero3_other_model_files"))
@@ -93,6 +97,8 @@ def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
             (m, str(r["zero3x1"]), "deepspeed", "through"),
             (m, str(r["masters_to1"]), "fsdp", "resume", masters_only),
             (m, str(r["masters_to_zero3x1"]), "deepspeed", "resume", masters_only),
+            (m, str(r["bf16_zero3_to_fsdp1"]), "fsdp+bf16", "resume", str(r["bf16_zero3x2"] / "ckpt")),
+            (m, str(r["bf16_fsdp2_to_zero3x1"]), "deepspeed+bf16", "resume", str(r["bf16_fsdp2"] / "ckpt")),
         ],
     )
     single_ckpt = str(r["to_single"] / "resaved")
@@ -132,6 +138,7 @@ CASES: dict[str, tuple[str, int, str | None]] = {
     "masters_to_zero3x1": ("zero3x2", 1, "zero3x1"),
 }
 RESUMED = set(CASES)
+BF16 = ("bf16_zero3x2", "bf16_fsdp2", "bf16_zero3x2_resumed", "bf16_zero3_to_fsdp1", "bf16_fsdp2_to_zero3x1")
 
 
 def with_other_model_files(ckpt: Path, copy: Path) -> Path:
@@ -445,3 +452,34 @@ def test_a_zero3_checkpoint_of_deepspeeds_own_state_dict_still_resumes_on_its_la
     assert all(torch.equal(by_name["masters"][k], v) for k, v in resaved["masters"].items())
     assert_steps_match(metrics(got), metrics(runs["zero3x2"])[2:])
     assert_weights_close(got / "weights", runs["zero3x2"] / "weights")
+
+
+def test_under_bf16_zero3s_fp32_masters_cross_engines_and_its_own_resume_is_exact(
+    tiny_model_dir: str, runs: dict[str, Path]
+) -> None:
+    """dtype=bfloat16: ZeRO-3's module weights (what its model files hold) are its fp32 masters
+    rounded, so a resume that continues exactly needs the masters. A ZeRO-3 checkpoint resumed by
+    its own layout continues exactly as the uninterrupted run; resumed by FSDP2, its fp32 parameters
+    are the saved masters; an FSDP2 checkpoint resumed by ZeRO-3 gives ZeRO-3 FSDP2's fp32 weights
+    as masters (bit for bit, not rounded)."""
+    shapes = parameter_shapes(tiny_model_dir)
+    zero3 = whole_optimizer_state(runs["bf16_zero3x2"] / "ckpt", shapes)
+    masters = zero3["masters"]
+    rounded = read_safetensors_dir(str(runs["bf16_zero3x2"] / "ckpt" / "model"))
+    assert set(masters) == set(shapes) and not all(torch.equal(masters[k], rounded[k]) for k in shapes)
+    assert all(torch.equal(masters[k].bfloat16().float(), rounded[k]) for k in shapes)
+    # its own layout: the steps after the checkpoint are the uninterrupted run's, exactly
+    after, through = metrics(runs["bf16_zero3x2_resumed"]), metrics(runs["bf16_zero3x2"])[2:]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr"):
+        assert [m[key] for m in after] == [m[key] for m in through], key
+    # into FSDP2: its fp32 parameters are the masters
+    fsdp_weights = read_safetensors_dir(str(runs["bf16_zero3_to_fsdp1"] / "resaved" / "model"))
+    assert all(torch.equal(fsdp_weights[k], masters[k]) for k in shapes)
+    assert_same_state(whole_optimizer_state(runs["bf16_zero3_to_fsdp1"] / "resaved", shapes), zero3)
+    # from FSDP2: ZeRO-3's masters are FSDP2's fp32 weights
+    fsdp_saved = read_safetensors_dir(str(runs["bf16_fsdp2"] / "ckpt" / "model"))
+    resaved = whole_optimizer_state(runs["bf16_fsdp2_to_zero3x1"] / "resaved", shapes)
+    assert set(resaved["masters"]) == set(shapes)
+    assert all(torch.equal(resaved["masters"][k], fsdp_saved[k]) for k in shapes)
+    assert any(not torch.equal(fsdp_saved[k].bfloat16().float(), fsdp_saved[k]) for k in shapes)
+    assert_same_state(resaved, whole_optimizer_state(runs["bf16_fsdp2"] / "ckpt", shapes))

@@ -11,7 +11,8 @@ updates. Both write every update's metrics and the final weights. Several cases,
 ``::``, run one after another in the same processes. An engine name ``<engine>+lora`` trains a
 rank-4 LoRA adapter (its optimizer state is the adapter's) instead of the whole model;
 ``deepspeed+state_dict`` saves ZeRO-3's optimizer files as DeepSpeed's own ``state_dict`` (the
-files of checkpoints written before they were keyed by parameter name).
+files of checkpoints written before they were keyed by parameter name); ``<engine>+bf16`` computes
+in bf16 (``dtype=bfloat16``: ZeRO-3's module weights bf16 beside its fp32 masters).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
     cfg = compose_config(
         [
             *(lora if variant == "lora" else []),
+            *(["service.train_service.dtype=bfloat16"] if variant == "bf16" else []),
             f"service.train_service.engine={engine_name}",
             "service.train_service.actor.ppo_mini_batch_size=8",  # 13 rows: mini-batches of 8 and 5
             "service.train_service.actor.ppo_micro_batch_size=3",
