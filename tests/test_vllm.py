@@ -518,6 +518,9 @@ def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any],
         "service.inference_service.backend=vllm",
         "service.inference_service.retry_backoff_s=0.05",
         "train_worker.total_train_steps=200",
+        # a server killed between joining a sync's broadcast group and forming it leaves the trainer
+        # waiting for it in the group's set-up until this timeout (120 s by default; seen in CI)
+        "weight.broadcast_timeout_s=30",
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.train", *args],
