@@ -34,10 +34,11 @@ def test_elastic_join_jobs_join_then_one_is_cancelled_and_one_preempted(
     slurm_env: dict[str, str], slurm_hosts: DevHosts, tmp_path: Path
 ) -> None:
     """The run's job (1 rollout rank) in partition high, 2 join jobs in partition debug (the
-    preemptible one): both join (rollout/live_ranks 3); one is scancelled mid-run, the other is
-    preempted by a high-priority job that needs its CPU (--no-requeue: it is gone, not requeued);
-    the run goes on with its own rank and finishes, every step once, every prompt as planned, and
-    its held-out accuracy at the end is the default run's."""
+    preemptible one): one submitted with the run (launcher.elastic.count=1), one by hand once the
+    run trains with the first; both join (rollout/live_ranks 3); one is scancelled mid-run, the
+    other is preempted by a high-priority job that needs its CPU (--no-requeue: it is gone, not
+    requeued); the run goes on with its own rank and finishes, every step once, every prompt as
+    planned, and its held-out accuracy at the end is the default run's."""
     run_dir = tmp_path / "elastic"
     interface = [f"runtime.rpc.interface={slurm_hosts.network}"] if slurm_hosts.two_hosts else []
     args = [
@@ -49,7 +50,7 @@ def test_elastic_join_jobs_join_then_one_is_cancelled_and_one_preempted(
         "logger.backend=[]",
         "launcher.rollout_ranks=1",
         "launcher.partition=high",
-        "launcher.elastic.count=2",
+        "launcher.elastic.count=1",
         "launcher.elastic.partition=debug",
         "runtime_monitor.health_check.check_interval=1.0",
         "runtime_monitor.health_check.timeout=5",
@@ -59,7 +60,32 @@ def test_elastic_join_jobs_join_then_one_is_cancelled_and_one_preempted(
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((run_dir / "launcher.json").read_text())
     job_id, join_jobs = info["job_id"], info["elastic_jobs"]
-    assert len(join_jobs) == 2
+    assert len(join_jobs) == 1
+    wait_until(
+        lambda: (
+            (run_dir / "metrics.jsonl").exists()
+            and any(r.get("rollout/live_ranks") == 2 for r in metrics(run_dir))
+        ),
+        300,
+        "a step with the first join job's rank",
+    )
+    by_hand = subprocess.run(  # docs/elastic.md: "Submit more by hand at any time"
+        [
+            "sbatch",
+            "--parsable",
+            "--no-requeue",
+            "--partition=debug",
+            "--ntasks=1",
+            f"--chdir={REPO}",
+            f"--output={tmp_path}/join-%j.out",
+            f"--wrap={sys.executable} -m launch.join --wait {run_dir}",
+        ],
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    join_jobs.append(by_hand.stdout.strip().split(";")[0])
     wait_until(
         lambda: all(joined(run_dir).get(j, {}).get("first_task_at") for j in join_jobs),
         300,

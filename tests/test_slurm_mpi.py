@@ -223,8 +223,9 @@ def test_vllm_rollout_ranks_on_both_hosts_learn_by_broadcast(
     """The default task with backend=vllm under srun: a CPU vLLM server on each host's rollout rank
     (driver and rollout rank 0 on one host, trainer and rollout rank 1 on the other). Every sync is
     a broadcast over the cluster network through vLLM's weight-transfer API to both servers, each
-    verified to compute with the trainer's weights; nothing goes through the filesystem; the run
-    learns as the other multi-rank runs do."""
+    verified to compute with the trainer's weights; nothing goes through the filesystem; 20 steps
+    of it lift held-out accuracy by 0.3 or more (the default run's bar under Slurm is the two-host
+    local-engine run's, tests/test_slurm_launcher.py)."""
     run_dir = tmp_path / "vllm"
     n1, n2 = (n["name"] for n in two_hosts.nodes)
     proc = subprocess.run(
@@ -243,8 +244,8 @@ def test_vllm_rollout_ranks_on_both_hosts_learn_by_broadcast(
             "seed=2",
             "service.inference_service.backend=vllm",
             f"runtime.rpc.interface={two_hosts.interface}",
-            "validate.validate_before_train=false",
-            "validate.eval.validate_freq=0",  # the held-out set once, at the end
+            "train_worker.total_train_steps=20",
+            "validate.eval.validate_freq=0",  # the held-out set before and after
             "logger.backend=[]",
         ],
         cwd=REPO,
@@ -259,9 +260,9 @@ def test_vllm_rollout_ranks_on_both_hosts_learn_by_broadcast(
     assert len(rollout_hosts) == 2, ranks
     rows = metrics(run_dir)
     syncs = [r for r in rows if "weight_sync/seconds" in r]
-    assert len(syncs) >= 50 and all(r["weight_sync/bytes"] > 0 for r in syncs)
+    assert len(syncs) >= 20 and all(r["weight_sync/bytes"] > 0 for r in syncs)
     assert max(r["weight_sync/verify_max_abs_diff"] for r in syncs) <= 1e-4
     assert "verified on 2 engine(s)" in (run_dir / "train.log").read_text()
     assert not (run_dir / "weights").exists()
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
-    assert val == [(50, val[0][1])] and val[0][1] >= 0.8, val  # validated once, at the end
+    assert [v[0] for v in val] == [0, 20] and val[1][1] - val[0][1] >= 0.3, val

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -40,6 +41,8 @@ class InferenceService(NexRLModule):
         self._base_url: str | None = self._service["base_url"]
         self._api_key: str | None = self._service["api_key"]
         self._canary_http: httpx.Client | None = None  # weight verification's requests (score_canary)
+        self._receiving = threading.Condition()  # held while a broadcast is being received
+        self._receives = 0
         self._broadcast = run_uses_broadcast(config)  # a LoRA adapter: from disk
         lora_rank = int(self._train["actor"]["lora"]["rank"])
         # vLLM with a LoRA policy: adapters up to this rank (0: full fine-tuning)
@@ -137,7 +140,21 @@ class InferenceService(NexRLModule):
 
     def receive_weights(self, spec: dict[str, Any], rank_offset: int, version: int) -> None:
         """Serve what the trainer broadcasts to the group ``spec`` as ``version`` (raises WeightSyncError)."""
-        self._transport.receive(spec, rank_offset, version)
+        with self._receiving:
+            self._receives += 1
+        try:
+            self._transport.receive(spec, rank_offset, version)
+        finally:
+            with self._receiving:
+                self._receives -= 1
+                self._receiving.notify_all()
+
+    def wait_for_receives(self, timeout_s: float) -> bool:
+        """Whether no broadcast is being received within ``timeout_s``. A joined rank that leaves
+        lets the one in flight end before its server goes: killed inside a group that formed with
+        it, it would hold the trainer's side until the group's timeout."""
+        with self._receiving:
+            return self._receiving.wait_for(lambda: self._receives == 0, timeout_s)
 
     @quick
     def health_check(self) -> bool:

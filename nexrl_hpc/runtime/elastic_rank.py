@@ -156,6 +156,10 @@ class JoinedRank:
                 ).result(timeout=5.0)
             except Exception:
                 pass  # rank 0 sees it silent instead
+            for module in self._modules:  # a broadcast in flight ends first (the group's timeout bounds it)
+                wait_for_receives = getattr(module, "wait_for_receives", None)  # the inference service's
+                if wait_for_receives is not None:
+                    wait_for_receives(config["weight"]["broadcast_timeout_s"])
             abort_modules(self._modules)
             return 0
         _stop_quietly(self._modules)
