@@ -27,6 +27,22 @@ from tests.test_mpi import (
 pytestmark = pytest.mark.e2e
 
 
+def srun_launch_train(nodes: tuple[str, ...]) -> list[str]:
+    """``srun --mpi=pmi2`` of one MPI-mode run, rank ``i`` on ``nodes[i]`` (any rank failing ends it)."""
+    return [
+        "srun",
+        "--mpi=pmi2",
+        f"-n{len(nodes)}",
+        "--distribution=arbitrary",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        "-m",
+        "launch.train",
+        "launch_mode=mpi",
+    ]
+
+
 def test_srun_pmi2_killed_rollout_rank_with_continue_loses_and_doubles_nothing(
     slurm_env: dict[str, str], two_hosts: DevHosts, tmp_path: Path
 ) -> None:
@@ -166,16 +182,7 @@ def test_fsdp2_trainer_group_across_hosts_learns(
     n1, n2 = (n["name"] for n in two_hosts.nodes)
     proc = subprocess.Popen(
         [
-            "srun",
-            "--mpi=pmi2",
-            "-n5",
-            "--distribution=arbitrary",
-            f"--nodelist={n1},{n2},{n1},{n2},{n1}",
-            "--kill-on-bad-exit=1",
-            sys.executable,
-            "-m",
-            "launch.train",
-            "launch_mode=mpi",
+            *srun_launch_train((n1, n2, n1, n2, n1)),
             f"run_dir={run_dir}",
             "seed=2",
             "service.train_service.engine=fsdp",
@@ -230,16 +237,7 @@ def test_vllm_rollout_ranks_on_both_hosts_learn_by_broadcast(
     n1, n2 = (n["name"] for n in two_hosts.nodes)
     proc = subprocess.run(
         [
-            "srun",
-            "--mpi=pmi2",
-            "-n4",
-            "--distribution=arbitrary",
-            f"--nodelist={n1},{n2},{n1},{n2}",
-            "--kill-on-bad-exit=1",
-            sys.executable,
-            "-m",
-            "launch.train",
-            "launch_mode=mpi",
+            *srun_launch_train((n1, n2, n1, n2)),
             f"run_dir={run_dir}",
             "seed=2",
             "service.inference_service.backend=vllm",
