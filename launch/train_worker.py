@@ -173,4 +173,6 @@ def _run_rank(trainer: Any, rank: int, stop: threading.Event, log: logging.Logge
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nexrl_hpc.trainer.parallel import exit_trainer_process
+
+    exit_trainer_process(main())

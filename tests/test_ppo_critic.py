@@ -251,9 +251,8 @@ def test_ppo_under_mpirun_with_a_critic_group_at_temperature_07(
 ) -> None:
     """mpirun: the actor on 2 FSDP2 trainer ranks, the critic on a group of its own (1 rank, or 2
     under FSDP2), sampling at T=0.7: every sync's canary verified (temperature 1 on both sides),
-    trainer and engine log-probs agree, the run learns (held-out >= 0.8 at step 50, as the other
-    mpirun runs; 0.85 with one critic rank, seed 1), and its checkpoint holds the critic's
-    weights and one optimizer file per critic rank."""
+    trainer and engine log-probs agree, the run learns (held-out from 0.14 to >= 0.75 at step 50),
+    and its checkpoint holds the critic's weights and one optimizer file per critic rank."""
     import shutil
 
     from tests.test_mpi import mpirun
@@ -290,8 +289,11 @@ def test_ppo_under_mpirun_with_a_critic_group_at_temperature_07(
     verified = [r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/verify_max_abs_diff" in r]
     assert len(verified) >= 50 and max(verified) <= 1e-4
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
-    # the bar of the other mpirun runs (their rollout ranks sample other streams than local mode's)
-    assert val[-1][0] == 50 and val[-1][1] >= 0.8, val
+    # An mpirun run is not reproducible token for token (the rollout rank's engine batches
+    # requests as they arrive, and its sampler draws for a batch), and PPO at T=0.7 ends this
+    # task's 50 steps anywhere in 0.79-0.99 (five runs of this test; 0.77-1.0 over local-mode
+    # seeds): the bar says it learns without failing one run in five as 0.8 did in CI.
+    assert val[-1][0] == 50 and val[0][1] < 0.2 and val[-1][1] >= 0.75, val
     critic = run_dir / "checkpoints" / "global_step_50" / "critic"
     assert (critic / "model" / "model.safetensors").exists()
     assert sorted(p.name for p in (critic / "optimizer").iterdir() if p.suffix == ".safetensors") == [

@@ -19,10 +19,12 @@ summed gradient equals the single-process one.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -328,3 +330,14 @@ def close_trainer_process_group() -> None:
     active exception", SIGABRT) after the work succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_trainer_process(code: int) -> NoReturn:
+    """End a trainer rank's process with ``code`` once its logs and output are flushed, without the
+    interpreter's teardown: even after ``destroy_process_group`` a thread left by gloo or DeepSpeed
+    can abort the process there (SIGABRT, "terminate called without an active exception": seen at
+    the exit of ZeRO-3 ranks whose work had succeeded), and the launcher counts the rank failed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

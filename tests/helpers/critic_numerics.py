@@ -73,6 +73,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from nexrl_hpc.trainer.parallel import close_trainer_process_group
+    from nexrl_hpc.trainer.parallel import close_trainer_process_group, exit_trainer_process
 
     close_trainer_process_group()
+    exit_trainer_process(0)

@@ -123,6 +123,7 @@ def tensors_of(value: object) -> list[torch.Tensor]:
 
 if __name__ == "__main__":
     main()
-    from nexrl_hpc.trainer.parallel import close_trainer_process_group
+    from nexrl_hpc.trainer.parallel import close_trainer_process_group, exit_trainer_process
 
     close_trainer_process_group()
+    exit_trainer_process(0)

@@ -84,6 +84,7 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
 
 if __name__ == "__main__":
     main()
-    from nexrl_hpc.trainer.parallel import close_trainer_process_group
+    from nexrl_hpc.trainer.parallel import close_trainer_process_group, exit_trainer_process
 
     close_trainer_process_group()
+    exit_trainer_process(0)
