@@ -507,6 +507,9 @@ def _supervisor_pid(model_dir: str, timeout: float) -> int:
 
 @pytest.mark.e2e
 def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any], tmp_path: Path) -> None:
+    """The server killed mid-run, at whatever moment of a sync, stops the run: exit 1 naming its
+    URL. (Killed between joining a sync's group and forming it, it costs
+    ``weight.broadcast_form_timeout_s``: tests/test_weight_broadcast.py.)"""
     import subprocess
     import sys
 
@@ -518,8 +521,8 @@ def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any],
         "service.inference_service.backend=vllm",
         "service.inference_service.retry_backoff_s=0.05",
         "train_worker.total_train_steps=200",
-        # a server killed between joining a sync's broadcast group and forming it leaves the trainer
-        # waiting for it in the group's set-up until this timeout (120 s by default; seen in CI)
+        # killed at the start of a sync, the server held the run for the whole timeout before the
+        # run stopped in 2 of 25 runs here (120 s by default; not yet explained): bounded at 30 s
         "weight.broadcast_timeout_s=30",
     ]
     proc = subprocess.Popen(

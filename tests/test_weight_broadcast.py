@@ -374,6 +374,51 @@ def test_the_join_barrier_raises_the_reason_it_was_called_off() -> None:
     assert all("inference_service_2 failed: rank 5 is dead" in str(e) for e in errors)
 
 
+def test_a_member_that_dies_after_joining_fails_the_group_within_the_form_timeout() -> None:
+    """A member that passed the join barrier and never connected (a server killed at that moment)
+    fails the others' group set-up after ``weight.broadcast_form_timeout_s``, not the whole
+    ``broadcast_timeout_s``; a group that formed keeps ``broadcast_timeout_s`` for its collectives
+    (a receiver waits longer than the form timeout for the trainer's first bucket)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+    from nexrl_hpc.weight_sync.wire import BroadcastGroup, join
+
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 60.0, 1, form_timeout_s=2.0)
+    spec = rendezvous.spec(2, version=1)
+    assert spec["form_timeout_s"] == 2.0
+    store = dist.TCPStore(spec["host"], spec["port"], None, False, timeout=datetime.timedelta(seconds=10))
+    ghost = threading.Thread(target=join, args=(dist.PrefixStore(spec["prefix"], store), 2, 10.0))
+    ghost.start()  # joins, then never forms the group
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout after 2000ms"):
+        BroadcastGroup(spec, rank=0)
+    assert time.monotonic() - started < 10
+    ghost.join()
+
+    spec = rendezvous.spec(2, version=2)
+    received: list[torch.Tensor] = []
+
+    def receiver() -> None:
+        group = BroadcastGroup(spec, rank=1)
+        tensor = torch.zeros(4)
+        group.broadcast(tensor)
+        received.append(tensor)
+        group.close()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = BroadcastGroup(spec, rank=0)
+    time.sleep(3.0)  # the trainer gathering its first bucket: longer than the form timeout
+    sender.broadcast(torch.arange(4.0))
+    thread.join(timeout=30)
+    sender.close()
+    assert len(received) == 1 and torch.equal(received[0], torch.arange(4.0))
+
+
 def test_a_neighbour_at_the_rendezvous_store_cannot_call_off_or_join_a_sync(
     setup: tuple[dict[str, Any], str], tmp_path: Path
 ) -> None:

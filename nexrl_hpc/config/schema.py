@@ -227,6 +227,7 @@ class WeightConfig(TypedDict):
     broadcast_backend: Literal["gloo", "nccl"]
     broadcast_host: str
     broadcast_timeout_s: Annotated[float, Gt(0.0)]
+    broadcast_form_timeout_s: Annotated[float, Gt(0.0)]
     sync_weight_path: str
     validate_freq: Annotated[int, Ge(0)]
     keep_versions: Annotated[int, Ge(1)]

@@ -55,6 +55,7 @@ def _engine_class() -> type:
         prefix: str
         world_size: int
         timeout_s: float
+        form_timeout_s: float
         bucket_bytes: int
         rank_offset: int
 

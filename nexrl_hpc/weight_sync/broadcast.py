@@ -1,7 +1,7 @@
 """The broadcast transport (``weight.transport=broadcast``): weights over one process group, no files.
 
 One sync: the publisher (publisher.py) hosts a rendezvous store, names a fresh group for the sync
-(``spec``: backend, the store's address, a prefix, the world size, the timeout, the bucket size)
+(``spec``: backend, the store's address, a prefix, the world size, the timeouts, the bucket size)
 and, at once, asks the trainer to send (its rank 0 is the group's rank 0:
 ``trainer/weight_broadcast.py``) and every inference service to receive at its rank offset. The
 wire is ``wire.py``. A group per sync: a server that was restarted or requeued simply takes part
@@ -28,7 +28,9 @@ from typing import Any
 class BroadcastRendezvous:
     """The TCPStore every sync's group meets at (in the publisher's process), and the specs."""
 
-    def __init__(self, host: str, backend: str, timeout_s: float, bucket_mb: int):
+    def __init__(
+        self, host: str, backend: str, timeout_s: float, bucket_mb: int, form_timeout_s: float | None = None
+    ):
         import torch.distributed as dist
 
         self._store = dist.TCPStore(
@@ -36,6 +38,7 @@ class BroadcastRendezvous:
         )
         self.host, self.port = host, int(self._store.port)
         self._backend, self._timeout_s, self._bucket_bytes = backend, timeout_s, bucket_mb << 20
+        self._form_timeout_s = min(timeout_s, form_timeout_s or timeout_s)
         self._syncs = itertools.count()
 
     def abort(self, spec: dict[str, Any], reason: str) -> None:
@@ -57,5 +60,6 @@ class BroadcastRendezvous:
             "prefix": f"v{version}.{next(self._syncs)}.{secrets.token_hex(16)}",
             "world_size": world_size,
             "timeout_s": self._timeout_s,
+            "form_timeout_s": self._form_timeout_s,
             "bucket_bytes": self._bucket_bytes,
         }

@@ -141,7 +141,11 @@ class WeightPublisher:
         if self._rendezvous is None:
             host = resolve_bind_address(cfg["broadcast_host"], "weight.broadcast_host").address
             self._rendezvous = BroadcastRendezvous(
-                host, self._broadcast_backend, cfg["broadcast_timeout_s"], cfg["bucket_mb"]
+                host,
+                self._broadcast_backend,
+                cfg["broadcast_timeout_s"],
+                cfg["bucket_mb"],
+                cfg["broadcast_form_timeout_s"],
             )
         spec = self._rendezvous.spec(1 + sum(n for _, n in receivers), version)
         assert self._source is not None

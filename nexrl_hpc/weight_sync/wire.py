@@ -9,9 +9,11 @@ The group: a fresh ``torch.distributed`` process group per sync, separate from a
 process already has (the trainer's own, vLLM's), made from a ``TCPStore`` the publisher hosts
 (``host``/``port``) under a ``prefix`` unique to the sync. gloo on CPU, NCCL on GPUs; every
 collective is bounded by ``timeout_s``, so a peer that dies or never comes fails the sync instead
-of hanging it. Members first meet at a barrier in the store (``join``) that the publisher can
-call off (``ABORT_KEY``): a member known lost (its rank declared dead) does not keep the others
-waiting for it the whole ``timeout_s``.
+of hanging it. Members first meet at a barrier in the store (``join``, bounded by ``timeout_s``)
+that the publisher can call off (``ABORT_KEY``): a member known lost (its rank declared dead) does
+not keep the others waiting for it the whole ``timeout_s``. Past the barrier every member is there,
+and a gloo group must connect within ``form_timeout_s``: a member that died just after joining
+fails the sync then (NCCL connects lazily, at the first broadcast, under ``timeout_s``).
 
 The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
 then each tensor broadcast in place (no packing copy on the sender). A length of 0 ends the stream.
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-GroupSpec = dict[str, Any]  # backend, host, port, prefix, world_size, timeout_s
+GroupSpec = dict[str, Any]  # backend, host, port, prefix, world_size, timeout_s, form_timeout_s
 ABORT_KEY = "abort"  # under the sync's prefix: why the publisher called the sync off
 _JOINED_KEY = "joined"
 
@@ -42,23 +44,25 @@ class BroadcastGroup:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
+        form = datetime.timedelta(seconds=min(float(spec["form_timeout_s"]), float(spec["timeout_s"])))
         self.rank = rank
         self.device = torch.device(device)
         store = dist.TCPStore(
-            spec["host"], int(spec["port"]), None, False, timeout=timeout, wait_for_workers=False
+            spec["host"], int(spec["port"]), None, False, timeout=form, wait_for_workers=False
         )
         prefixed = dist.PrefixStore(str(spec["prefix"]), store)
         world = int(spec["world_size"])
         join(prefixed, world, float(spec["timeout_s"]))
         if spec["backend"] == "nccl" and _shares_a_gpu(prefixed, rank, world, self.device):
             self.device = torch.device("cpu")  # one GPU cannot hold two ranks of one NCCL group
-            self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+            self._pg: Any = _gloo_group(prefixed, rank, world, form, timeout)
         elif spec["backend"] == "nccl":
+            store.set_timeout(timeout)  # NCCL meets in the store at its first broadcast
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
         elif spec["backend"] == "gloo":
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+            self._pg = _gloo_group(prefixed, rank, world, form, timeout)
         else:
             raise ValueError(f"weight broadcast backend {spec['backend']!r}: expected 'gloo' or 'nccl'")
         self._store = store
@@ -75,6 +79,19 @@ class BroadcastGroup:
             except Exception:  # a broken group: nothing left to release cleanly
                 pass
         self._pg = None
+
+
+def _gloo_group(
+    store: Any, rank: int, world: int, form: datetime.timedelta, timeout: datetime.timedelta
+) -> Any:
+    """A gloo group whose connections are made within ``form`` (its peers' addresses come from
+    ``store``, waited for under the store's timeout, ``form`` too) and whose collectives then wait
+    up to ``timeout``."""
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(store, rank, world, form)
+    group._set_default_timeout(timeout)
+    return group
 
 
 def join(store: Any, world: int, timeout_s: float, poll_s: float = 0.05) -> None:
