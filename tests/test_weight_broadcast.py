@@ -419,6 +419,60 @@ def test_a_member_that_dies_after_joining_fails_the_group_within_the_form_timeou
     assert len(received) == 1 and torch.equal(received[0], torch.arange(4.0))
 
 
+def _receive_one_then_stop_reading(spec: dict[str, Any], received: Any) -> None:
+    """A receiver that takes the first broadcast and then never reads again (a process about to die)."""
+    from nexrl_hpc.weight_sync.wire import BroadcastGroup
+
+    group = BroadcastGroup(spec, rank=1)
+    group.broadcast(torch.zeros(4))
+    received.set()
+    time.sleep(600)
+
+
+def test_a_send_in_flight_to_a_receiver_that_stopped_ends_when_the_sync_is_called_off() -> None:
+    """A gloo send in flight to a peer that no longer reads (or was killed meanwhile: gloo does not
+    fail such a send before the group's timeout) ends as soon as the publisher calls the sync off,
+    as it does when the peer's own call fails: ``BroadcastAborted`` with the reason, within a
+    second, not ``weight.broadcast_timeout_s`` (60 s here) later."""
+    import multiprocessing
+
+    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+    from nexrl_hpc.weight_sync.wire import BroadcastAborted, BroadcastGroup
+
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 60.0, 1)
+    spec = rendezvous.spec(2, version=1)
+    context = multiprocessing.get_context("spawn")
+    received = context.Event()
+    receiver = context.Process(target=_receive_one_then_stop_reading, args=(spec, received))
+    receiver.start()
+    try:
+        sender = BroadcastGroup(spec, rank=0)
+        sender.broadcast(torch.ones(4))
+        assert received.wait(60)
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                sender.broadcast(torch.ones(32 << 20))  # 128 MB: more than the sockets take in
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive() and not errors  # the send cannot complete
+        called_off = time.monotonic()
+        rendezvous.abort(spec, "inference_service_0 failed: Server disconnected")
+        thread.join(timeout=30)
+        assert not thread.is_alive() and time.monotonic() - called_off < 2
+        assert len(errors) == 1 and isinstance(errors[0], BroadcastAborted)
+        assert "mid-stream: inference_service_0 failed: Server disconnected" in str(errors[0])
+        sender.close()  # returns at once: the abandoned group shuts down on a thread of its own
+    finally:
+        receiver.kill()
+        receiver.join()
+
+
 def test_a_neighbour_at_the_rendezvous_store_cannot_call_off_or_join_a_sync(
     setup: tuple[dict[str, Any], str], tmp_path: Path
 ) -> None:

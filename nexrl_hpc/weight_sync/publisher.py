@@ -132,7 +132,7 @@ class WeightPublisher:
         self, version: int, receivers: list[tuple[InferenceServiceRef, int]], names: list[str]
     ) -> list[tuple[str, BaseException]]:
         """One group: the trainer at rank 0, each service's workers at their offsets, all at once.
-        The first side to fail calls the group off for those still joining it."""
+        The first side to fail calls the group off for the others, joining or mid-stream."""
         cfg = self._config
         if any(n == 0 for _, n in receivers):
             raise WeightSyncError(

@@ -13,7 +13,8 @@ of hanging it. Members first meet at a barrier in the store (``join``, bounded b
 that the publisher can call off (``ABORT_KEY``): a member known lost (its rank declared dead) does
 not keep the others waiting for it the whole ``timeout_s``. Past the barrier every member is there,
 and a gloo group must connect within ``form_timeout_s``: a member that died just after joining
-fails the sync then (NCCL connects lazily, at the first broadcast, under ``timeout_s``).
+fails the sync then (NCCL connects lazily, at the first broadcast, under ``timeout_s``). A gloo
+member also looks at the call-off while it waits for a collective (``BroadcastGroup.broadcast``).
 
 The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
 then each tensor broadcast in place (no packing copy on the sender). A length of 0 ends the stream.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,20 +67,64 @@ class BroadcastGroup:
             self._pg = _gloo_group(prefixed, rank, world, form, timeout)
         else:
             raise ValueError(f"weight broadcast backend {spec['backend']!r}: expected 'gloo' or 'nccl'")
-        self._store = store
+        self._store, self._prefixed = store, prefixed
+        self._polls = isinstance(self._pg, dist.ProcessGroupGloo)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        opts = _broadcast_options()
-        self._pg.broadcast([tensor], opts).wait()
+        """One collective. A gloo one is waited for in slices, looking for the call-off between
+        them: a peer killed while a send to it is in flight does not fail gloo's send before the
+        group's whole timeout, but the publisher learns of the death at once (the peer's own call
+        fails) and calls the sync off. The abandoned collective ends in gloo's own time, on a
+        thread of its own (``_abandon``)."""
+        work = self._pg.broadcast([tensor], _broadcast_options())
+        if not self._polls:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError as exc:
+                if str(exc) != _WAIT_SLICE_ENDED:
+                    raise
+            if self._prefixed.check([ABORT_KEY]):
+                reason = self._prefixed.get(ABORT_KEY).decode()
+                self._abandon(work)
+                raise BroadcastAborted(f"weight broadcast called off mid-stream: {reason}")
 
     def close(self) -> None:
-        shutdown = getattr(self._pg, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # a broken group: nothing left to release cleanly
-                pass
-        self._pg = None
+        group, self._pg = self._pg, None
+        _shut_down(group)
+
+    def _abandon(self, work: Any) -> None:
+        """Let the group go on a thread of its own once ``work`` (the collective in flight) ends, in
+        gloo's time: at the group's timeout when its peer died mid-send. Destroying a gloo group
+        joins its worker threads, so dropping it here would hold this thread until then."""
+        group, self._pg = self._pg, None
+        threading.Thread(
+            target=_release_after, args=(group, work), name="weight-broadcast-abandoned", daemon=True
+        ).start()
+
+
+_POLL = datetime.timedelta(seconds=0.2)  # a gloo collective's wait slice between looks at the call-off
+_WAIT_SLICE_ENDED = "Operation timed out!"  # c10d's Work.wait(timeout) when the slice ends first
+
+
+def _release_after(group: Any, work: Any) -> None:
+    try:
+        work.wait()
+    except Exception:  # the collective failed, as expected of one called off
+        pass
+    _shut_down(group)  # the last reference goes with this frame: the group is destroyed here
+
+
+def _shut_down(group: Any) -> None:
+    shutdown = getattr(group, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # a broken group: nothing left to release cleanly
+            pass
 
 
 def _gloo_group(
