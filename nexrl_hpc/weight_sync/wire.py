@@ -46,7 +46,7 @@ class BroadcastGroup:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
-        form = datetime.timedelta(seconds=min(float(spec["form_timeout_s"]), float(spec["timeout_s"])))
+        form = datetime.timedelta(seconds=float(spec["form_timeout_s"]))  # <= timeout_s (broadcast.py)
         self.rank = rank
         self.device = torch.device(device)
         store = dist.TCPStore(
