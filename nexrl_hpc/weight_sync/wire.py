@@ -12,8 +12,10 @@ collective is bounded by ``timeout_s``, so a peer that dies or never comes fails
 of hanging it. Members first meet at a barrier in the store (``join``, bounded by ``timeout_s``)
 that the publisher can call off (``ABORT_KEY``): a member known lost (its rank declared dead) does
 not keep the others waiting for it the whole ``timeout_s``. Past the barrier every member is there,
-and a gloo group must connect within ``form_timeout_s``: a member that died just after joining
-fails the sync then (NCCL connects lazily, at the first broadcast, under ``timeout_s``). A gloo
+and a gloo group must connect within ``form_timeout_s``: a member that died just after joining,
+before it published its address, fails the sync then (NCCL connects lazily, at the first
+broadcast, under ``timeout_s``). Not bounded by it: a member that died after publishing its
+address leaves gloo's pair connect (``Pair::waitUntilConnected``) waiting longer (seen: ~120 s). A gloo
 member also looks at the call-off while it waits for a collective (``BroadcastGroup.broadcast``).
 
 The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
