@@ -253,6 +253,7 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
             "broadcast_host": "127.0.0.1",
             "broadcast_backend": "gloo",
             "broadcast_timeout_s": 600.0,
+            "broadcast_form_timeout_s": 30.0,
             "bucket_mb": args.bucket_mb,
         }  # type: ignore[typeddict-item]
     )
