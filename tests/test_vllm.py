@@ -522,9 +522,6 @@ def test_run_whose_vllm_server_dies_stops_naming_the_server(cfg: dict[str, Any],
         "service.inference_service.backend=vllm",
         "service.inference_service.retry_backoff_s=0.05",
         "train_worker.total_train_steps=200",
-        # killed at the start of a sync, the server has held the run for the whole broadcast timeout
-        # (120 s by default) before it stopped, in a few runs of this test (not explained yet): 30 s
-        "weight.broadcast_timeout_s=30",
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.train", *args],

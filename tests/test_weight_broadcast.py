@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -417,6 +418,105 @@ def test_a_member_that_dies_after_joining_fails_the_group_within_the_form_timeou
     thread.join(timeout=30)
     sender.close()
     assert len(received) == 1 and torch.equal(received[0], torch.arange(4.0))
+
+
+def _join_then_die_after_publishing(spec: dict[str, Any]) -> None:
+    """A member that passes the join barrier, publishes its gloo address and dies before it
+    connects (a server killed at that moment): gloo's pair connect on the other side then retries
+    for about five times its timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nexrl_hpc.weight_sync.wire import join
+
+    class DiesAfterPublishing(dist.Store):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key: str, value: Any) -> None:
+            self.inner.set(key, value)
+            os._exit(0)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def add(self, key: str, amount: int) -> int:
+            return self.inner.add(key, amount)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+        def wait(self, keys: list[str], *timeout: Any) -> None:
+            self.inner.wait(keys, *timeout)
+
+    form = datetime.timedelta(seconds=float(spec["form_timeout_s"]))
+    store = dist.TCPStore(spec["host"], int(spec["port"]), None, False, timeout=form)
+    prefixed = dist.PrefixStore(spec["prefix"], store)
+    join(prefixed, int(spec["world_size"]), 10.0)
+    dist.ProcessGroupGloo(DiesAfterPublishing(prefixed), 1, int(spec["world_size"]), form)
+
+
+@pytest.mark.parametrize("called_off", [False, True])
+def test_a_member_dead_after_publishing_its_address_fails_the_group_within_the_form_timeout(
+    called_off: bool,
+) -> None:
+    """Gloo's set-up waits about five form timeouts (11 s for 2 s here) for a member that published
+    its address and died when this side is the one that listens, or retries its connect as long;
+    the group is given up at the form timeout (plus a second), or at once when the publisher calls
+    the sync off (a 30 s form timeout here), naming why. Which side of a pair connects is gloo's
+    choice (by port): when this side connects, gloo can even end up connected to itself and form
+    the group (the sync then fails at its call-off, mid-stream), so the death is replayed until
+    one attempt meets the wait (one attempt in two or three)."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+    from nexrl_hpc.weight_sync.wire import BroadcastAborted, BroadcastGroup
+
+    form_s = 30.0 if called_off else 2.0
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 60.0, 1, form_timeout_s=form_s)
+    if called_off:
+        expected: tuple[type[Exception], str] = (
+            BroadcastAborted,
+            "called off while its group formed: server 'rollout-1' failed",
+        )
+    else:
+        expected = (
+            TimeoutError,
+            r"rank 0's gloo group of 2 did not connect within 2s \(weight.broadcast_form_timeout_s\)",
+        )
+    waits: list[float] = []
+    for version in range(1, 11):
+        spec = rendezvous.spec(2, version=version)
+        member = multiprocessing.get_context("spawn").Process(
+            target=_join_then_die_after_publishing, args=(spec,)
+        )
+        member.start()
+        if called_off:
+
+            def call_off_when_it_died(member: Any = member, spec: Any = spec) -> None:
+                member.join(timeout=60)
+                rendezvous.abort(spec, "server 'rollout-1' failed: connection refused")
+
+            threading.Thread(target=call_off_when_it_died, daemon=True).start()
+        watch = dist.PrefixStore(spec["prefix"], dist.TCPStore(spec["host"], spec["port"], None, False))
+        while int(watch.add("joined", 0)) < 1:  # the member's interpreter starting is not the wait
+            time.sleep(0.05)
+        started = time.monotonic()
+        try:
+            group = BroadcastGroup(spec, rank=0)
+        except expected[0] as exc:
+            waits.append(time.monotonic() - started)
+            assert re.search(expected[1], str(exc)), exc
+            break
+        finally:
+            member.join(timeout=30)
+            assert member.exitcode == 0  # it died where meant: after publishing its address
+        group.close()  # connected to itself: gloo's, not this test's, to fix
+    assert waits and waits[0] < (4.0 if called_off else form_s + 2.0), waits
 
 
 def _receive_one_then_stop_reading(spec: dict[str, Any], received: Any) -> None:

@@ -12,11 +12,12 @@ collective is bounded by ``timeout_s``, so a peer that dies or never comes fails
 of hanging it. Members first meet at a barrier in the store (``join``, bounded by ``timeout_s``)
 that the publisher can call off (``ABORT_KEY``): a member known lost (its rank declared dead) does
 not keep the others waiting for it the whole ``timeout_s``. Past the barrier every member is there,
-and a gloo group must connect within ``form_timeout_s``: a member that died just after joining,
-before it published its address, fails the sync then (NCCL connects lazily, at the first
-broadcast, under ``timeout_s``). Not bounded by it: a member that died after publishing its
-address leaves gloo's pair connect (``Pair::waitUntilConnected``) waiting longer (seen: ~120 s). A gloo
-member also looks at the call-off while it waits for a collective (``BroadcastGroup.broadcast``).
+and a gloo group must connect within ``form_timeout_s``, and is given up as soon as the sync is
+called off: a member that died just after joining fails the sync then, whether it died before
+publishing its address (the store's wait) or after (gloo's pair connect retries for about five
+times its timeout, so the group is formed on a thread of its own and waited for in slices; NCCL
+connects lazily, at the first broadcast, under ``timeout_s``). A gloo member also looks at the
+call-off while it waits for a collective (``BroadcastGroup.broadcast``).
 
 The stream, per bucket: an int64 length, the bucket's JSON header (``[[name, dtype, shape], ...]``),
 then each tensor broadcast in place (no packing copy on the sender). A length of 0 ends the stream.
@@ -59,14 +60,14 @@ class BroadcastGroup:
         join(prefixed, world, float(spec["timeout_s"]))
         if spec["backend"] == "nccl" and _shares_a_gpu(prefixed, rank, world, self.device):
             self.device = torch.device("cpu")  # one GPU cannot hold two ranks of one NCCL group
-            self._pg: Any = _gloo_group(prefixed, rank, world, form, timeout)
+            self._pg: Any = _gloo_group(spec, prefixed, rank, form, timeout)
         elif spec["backend"] == "nccl":
             store.set_timeout(timeout)  # NCCL meets in the store at its first broadcast
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
         elif spec["backend"] == "gloo":
-            self._pg = _gloo_group(prefixed, rank, world, form, timeout)
+            self._pg = _gloo_group(spec, prefixed, rank, form, timeout)
         else:
             raise ValueError(f"weight broadcast backend {spec['backend']!r}: expected 'gloo' or 'nccl'")
         self._store, self._prefixed = store, prefixed
@@ -130,16 +131,73 @@ def _shut_down(group: Any) -> None:
 
 
 def _gloo_group(
-    store: Any, rank: int, world: int, form: datetime.timedelta, timeout: datetime.timedelta
+    spec: GroupSpec, watched: Any, rank: int, form: datetime.timedelta, timeout: datetime.timedelta
 ) -> Any:
-    """A gloo group whose connections are made within ``form`` (its peers' addresses come from
-    ``store``, waited for under the store's timeout, ``form`` too) and whose collectives then wait
-    up to ``timeout``."""
+    """A gloo group whose connections are made within ``form`` and whose collectives then wait up
+    to ``timeout``. Formed on a thread of its own, with a store client of its own (``watched``, the
+    caller's, stays free for looks at the call-off): gloo's set-up cannot be interrupted, and a peer
+    that published its address and died keeps it retrying well past ``form``. The thread is left to
+    end in gloo's time when the sync is called off or ``form`` (and a second's grace, so the
+    store's own timeout names a peer that never published) has passed."""
+    import time
+
     import torch.distributed as dist
 
-    group = dist.ProcessGroupGloo(store, rank, world, form)
-    group._set_default_timeout(timeout)
-    return group
+    own = dist.TCPStore(spec["host"], int(spec["port"]), None, False, timeout=form, wait_for_workers=False)
+    forming = _Forming()
+
+    def make() -> None:
+        try:
+            group = dist.ProcessGroupGloo(
+                dist.PrefixStore(str(spec["prefix"]), own), rank, int(spec["world_size"]), form
+            )
+            group._set_default_timeout(timeout)
+        except BaseException as exc:  # handed to the caller, or dropped with an abandoned group
+            forming.finish(None, exc)
+        else:
+            forming.finish(group, None)
+
+    threading.Thread(target=make, name="weight-broadcast-forming", daemon=True).start()
+    deadline = time.monotonic() + form.total_seconds() + 1.0
+    while not forming.done.wait(_POLL.total_seconds()):
+        if watched.check([ABORT_KEY]):
+            forming.abandon()
+            reason = watched.get(ABORT_KEY).decode()
+            raise BroadcastAborted(f"weight broadcast called off while its group formed: {reason}")
+        if time.monotonic() > deadline:
+            forming.abandon()
+            raise TimeoutError(
+                f"weight broadcast: rank {rank}'s gloo group of {spec['world_size']} did not connect "
+                f"within {form.total_seconds():.0f}s (weight.broadcast_form_timeout_s): a member "
+                "died after joining"
+            )
+    if forming.error is not None:
+        raise forming.error
+    return forming.group
+
+
+class _Forming:
+    """A gloo group being formed on its own thread: its result, or its release if abandoned."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.group: Any = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def finish(self, group: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self.group, self.error = group, error
+                group = None
+        if group is not None:
+            _shut_down(group)  # formed too late: nobody will use it
+        self.done.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
 
 
 def join(store: Any, world: int, timeout_s: float, poll_s: float = 0.05) -> None:
