@@ -252,6 +252,72 @@ def test_local_mode_broadcasts_over_gloo_whatever_the_hardware() -> None:
     assert WeightPublisher(gpu["weight"], "mpi")._broadcast_backend == "nccl"
 
 
+def test_a_receiver_takes_buckets_in_place_where_they_fit_and_can_refuse_one_by_its_header() -> None:
+    """``receive_buckets(into=...)``: a tensor that fits (dtype, shape, contiguous) is received in
+    place, one that does not (or none named) into a new tensor; an ``into`` that raises refuses
+    the bucket from its header, before any of its tensors is written."""
+    from nexrl_hpc.weight_sync.broadcast import BroadcastRendezvous
+    from nexrl_hpc.weight_sync.wire import (
+        BroadcastAborted,
+        BroadcastGroup,
+        receive_buckets,
+        send_bucket,
+        send_end,
+    )
+
+    rendezvous = BroadcastRendezvous("127.0.0.1", "gloo", 60.0, 1)
+    sent = [
+        ("a", torch.arange(4.0)),
+        ("b", torch.arange(6.0).reshape(2, 3)),
+        ("c", torch.tensor([7, 8, 9])),
+    ]
+    live = {"a": torch.zeros(4), "b": torch.zeros(3, 2).t(), "c": torch.zeros(3)}  # b: not contiguous
+    spec = rendezvous.spec(2, version=1)
+    outcome: dict[str, Any] = {}
+
+    def sender(spec: dict[str, Any], ends: bool) -> None:
+        group = BroadcastGroup(spec, rank=0)
+        try:
+            send_bucket(group, sent)
+            if ends:
+                send_end(group)
+        except BroadcastAborted as exc:
+            outcome["sender"] = exc
+        finally:
+            group.close()
+
+    thread = threading.Thread(target=sender, args=(spec, True))
+    thread.start()
+    group = BroadcastGroup(spec, rank=1)
+    buckets = list(receive_buckets(group, into=lambda name, dtype, shape: live[name]))
+    group.close()
+    thread.join(timeout=30)
+    [bucket] = buckets
+    received = dict(bucket)
+    assert received["a"] is live["a"] and torch.equal(live["a"], torch.arange(4.0))
+    assert received["b"] is not live["b"] and torch.equal(received["b"], sent[1][1])
+    assert received["c"] is not live["c"] and torch.equal(received["c"], sent[2][1])  # int64 into fp32: no
+    assert torch.equal(live["b"], torch.zeros(3, 2).t()) and torch.equal(live["c"], torch.zeros(3))
+
+    live["a"].zero_()
+    spec = rendezvous.spec(2, version=2)
+
+    def refuse(name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        if name == "c":
+            raise ValueError(f"weight broadcast: unexpected weight {name!r}")
+        return live[name]
+
+    thread = threading.Thread(target=sender, args=(spec, False))
+    thread.start()
+    group = BroadcastGroup(spec, rank=1)
+    with pytest.raises(ValueError, match="unexpected weight 'c'"):
+        next(receive_buckets(group, into=refuse))
+    rendezvous.abort(spec, "inference_service_0 failed: unexpected weight 'c'")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(outcome.get("sender"), BroadcastAborted)
+    assert torch.equal(live["a"], torch.zeros(4))  # nothing of the refused bucket was written
+
+
 def test_prefetched_buckets_keep_their_order_and_raise_where_the_stream_broke() -> None:
     from nexrl_hpc.weight_sync.wire import prefetched
 

@@ -2,9 +2,10 @@
 
 The engine's model lock is held from the first bucket to the last, so no forward pass ever sees a
 mix of two versions (a generation step waits for the sync, as it waits for a disk reload). Names
-and shapes are checked against the live model bucket by bucket: a wrong sender fails the sync with
-the first bad name, before that bucket is loaded. A tied head is the embedding's tensor: it is
-refreshed with it.
+and shapes are checked against the live model bucket by bucket, from its header: a wrong sender
+fails the sync with the first bad name, before that bucket is received. A weight whose dtype and
+device match the wire's is received in place (no second copy of it). A tied head is the
+embedding's tensor: it is refreshed with it.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ def receive_into_engine(engine: HFEngine, spec: dict[str, Any], rank: int, versi
     loaded = 0
     try:
         with engine._model_lock:
-            live = engine.model.state_dict()
-            for bucket in receive_buckets(group):
-                for name, tensor in bucket:
-                    target = live.get(name)
-                    if target is None:
-                        raise ValueError(f"weight broadcast: unexpected weight {name!r}")
-                    if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"weight broadcast: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                        )
+            live = {name: t.detach() for name, t in engine.model.state_dict().items()}
+
+            def checked(name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+                target = live.get(name)
+                if target is None:
+                    raise ValueError(f"weight broadcast: unexpected weight {name!r}")
+                if tuple(target.shape) != tuple(shape):
+                    raise ValueError(
+                        f"weight broadcast: {name} has shape {tuple(shape)}, expected {tuple(target.shape)}"
+                    )
+                return target  # received in place when it fits (same dtype, on the wire's device)
+
+            for bucket in receive_buckets(group, into=checked):
                 with torch.no_grad():
                     for name, tensor in bucket:
-                        live[name].copy_(tensor)
+                        if tensor is not live[name]:
+                            live[name].copy_(tensor)
                 loaded += len(bucket)
             engine.weight_version = version
     finally:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -273,8 +273,14 @@ def _send_header(group: BroadcastGroup, payload: bytes) -> None:
         group.broadcast(data)
 
 
-def receive_buckets(group: BroadcastGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Ranks > 0: every bucket as ``[(name, tensor)]`` until the sender ends the stream."""
+def receive_buckets(
+    group: BroadcastGroup, into: Callable[[str, torch.dtype, list[int]], torch.Tensor | None] | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Ranks > 0: every bucket as ``[(name, tensor)]`` until the sender ends the stream. ``into``
+    (name, dtype, shape; called for a whole bucket's header before any of its tensors is received)
+    may name the tensor to receive in place, e.g. the live weight, saving a copy; it may raise to
+    refuse the bucket. A tensor it names that does not fit (dtype, shape, layout, device) is not
+    written: that entry is received into a new tensor."""
     while True:
         length = torch.zeros(1, dtype=torch.int64, device=group.device)
         group.broadcast(length)
@@ -284,12 +290,34 @@ def receive_buckets(group: BroadcastGroup) -> Iterator[list[tuple[str, torch.Ten
         data = torch.empty(size, dtype=torch.uint8, device=group.device)
         group.broadcast(data)
         header = json.loads(bytes(data.cpu().tolist()).decode())
+        targets = [
+            _fitting(into, name, getattr(torch, dtype), shape, group.device) for name, dtype, shape in header
+        ]
         bucket = []
-        for name, dtype, shape in header:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
+        for (name, dtype, shape), target in zip(header, targets):
+            tensor = (
+                torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
+                if target is None
+                else target
+            )
             group.broadcast(tensor)
             bucket.append((name, tensor))
         yield bucket
+
+
+def _fitting(
+    into: Callable[[str, torch.dtype, list[int]], torch.Tensor | None] | None,
+    name: str,
+    dtype: torch.dtype,
+    shape: list[int],
+    device: torch.device,
+) -> torch.Tensor | None:
+    target = None if into is None else into(name, dtype, shape)
+    if target is None or target.dtype != dtype or list(target.shape) != list(shape):
+        return None
+    if target.device != device or not target.is_contiguous():
+        return None
+    return target
 
 
 def prefetched(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
