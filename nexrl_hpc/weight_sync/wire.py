@@ -39,7 +39,8 @@ _JOINED_KEY = "joined"
 
 
 class BroadcastAborted(RuntimeError):
-    """The publisher called the sync off before the group formed (a member was lost)."""
+    """The publisher called the sync off (a side failed, or a member was lost): raised to a member
+    joining the group, forming it, or waiting in a collective (gloo)."""
 
 
 class BroadcastGroup:
