@@ -104,6 +104,30 @@ def test_n_samples_and_list_of_prompts(server: LocalInferenceServer) -> None:
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
 
 
+def test_a_seeded_request_samples_the_same_tokens_again_and_another_seed_others(
+    server: LocalInferenceServer,
+) -> None:
+    """OpenAI's ``seed`` (vLLM honours it): the same request with the same seed gets the same
+    samples, its ``n`` samples are not copies of one another, another seed samples others."""
+
+    def sampled(seed: int) -> list[tuple[int, ...]]:
+        resp = oai(server).completions.create(
+            model="policy",
+            prompt=["ab", "cd"],
+            n=3,
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"return_token_ids": True, "stop_token_ids": [10**6]},
+        )
+        return [tuple((c.model_extra or {})["token_ids"]) for c in resp.choices]
+
+    first = sampled(7)
+    assert sampled(7) == first
+    assert len(set(first[:3])) == 3 and len(set(first[3:])) == 3
+    assert sampled(8) != first
+
+
 def test_prompt_as_token_ids(server: LocalInferenceServer) -> None:
     resp = oai(server).completions.create(
         model="policy", prompt=[1, 5, 6, 7], max_tokens=2, extra_body={"return_token_ids": True}

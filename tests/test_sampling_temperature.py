@@ -155,6 +155,42 @@ def test_the_local_engine_reports_the_log_probs_of_the_distribution_it_sampled(
         engine.stop()
 
 
+def test_a_seeded_request_draws_its_own_tokens_whatever_shares_its_batch_or_how_it_is_split(
+    tiny_model_dir: str,
+) -> None:
+    """A request with a seed samples the same tokens alone, in a batch with other requests
+    (seeded or not), and split into parts of at most ``max_batch_size`` rows; unseeded rows keep
+    drawing from the engine's own generator."""
+    from dataclasses import replace
+
+    engine = _engine(tiny_model_dir)
+    small = HFEngine(tiny_model_dir, max_batch_size=2, batch_wait_ms=0.0, seed=5, stop_timeout_s=10.0)
+    try:
+        prompt, other = [1, 5, 9, 4], [2, 6, 3]
+        seeded = SamplingParams(max_tokens=8, temperature=T, n=4, stop_token_ids=(10**6,), seed=11)
+
+        def tokens(outs: list[Any]) -> list[list[int]]:
+            return [o.token_ids for o in outs]
+
+        alone = tokens(engine._generate([GenerationRequest([prompt], seeded)])[0])
+        batched = engine._generate(
+            [
+                GenerationRequest([other], replace(seeded, seed=None, n=5)),
+                GenerationRequest([prompt], seeded),
+                GenerationRequest([other, prompt], replace(seeded, seed=12)),
+            ]
+        )
+        assert tokens(batched[1]) == alone
+        assert len({tuple(t) for t in alone}) == 4  # each sample its own stream
+        assert tokens(batched[2])[4:] != alone  # another seed: other draws for the same prompt
+        parts = small.split([prompt], seeded)
+        assert [p.params.n for p in parts] == [2, 2]
+        assert [t for part in parts for t in tokens(small._generate([part])[0])] == alone
+    finally:
+        engine.stop()
+        small.stop()
+
+
 def assert_behaviour_log_probs_are_the_sampling_distributions(run_dir: Path, tol: float) -> float:
     """Step 1 sampled with the base model (version 0): the engine's reported log-probs of the
     dumped batch are log_softmax(base logits / T) (at T=1 they would be off by far more than tol)."""

@@ -9,6 +9,7 @@ vLLM reports them with ``logprobs_mode=processed_logprobs``; prompt log-probs st
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -36,6 +37,7 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # OpenAI's ``seed``: this request's draws, whatever else shares its batch
 
 
 @dataclass
@@ -43,6 +45,8 @@ class GenerationRequest:
     prompts: list[list[int]]  # token ids per prompt
     params: SamplingParams
     future: Future = field(default_factory=Future)
+    first_prompt: int = 0  # a part of a split request: where its prompts and samples sit in the whole
+    first_sample: int = 0  #   (a seeded request's rows keep their streams whatever the split)
 
     @property
     def num_sequences(self) -> int:
@@ -71,20 +75,29 @@ class _Rows:
     top_ps: list[float] = field(default_factory=list)
     max_new: list[int] = field(default_factory=list)
     stops: list[tuple[int, ...]] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)  # per row, from its request's seed
 
     @classmethod
     def of(cls, batch: list[GenerationRequest], default_stop_ids: tuple[int, ...]) -> _Rows:
         rows = cls()
         for req in batch:
             p = req.params
-            for ids in req.prompts:
-                for _ in range(p.n):
+            for prompt_index, ids in enumerate(req.prompts, start=req.first_prompt):
+                for sample in range(req.first_sample, req.first_sample + p.n):
                     rows.prompts.append(ids)
                     rows.temperatures.append(p.temperature)
                     rows.top_ps.append(p.top_p)
                     rows.max_new.append(p.max_tokens)
                     rows.stops.append(p.stop_token_ids or default_stop_ids)
+                    rows.seeds.append(None if p.seed is None else row_seed(p.seed, prompt_index, sample))
         return rows
+
+
+def row_seed(seed: int, prompt_index: int, sample: int) -> int:
+    """The generator seed of one row of a seeded request: its own stream for each prompt and sample
+    (``n`` samples of one prompt differ), the same for the same request wherever it is batched."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class HFEngine:
@@ -145,10 +158,15 @@ class HFEngine:
         cap = self.max_batch_size
         if params.n <= cap:
             per = cap // params.n
-            return [GenerationRequest(prompts[i : i + per], params) for i in range(0, len(prompts), per)]
+            return [
+                GenerationRequest(prompts[i : i + per], params, first_prompt=i)
+                for i in range(0, len(prompts), per)
+            ]
         return [
-            GenerationRequest([ids], replace(params, n=min(cap, params.n - done)))
-            for ids in prompts
+            GenerationRequest(
+                [ids], replace(params, n=min(cap, params.n - done)), first_prompt=i, first_sample=done
+            )
+            for i, ids in enumerate(prompts)
             for done in range(0, params.n, cap)
         ]
 
@@ -326,6 +344,10 @@ class HFEngine:
         uniform_stop = all(s == default_stops for s in stop_sets)
         default_stop_tensor = torch.tensor(self.default_stop_ids, device=self.device)
 
+        generators = [
+            None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            for seed in rows.seeds
+        ]
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         done = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
@@ -333,7 +355,7 @@ class HFEngine:
         lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         max_steps = int(limit.max())
         for step in range(max_steps):
-            chosen, chosen_logp = self._sample(logits, temperature, top_p)
+            chosen, chosen_logp = self._sample(logits, temperature, top_p, generators)
             chosen = torch.where(done, torch.full_like(chosen, self.pad_token_id), chosen)
             tokens.append(chosen)
             logps.append(chosen_logp)
@@ -400,11 +422,17 @@ class HFEngine:
         return results
 
     def _sample(
-        self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        generators: list[torch.Generator | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its log-prob under the distribution it was drawn from, as vLLM's
         ``logprobs_mode=processed_logprobs`` reports it: log-softmax of logits / temperature, over
-        top-p's kept tokens renormalised; a greedy row (temperature 0) reports the raw log-softmax."""
+        top-p's kept tokens renormalised; a greedy row (temperature 0) reports the raw log-softmax.
+        A row with a generator of its own (a seeded request) draws from it, the others together
+        from the engine's."""
         greedy = logits.argmax(dim=-1)
         sampled_rows = temperature > 0
         scaled = logits / torch.where(sampled_rows, temperature, torch.ones_like(temperature))[:, None]
@@ -422,6 +450,15 @@ class HFEngine:
             kept = torch.zeros_like(drop).scatter(-1, order, ~drop)
             log_p = log_p.masked_fill(~kept, -torch.inf)
             log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # renormalised over the kept
-        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        if generators is None or all(g is None for g in generators):
+            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        else:
+            sampled = torch.empty_like(greedy)
+            shared = [i for i, g in enumerate(generators) if g is None]
+            if shared:
+                sampled[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(-1)
+            for i, generator in enumerate(generators):
+                if generator is not None:
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
         chosen = torch.where(sampled_rows, sampled, greedy)
         return chosen, log_p.gather(-1, chosen[:, None]).squeeze(-1)

@@ -45,6 +45,7 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     stream: bool = False
+    seed: int | None = None  # the request's own sampling stream (reproducible, as vLLM's)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -60,6 +61,7 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     stream: bool = False
+    seed: int | None = None  # the request's own sampling stream (reproducible, as vLLM's)
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -216,6 +218,7 @@ class OpenAIApi:
             top_p=req.top_p,
             n=req.n,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            seed=req.seed,
         )
         try:
             outputs = await self.run(prompt_ids, params)
@@ -285,6 +288,7 @@ class OpenAIApi:
             top_p=req.top_p,
             n=req.n,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            seed=req.seed,
         )
         try:
             outputs = await self.run([list(prompt)], params)
