@@ -28,7 +28,7 @@ def receive_into_engine(engine: HFEngine, spec: dict[str, Any], rank: int, versi
     loaded = 0
     try:
         with engine._model_lock:
-            live = {name: t.detach() for name, t in engine.model.state_dict().items()}
+            live = engine.model.state_dict()  # detached views of the live parameters
 
             def checked(name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
                 target = live.get(name)
