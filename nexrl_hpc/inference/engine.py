@@ -344,10 +344,14 @@ class HFEngine:
         uniform_stop = all(s == default_stops for s in stop_sets)
         default_stop_tensor = torch.tensor(self.default_stop_ids, device=self.device)
 
-        generators = [
-            None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-            for seed in rows.seeds
-        ]
+        generators = (  # None unless a request of the batch is seeded: the shared draw as before
+            [
+                None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+                for seed in rows.seeds
+            ]
+            if any(seed is not None for seed in rows.seeds)
+            else None
+        )
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         done = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
@@ -450,7 +454,7 @@ class HFEngine:
             kept = torch.zeros_like(drop).scatter(-1, order, ~drop)
             log_p = log_p.masked_fill(~kept, -torch.inf)
             log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # renormalised over the kept
-        if generators is None or all(g is None for g in generators):
+        if generators is None:
             sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
         else:
             sampled = torch.empty_like(greedy)

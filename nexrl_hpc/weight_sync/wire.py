@@ -290,17 +290,14 @@ def receive_buckets(
             return
         data = torch.empty(size, dtype=torch.uint8, device=group.device)
         group.broadcast(data)
-        header = json.loads(bytes(data.cpu().tolist()).decode())
-        targets = [
-            _fitting(into, name, getattr(torch, dtype), shape, group.device) for name, dtype, shape in header
+        header = [
+            (name, getattr(torch, dtype), shape)
+            for name, dtype, shape in json.loads(bytes(data.cpu().tolist()).decode())
         ]
+        targets = [_fitting(into, name, dtype, shape, group.device) for name, dtype, shape in header]
         bucket = []
         for (name, dtype, shape), target in zip(header, targets):
-            tensor = (
-                torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
-                if target is None
-                else target
-            )
+            tensor = torch.empty(shape, dtype=dtype, device=group.device) if target is None else target
             group.broadcast(tensor)
             bucket.append((name, tensor))
         yield bucket
