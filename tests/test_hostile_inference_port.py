@@ -163,6 +163,25 @@ STEPS_AFTER_FLOOD = 5
 SERVER_UP = re.compile(r"local inference server up at http://(\S+):(\d+) \(pid (\d+)\)")
 
 
+def server_lives(pid: int) -> bool:
+    """``pid`` runs (a process that died and is not yet reaped by the run is a zombie: ``Z``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def gone(run: subprocess.Popen, run_dir: Path) -> str:
+    """What the run and its server said, once the server died under the flood (the run is stopped)."""
+    if run.poll() is None:
+        run.terminate()
+    out = run.communicate(timeout=120)[0] or ""
+    server_log = run_dir / "logs" / "inference_service.log"
+    tail = server_log.read_text()[-4000:] if server_log.exists() else "(no server log)"
+    return f"the run's server died under the flood; run rc {run.returncode}:\n{out[-4000:]}\n--- server log:\n{tail}"
+
+
 def flood(host: str, port: int, n: int) -> list[socket.socket]:
     """``n`` connections without the key: every other one idle, the rest a request head that never ends."""
     socks = []
@@ -213,6 +232,7 @@ def test_a_run_trains_on_through_1200_connections_on_its_inference_port(tmp_path
         while still_open(socks) and time.monotonic() < flooded + PREAUTH_TIMEOUT_S + ACCEPT_LAG_S:
             time.sleep(0.5)
         left, closed_after = still_open(socks), time.monotonic() - t0
+        assert server_lives(pid), gone(run, run_dir)
         grown = rss(pid) - before
         at_close = last_trained_step(run_dir)
         deadline = time.monotonic() + 300
