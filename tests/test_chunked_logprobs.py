@@ -31,7 +31,8 @@ from nexrl_hpc.trainer.policy_trainer import (
 from tests.conftest import REPO
 from tests.test_policy_trainer import make_batch, trainer
 
-LOGP_TOL = 1e-6
+LOGP_TOL = 1e-6  # relative to the value (at least 1): fp32 holds ~1e-7 of it, a log-softmax sums a few ulps
+ENTROPY_TOL = 5e-6  # relative: the entropy sums p log p over the vocabulary, an ulp or so a term
 GRAD_TOL = 1e-5
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LAYOUTS = {
@@ -74,8 +75,8 @@ def test_chunked_function_matches_the_materialised_log_softmax(
     loss = (logp * w_logp).sum() + ((entropy * w_entropy).sum() if entropy_grad else 0.0)
     grads = torch.autograd.grad(loss, leaves)
 
-    assert (logp - ref_logp).abs().max() <= LOGP_TOL
-    assert ((entropy - ref_entropy).abs() / ref_entropy.abs().clamp(min=1.0)).max() <= LOGP_TOL
+    assert ((logp - ref_logp).abs() / ref_logp.abs().clamp(min=1.0)).max() <= LOGP_TOL
+    assert ((entropy - ref_entropy).abs() / ref_entropy.abs().clamp(min=1.0)).max() <= ENTROPY_TOL
     for got, want in zip(grads, ref_grads):
         assert (got - want).abs().max() <= GRAD_TOL
     only_logp, none = token_log_probs_and_entropy(hidden, weight, bias, tokens, chunk, False, False)
@@ -121,7 +122,7 @@ def _assert_same_step(model_dir: str, overrides: list[str], batch: dict[str, tor
     got = trainer(model_dir, [*common, "service.train_service.logprob_chunk_tokens=5"])
     ref_logp, ref_grads, ref_metrics = _step_grads(ref, batch)
     logp, grads, metrics = _step_grads(got, batch)
-    assert (logp - ref_logp).abs().max() <= LOGP_TOL
+    assert ((logp - ref_logp).abs() / ref_logp.abs().clamp(min=1.0)).max() <= LOGP_TOL
     assert set(grads) == set(ref_grads) and grads
     for name, want in ref_grads.items():
         assert (grads[name] - want).abs().max() <= GRAD_TOL, name

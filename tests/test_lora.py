@@ -18,7 +18,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from nexrl_hpc.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from nexrl_hpc.models.tiny import materialize_base_model
 from nexrl_hpc.trainer.policy_trainer import PolicyTrainer, response_log_probs
+from nexrl_hpc.trainer.worker import TrainWorker
 from nexrl_hpc.weight_sync.verify import FP32_TOLERANCE
 from tests.conftest import REPO, compose_config, run_train
 from tests.helpers.stale_engine import ADAPTER, ENV, sitecustomize_dir
@@ -29,8 +31,9 @@ LORA = [
     "service.train_service.actor.lora.alpha=8",
     "service.train_service.actor.lora.modules_to_save=null",  # the adapter alone
 ]
-# modules_to_save: auto, the tiny model's: its final norm and LM head trained in full beside the adapter
-LORA_AUTO = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
+# the tiny model's norms and LM head trained in full beside the adapter (what auto gives a tied head)
+LORA_SAVED = [*LORA[:2], "service.train_service.actor.lora.modules_to_save=[norm,lm_head]"]
+LORA_AUTO = LORA[:2]  # modules_to_save: auto
 
 
 def _base_and_adapter(eng: PolicyTrainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -52,7 +55,7 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tiny_model_dir:
     assert eng.optimizer is not None
     held = [p for group in eng.optimizer.param_groups for p in group["params"]]
     assert len(held) == len(trainable) and all(p.requires_grad for p in held)
-    assert eng.optimizer.param_groups[0]["lr"] == 3.0e-3  # actor.lora.lr, not actor.optim.lr
+    assert eng.optimizer.param_groups[0]["lr"] == 1.5e-3  # actor.lora.lr, not actor.optim.lr (1e-3)
     base0, adapter0 = _base_and_adapter(eng)
     metrics = _train(eng, 2)
     assert all(m["actor/optimizer_steps"] == 1 for m in metrics)
@@ -65,23 +68,35 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(tiny_model_dir:
     assert len(eng.optimizer.state) == len(trainable)
 
 
-def test_auto_saved_modules_are_the_tiny_models_norm_and_head_and_none_for_a_model_path(
-    tiny_model_dir: str,
+def test_auto_trains_the_adapter_alone_but_a_tied_tiny_heads_norms_and_head_in_full(
+    tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    eng = trainer(tiny_model_dir, LORA_AUTO)
-    trainable = [n for n, p in eng.model.named_parameters() if p.requires_grad]
+    """modules_to_save: auto. The tiny model's untied head (the default): the adapter alone, on the
+    linear layers. A tied head (its embedding): the head and norms trained in full beside the
+    adapter. A model at model.path: the adapter alone."""
+    untied = trainer(tiny_model_dir, LORA_AUTO)
+    trainable = [n for n, p in untied.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable) and not any("lm_head" in n for n in trainable)
+
+    tie = "model.tiny.tie_word_embeddings=true"
+    tied_dir = materialize_base_model(compose_config([tie])["model"], str(tmp_path / "tied"))
+    tied = trainer(tied_dir, [*LORA_AUTO, tie])
+    trainable = [n for n, p in tied.model.named_parameters() if p.requires_grad]
     saved = sorted({n.split(".modules_to_save")[0] for n in trainable if "modules_to_save" in n})
     # peft matches modules_to_save by name suffix: "norm" is every RMSNorm (the layers' and the final one)
     norms = ["input_layernorm", "post_attention_layernorm"]
     layers = [f"base_model.model.model.layers.{i}.{n}" for i in range(2) for n in norms]
     assert saved == sorted(["base_model.model.lm_head", "base_model.model.model.norm", *layers])
     assert all("lora_" in n or "modules_to_save" in n for n in trainable)
-    base0, _ = _base_and_adapter(eng)
-    _train(eng, 1)
-    base1, _ = _base_and_adapter(eng)
+    assert not any("lm_head.lora_" in n for n in trainable)
+    base0, _ = _base_and_adapter(tied)
+    _train(tied, 1)
+    base1, _ = _base_and_adapter(tied)
     assert all(torch.equal(base0[k], base1[k]) for k in base0)  # the originals stay: the copies train
+
     with_path = trainer(tiny_model_dir, [*LORA_AUTO, f"model.path={tiny_model_dir}"])
-    assert all("lora_" in n for n, p in with_path.model.named_parameters() if p.requires_grad)
+    trainable = [n for n, p in with_path.model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n for n in trainable) and not any("lm_head" in n for n in trainable)
 
 
 def test_packing_and_gradient_checkpointing_train_the_same_adapter(tiny_model_dir: str) -> None:
@@ -118,7 +133,7 @@ def _log_probs(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_a_checkpoint_is_a_peft_adapter_that_gives_the_trainers_log_probs(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    eng = trainer(tiny_model_dir, LORA_AUTO)
+    eng = trainer(tiny_model_dir, LORA_SAVED)
     _train(eng, 2)
     eng.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     model_dir = tmp_path / "ckpt" / "model"
@@ -136,11 +151,11 @@ def test_a_checkpoint_is_a_peft_adapter_that_gives_the_trainers_log_probs(
 
 
 def test_resume_continues_the_adapters_optimizer_state_exactly(tiny_model_dir: str, tmp_path: Path) -> None:
-    straight = trainer(tiny_model_dir, LORA_AUTO)
+    straight = trainer(tiny_model_dir, LORA_SAVED)
     _train(straight, 2)
     straight.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     _train(straight, 2, seed=2)
-    resumed = trainer(tiny_model_dir, LORA_AUTO)
+    resumed = trainer(tiny_model_dir, LORA_SAVED)
     resumed.load_checkpoint(str(tmp_path / "ckpt"), load_optimizer=True)
     _train(resumed, 2, seed=2)
     a, b = _base_and_adapter(straight)[1], _base_and_adapter(resumed)[1]
@@ -159,7 +174,7 @@ def test_a_full_checkpoint_does_not_load_into_a_lora_policy(tiny_model_dir: str,
 def test_the_merge_command_exports_a_plain_model_with_the_adapted_log_probs(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    eng = trainer(tiny_model_dir, LORA_AUTO)
+    eng = trainer(tiny_model_dir, LORA_SAVED)
     _train(eng, 2)
     eng.save_checkpoint(str(tmp_path / "ckpt"), global_step=2)
     out = tmp_path / "merged"
@@ -277,6 +292,11 @@ def test_the_local_engine_holds_one_adapter_after_many_syncs_and_scores_like_pef
         (["service.train_service.actor.lora.target_modules=.*nope.*"], "lora.target_modules", "no module"),
         (["service.train_service.actor.lora.modules_to_save=[zzz]"], "lora.modules_to_save", "'zzz'"),
         (
+            ["service.train_service.actor.lora.target_modules=[q_proj,lm_head]"],
+            "lora.target_modules",
+            "set service.train_service.logprob_chunk_tokens=0",
+        ),
+        (
             [
                 "service.inference_service.backend=sglang",
                 "service.inference_service.base_url=http://127.0.0.1:9",
@@ -293,6 +313,26 @@ def test_preflight_refuses_what_lora_cannot_run(overrides: list[str], key: str, 
         compose_config(["service.train_service.actor.lora.rank=8", *overrides])
     assert key in str(err.value) and words in str(err.value)
     compose_config(overrides)  # rank 0 (full fine-tuning): the same settings are fine
+
+
+def test_an_adapter_on_the_lm_head_trains_with_unchunked_log_probs_and_is_refused_with_chunked(
+    tiny_model_dir: str,
+) -> None:
+    """The chunked log-probs score through the head's weight: with a LoRA layer there, that weight is
+    the base's and the adapter would be left out. Unchunked, the head's own forward applies it."""
+    head = ["service.train_service.actor.lora.target_modules=[q_proj,lm_head]", *LORA]
+    eng = trainer(tiny_model_dir, [*head, "service.train_service.logprob_chunk_tokens=0"])
+    _train(eng, 2)
+    grads = {n: p.grad for n, p in eng.model.named_parameters() if "lm_head.lora_" in n}
+    assert len(grads) == 2 and all(g is not None and float(g.abs().max()) > 0 for g in grads.values())
+    # past the pre-flight (a config built by hand), the trainer refuses rather than skip the adapter
+    cfg = compose_config(LORA)
+    cfg["service"]["train_service"]["actor"]["lora"]["target_modules"] = ["q_proj", "lm_head"]
+    chunked = PolicyTrainer(tiny_model_dir)
+    chunked.initialize_worker(TrainWorker(cfg, chunked).train_service_config())
+    chunked.init_model()
+    with pytest.raises(ValueError, match="leaves out a LoRA adapter on the head"):
+        chunked.compute_log_prob({"batch": make_batch(4, seed=1)})
 
 
 def test_preflight_accepts_named_modules_and_exits_2_from_the_command_line(tmp_path: Path) -> None:

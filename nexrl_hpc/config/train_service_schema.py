@@ -25,7 +25,7 @@ class LoraConfig(TypedDict):
     alpha: Annotated[int, Ge(1)]
     dropout: Annotated[float, Ge(0.0), Le(1.0)]
     target_modules: str | list[str]  # "all-linear" or module names (peft's target_modules)
-    modules_to_save: list[str] | Literal["auto"] | None  # auto: [norm, lm_head] for the tiny model only
+    modules_to_save: list[str] | Literal["auto"] | None  # auto: trainer.lora.resolved_actor
     lr: Annotated[float, Gt(0.0)]  # the optimizer's lr when rank > 0
 
 

@@ -179,6 +179,12 @@ def output_head(model: Any) -> torch.nn.Module:
             f"service.train_service.logprob_chunk_tokens > 0 needs a model whose get_output_embeddings() "
             f"is a linear LM head; {type(inner).__name__} has {type(head).__name__} (set it to 0)"
         )
+    if hasattr(head, "lora_A"):  # peft's LoRA layer: its weight is the base's, the adapter would be skipped
+        raise ValueError(
+            "service.train_service.logprob_chunk_tokens > 0 scores through the LM head's weight, which "
+            "leaves out a LoRA adapter on the head (service.train_service.actor.lora.target_modules): set "
+            "logprob_chunk_tokens=0, or train the head in full (lora.modules_to_save)"
+        )
     return head
 
 

@@ -18,36 +18,21 @@ import torch
 ADAPTER_INIT_SEED = 0
 
 
-# the random-init tiny model's RMSNorms (peft matches "norm" as a name suffix) and head
+# the random-init tiny model with a tied head: its RMSNorms (peft matches "norm" as a name suffix)
+# and the head, which is its embedding, trained in full (the local engine serves them)
 TINY_MODEL_SAVED_MODULES = ["norm", "lm_head"]
-# vLLM serves no module trained in full: its linear layers and an untied head get the adapter instead
-TINY_MODEL_VLLM_TARGETS = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-]
 
 
 def resolved_actor(actor: Mapping[str, Any], model: Mapping[str, Any], backend: str) -> dict[str, Any]:
-    """``actor`` with ``lora.modules_to_save: auto`` resolved: nothing for a model at ``model.path``;
-    for the built-in tiny model (a random head) its norms and head trained in full, or, with vLLM
-    (which serves no such module), an adapter on its untied head beside the linear layers."""
+    """``actor`` with ``lora.modules_to_save: auto`` resolved: the adapter alone, except for the
+    built-in tiny model with a tied head on the local engine: its head (the random embedding) and
+    norms trained in full beside it (vLLM serves no module trained in full)."""
     lora = actor["lora"]
     if lora["modules_to_save"] != "auto":
         return dict(actor)
-    if model["path"] is not None:
-        return dict(actor, lora=dict(lora, modules_to_save=None))
-    if backend != "vllm":
-        return dict(actor, lora=dict(lora, modules_to_save=list(TINY_MODEL_SAVED_MODULES)))
-    target = lora["target_modules"]
-    if target == "all-linear" and not model["tiny"]["tie_word_embeddings"]:
-        target = list(TINY_MODEL_VLLM_TARGETS)
-    return dict(actor, lora=dict(lora, modules_to_save=None, target_modules=target))
+    tied_tiny = model["path"] is None and model["tiny"]["tie_word_embeddings"]
+    saved = list(TINY_MODEL_SAVED_MODULES) if tied_tiny and backend != "vllm" else None
+    return dict(actor, lora=dict(lora, modules_to_save=saved))
 
 
 def lora_enabled(actor: dict[str, Any]) -> bool:

@@ -1,6 +1,7 @@
 """Pre-flight checks of ``service.train_service.actor.lora`` (exit 2 naming the key): the target
-and saved modules name modules of the model, and the inference engine can serve an adapter (vLLM:
-a server the run starts, a rank it takes, no module trained in full beside the adapter)."""
+and saved modules name modules of the model, an adapter on the LM head only with unchunked
+log-probs, and the inference engine can serve an adapter (vLLM: a server the run starts, a rank it
+takes, no module trained in full beside the adapter)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from nexrl_hpc.inference.lora_adapter import vllm_max_lora_rank
 
 LORA = "service.train_service.actor.lora"
 IS = "service.inference_service"
+CHUNK = "service.train_service.logprob_chunk_tokens"
+HEAD = "lm_head"  # the LM head of the causal LMs the trainer loads (Llama, Qwen2, ...)
 
 # engines that serve a LoRA policy: nexrl_hpc's own server applies each version's adapter, vLLM
 # loads it at run time (``/v1/load_lora_adapter``)
@@ -41,6 +44,16 @@ def lora_problems(cfg: Mapping) -> list[ConfigProblem]:
     target = g_safe(cfg, f"{LORA}.target_modules")
     if target != "all-linear" and not any(_matches(target, n) for n in names):
         problems.append(ConfigProblem(f"{LORA}.target_modules", f"{target!r} matches no module of the model"))
+    chunk = g_safe(cfg, CHUNK)
+    if target != "all-linear" and _matches(target, HEAD) and isinstance(chunk, int) and chunk > 0:
+        problems.append(
+            ConfigProblem(
+                f"{LORA}.target_modules",
+                f"{target!r} puts an adapter on the LM head ({HEAD}), which the trainer's chunked "
+                f"log-probs ({CHUNK}={chunk}) score through its base weight alone: set {CHUNK}=0, or "
+                f"leave {HEAD} out ({LORA}.modules_to_save=[{HEAD}] trains it in full)",
+            )
+        )
     saved = g_safe(cfg, f"{LORA}.modules_to_save")
     for module in [] if saved == "auto" else saved or []:
         if not any(n.endswith(str(module)) for n in names):  # peft's rule for modules_to_save

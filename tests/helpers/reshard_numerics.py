@@ -47,7 +47,11 @@ def run_case(model_dir: str, out_dir: str, engine_name: str, mode: str, ckpt: st
     from tests.test_policy_trainer import make_batch
 
     engine_name, _, variant = engine_name.partition("+")
-    lora = ["service.train_service.actor.lora.rank=4", "service.train_service.actor.lora.alpha=8"]
+    lora = [
+        "service.train_service.actor.lora.rank=4",
+        "service.train_service.actor.lora.alpha=8",
+        "service.train_service.actor.lora.modules_to_save=[norm,lm_head]",  # modules in full reshard too
+    ]
     cfg = compose_config(
         [
             *(lora if variant == "lora" else []),
