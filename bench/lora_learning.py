@@ -28,11 +28,16 @@ GOAL = 0.9
 LORA = "service.train_service.actor.lora"
 
 
-def final_accuracy(overrides: list[str], name: str, launcher: list[str]) -> tuple[float, float]:
-    """(held-out accuracy at the last validation, wall seconds) of one run."""
+def final_accuracy(overrides: list[str], name: str, launcher: list[str], steps: int) -> tuple[float, float]:
+    """(held-out accuracy at step ``steps``, wall seconds) of one run; a run that did not validate
+    at its last step ends the bench (``validate.eval.validate_freq`` must divide ``--steps``)."""
     rows, _, wall = timed_train_run(overrides, name, launcher=launcher)
-    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    return val[-1], wall
+    val = [r for r in rows if "val/accuracy" in r]
+    if not val or val[-1]["step"] != steps:
+        raise SystemExit(
+            f"{name}: no validation at step {steps} (validate.eval.validate_freq must divide it)"
+        )
+    return val[-1]["val/accuracy"], wall
 
 
 def settings(compare: list[str]) -> dict[str, list[str]]:
@@ -66,7 +71,7 @@ def main() -> None:
         results[label] = []
         for seed in args.seeds:
             name = f"{re.sub(r'[^A-Za-z0-9]+', '_', label)}_seed{seed}"  # a path in a Hydra override
-            acc, wall = final_accuracy([f"seed={seed}", *common, *overrides], name, launcher)
+            acc, wall = final_accuracy([f"seed={seed}", *common, *overrides], name, launcher, args.steps)
             results[label].append(acc)
             print(
                 f"{label}, seed {seed}: held-out accuracy {acc:.3f} at step {args.steps} ({wall:.0f} s)",
