@@ -32,6 +32,12 @@ pytestmark = pytest.mark.e2e
 TOKEN = "test-token-0123456789"
 
 
+# two ranks sum gradients in another order than one process; AdamW divides by sqrt(v), so where a
+# gradient is near 0 that fp32 difference can move a weight by a fraction of lr (1e-3) a step: 1.6e-5
+# seen on one machine. A wrong update differs by about lr.
+WEIGHT_TOL = 1e-4
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -186,7 +192,7 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
         ]
         ref.export_weights(str(tmp_path / "ref"))
         got_w, want_w = read_safetensors_dir(str(ckpt / "model")), read_safetensors_dir(str(tmp_path / "ref"))
-        assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= 1e-5
+        assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= WEIGHT_TOL
         # the teacher group was not trained: its weights are still the base model's
         clients["teacher"].export_weights(str(tmp_path / "teacher"))
         base = read_safetensors_dir(tiny_model_dir)
@@ -208,7 +214,7 @@ def test_two_groups_on_one_api_server_train_like_the_single_process_engine(
             ref.export_weights(str(tmp_path / f"ref{i}"))
             got_w = read_safetensors_dir(str(tmp_path / f"v{i}"))
             want_w = read_safetensors_dir(str(tmp_path / f"ref{i}"))
-            assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= 1e-5
+            assert max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w) <= WEIGHT_TOL
 
         # bad input is refused on the client, before anything is sent
         broken = dict(batches[0])
