@@ -10,12 +10,16 @@ reported with its traceback and the next stage still runs):
   NCCL with FSDP2, a rollout rank);
 - ``mpi_deepspeed``: the same with DeepSpeed ZeRO-3;
 - ``local_lora``: ``local`` with a rank-16 LoRA adapter (peft), each sync shipping only the adapter;
+- ``local_ppo``: ``local`` with ``algorithm=ppo``: a critic (a value head on a copy of the model) trained
+  beside the actor, GAE advantages (its MFU counts the actor's FLOPs over both updates' time);
 - ``memory``: ``bench/memory.py`` (log-prob/entropy memory, bounded vs materialised) on the GPU.
 
 It prints, per stage: generation and training tokens/s, the trainer's MFU (model FLOPs of the
 update / the card's peak dense bf16 FLOP/s, read from a table by the card's name or given by
 ``--peak-tflops``), the trainer's peak GPU memory (``perf/max_memory_allocated_gb``) and the GPU's
-(nvidia-smi, sampled each second). Model FLOPs per trained token: 6 N + 6 L h s (N the parameters, the
+(nvidia-smi, sampled each second), and weight delivery: the median sync's seconds, the largest
+canary disagreement engine vs trainer (``weight_sync/verify_max_abs_diff``) and the largest
+``train/logprob_mismatch_max``. Model FLOPs per trained token: 6 N + 6 L h s (N the parameters, the
 tied embedding once; L layers, h hidden size, s the mean trained sequence length: causal attention,
 forward and backward); gradient checkpointing's recomputation is not counted.
 
@@ -261,12 +265,29 @@ def train_args(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[s
     ]
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+def read_rows(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [row for row in map(json.loads, f) if "timing/update_s" in row]
+        return list(map(json.loads, f))
+
+
+def sync_numbers(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Weight delivery over the run's rows: the median sync's seconds (``weight_sync/seconds``), the
+    largest canary disagreement between engine and trainer (``weight.verify_every``) and the largest
+    log-prob mismatch of the trained samples."""
+    numbers: dict[str, float] = {}
+    seconds = [r["weight_sync/seconds"] for r in rows if "weight_sync/seconds" in r]
+    if seconds:
+        numbers["sync_s"] = statistics.median(seconds)
+    verified = [r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/verify_max_abs_diff" in r]
+    if verified:
+        numbers["verify_max_abs_diff"] = max(verified)
+    mismatch = [r["train/logprob_mismatch_max"] for r in rows if r.get("train/logprob_mismatch_max") is not None]
+    if mismatch:
+        numbers["logprob_mismatch_max"] = max(mismatch)
+    return numbers
 
 
 def run_numbers(
@@ -311,6 +332,7 @@ def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list
         vllm = [*py, *train_args(args, model_dir, os.path.join(work, "local_vllm"))]
         stages.append(("local_vllm", [*vllm, "service.inference_service.backend=vllm"]))
     lora = [*py, *train_args(args, model_dir, os.path.join(work, "local_lora"))]
+    ppo = [*py, *train_args(args, model_dir, os.path.join(work, "local_ppo"))]
     return stages + [
         (
             "mpi_fsdp",
@@ -323,6 +345,7 @@ def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list
             + ["service.train_service.engine=deepspeed"],
         ),
         ("local_lora", [*lora, "service.train_service.actor.lora.rank=16"]),
+        ("local_ppo", [*ppo, "algorithm=ppo"]),
     ]
 
 
@@ -344,8 +367,9 @@ def fmt(numbers: dict[str, float], key: str, spec: str) -> str:
 def report(results: list[StageResult], out_dir: str, card: str, peak: float | None) -> None:
     lines = [
         f"card: {card}; peak dense bf16: {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}",
-        "| stage | result | wall s | gen tok/s | train tok/s | MFU | trainer peak GB | GPU peak GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| stage | result | wall s | gen tok/s | train tok/s | MFU | trainer peak GB | GPU peak GB "
+        "| sync s | verify max abs delta | mismatch max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         n = r.numbers
@@ -355,7 +379,9 @@ def report(results: list[StageResult], out_dir: str, card: str, peak: float | No
         lines.append(
             f"| {r.name} | {'ok' if r.ok else 'FAILED ' + r.detail} | {r.seconds:.0f} "
             f"| {fmt(n, 'gen_tok_s', '.0f')} | {fmt(n, 'train_tok_s', '.0f')} "
-            f"| {fmt(n, 'mfu', '.1%')} | {trainer} | {fmt(n, 'gpu_peak_gb', '.1f')} |"
+            f"| {fmt(n, 'mfu', '.1%')} | {trainer} | {fmt(n, 'gpu_peak_gb', '.1f')} "
+            f"| {fmt(n, 'sync_s', '.2f')} | {fmt(n, 'verify_max_abs_diff', '.1e')} "
+            f"| {fmt(n, 'logprob_mismatch_max', '.1e')} |"
         )
     log(out_dir, "\n".join(lines))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -418,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(StageResult(name, detail="not available"))
             continue
         result = run_stage(name, stages[name], env, args.stage_timeout, out_dir)
-        steps = read_metrics(os.path.join(work, name))
+        rows = read_rows(os.path.join(work, name))
+        steps = [row for row in rows if "timing/update_s" in row]
         result.numbers.update(run_numbers(steps, model, peak))
+        result.numbers.update(sync_numbers(rows))
         result.steps = [{k: v for k, v in s.items() if k.startswith(("timing/", "perf/"))} for s in steps]
         results.append(result)
     report(results, out_dir, card, peak)

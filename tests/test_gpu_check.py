@@ -3,7 +3,7 @@
 The dry run is the same code as on a GPU: the same model builder (2 layers, the full 151,936-row
 vocabulary over a tokenizer of a few hundred ids, so nearly every sampled id is one the tokenizer
 cannot decode), the same ``launch.train`` commands (local mode; mpirun with an FSDP2 and a DeepSpeed
-trainer group of 1), the same metrics parsing and table.
+trainer group of 1; LoRA; PPO with a critic), the same metrics parsing and table.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def load_gpu_check() -> ModuleType:
 @pytest.mark.e2e
 def test_dry_run_trains_every_stage_and_reports_its_numbers(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
-    stages = ["local", "mpi_fsdp", "mpi_deepspeed", "local_lora"]
+    stages = ["local", "mpi_fsdp", "mpi_deepspeed", "local_lora", "local_ppo"]
     cmd = [
         sys.executable,
         str(SCRIPT),
@@ -60,6 +60,12 @@ def test_dry_run_trains_every_stage_and_reports_its_numbers(tmp_path: Path) -> N
         # 8 prompts x 4 samples x 8 tokens from a random model whose 151,936 rows cover ~300 tokens
         assert n["undecodable_tokens"] > 100, stage
         assert result["steps"] and result["steps"][0]["perf/trained_tokens"] > 0
+        # weight delivery: the engine scored the canary with the trainer's weights (fp32: 1e-4)
+        assert n["sync_s"] > 0 and 0 <= n["verify_max_abs_diff"] <= 1e-4, stage
+        assert 0 <= n["logprob_mismatch_max"] <= 1e-4, stage
+    ppo_rows = [json.loads(line) for line in (work / "local_ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("critic/vf_loss" in row for row in ppo_rows)  # the stage trained a critic
+    assert "| sync s | verify max abs delta | mismatch max |" in done.stdout
     log = (out / "gpu_check.log").read_text()
     assert "'layers': 2" in log and "no wheels installed" in log
     assert json.loads((work / "model" / "config.json").read_text())["vocab_size"] == 151_936
