@@ -284,7 +284,9 @@ def sync_numbers(rows: list[dict[str, Any]]) -> dict[str, float]:
     verified = [r["weight_sync/verify_max_abs_diff"] for r in rows if "weight_sync/verify_max_abs_diff" in r]
     if verified:
         numbers["verify_max_abs_diff"] = max(verified)
-    mismatch = [r["train/logprob_mismatch_max"] for r in rows if r.get("train/logprob_mismatch_max") is not None]
+    mismatch = [
+        r["train/logprob_mismatch_max"] for r in rows if r.get("train/logprob_mismatch_max") is not None
+    ]
     if mismatch:
         numbers["logprob_mismatch_max"] = max(mismatch)
     return numbers
