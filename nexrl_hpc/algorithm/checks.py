@@ -89,6 +89,8 @@ def _critic_problems(cfg: Mapping) -> list[ConfigProblem]:
     if g_safe(cfg, "algorithm.adv_estimator") != "gae":
         return []
     key = "service.train_service.critic"
+    if g_safe(cfg, f"{key}.head_on_policy") is True:
+        return _value_head_problems(cfg)
     size, engine = g_safe(cfg, f"{key}.world_size"), g_safe(cfg, f"{key}.engine")
     problems: list[ConfigProblem] = []
     if isinstance(size, int) and size > 1 and g_safe(cfg, "launch_mode") != "mpi":
@@ -113,6 +115,45 @@ def _critic_problems(cfg: Mapping) -> list[ConfigProblem]:
     if not why and (student_path is None or not model_dir_problem(str(student_path))):
         why = _teacher_vocabulary_problem(cfg, path)
     return problems + ([ConfigProblem(f"{key}.model_path", f"{path!r}: {why}")] if why else [])
+
+
+def _value_head_problems(cfg: Mapping) -> list[ConfigProblem]:
+    """A value head on the policy: no value model of its own, and the layouts its head reads."""
+    key, actor = "service.train_service.critic", "service.train_service.actor"
+    why = "with critic.head_on_policy=true the value head trains on the actor's model and ranks"
+    rules = [
+        (f"{key}.model_path", g_safe(cfg, f"{key}.model_path") is None, f"must be null: {why}"),
+        (f"{key}.world_size", g_safe(cfg, f"{key}.world_size") == 1, f"must be 1: {why}"),
+        (
+            f"{key}.warmup_steps",
+            g_safe(cfg, f"{key}.warmup_steps") == 0,
+            "must be 0: a critic warm-up trains the critic alone, and a value head on the policy shares "
+            "its trunk (use head_on_policy=false for a warm-up)",
+        ),
+        (
+            f"{actor}.lora.rank",
+            g_safe(cfg, f"{actor}.lora.rank") == 0,
+            "a value head on the policy is not trained beside a LoRA adapter yet: use "
+            "critic.head_on_policy=false (a value model of its own)",
+        ),
+        (
+            f"{actor}.packing",
+            g_safe(cfg, f"{actor}.packing") is False,
+            "a value head on the policy reads the padded layout: set it to false",
+        ),
+        (
+            f"{actor}.share_prompt",
+            g_safe(cfg, f"{actor}.share_prompt") in (False, "auto"),
+            "a value head on the policy reads the padded layout: set it to false or auto "
+            "(auto keeps padded rows then)",
+        ),
+        (
+            "service.train_service.sequence_parallel_size",
+            g_safe(cfg, "service.train_service.sequence_parallel_size") == 1,
+            "a value head on the policy reads whole rows: set it to 1",
+        ),
+    ]
+    return [ConfigProblem(path, message) for path, ok, message in rules if not ok]
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # the baseline is the group's mean

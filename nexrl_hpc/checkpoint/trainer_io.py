@@ -43,6 +43,7 @@ from nexrl_hpc.checkpoint.reshard import (
     saved_layout,
 )
 from nexrl_hpc.checkpoint.state_file import load_state_file, peek_state_file, save_state_file
+from nexrl_hpc.models.value_head import VALUE_HEAD_FILE, is_value_head_name, without_value_head
 
 if TYPE_CHECKING:
     from nexrl_hpc.trainer.parallel import ParallelStrategy
@@ -80,26 +81,37 @@ class TrainerCheckpointIO:
         hf_model = par.unwrap(model)  # a LoRA policy (a peft model): its files are the adapter's
         self.peft_model = hf_model if hasattr(hf_model, "peft_config") else None
 
-    def write_model(self, path: str, fsync: bool, tied_head: bool = False) -> None:
+    def write_model(
+        self, path: str, fsync: bool, tied_head: bool = False, value_head_file: str | None = None
+    ) -> None:
         """Gather the full weights to rank 0, which writes the HF-layout directory: a tied weight
         once, under the name it shares (as ``save_pretrained`` writes it), or also under its own
-        name with ``tied_head`` (for an inference engine that reloads it only from there)."""
+        name with ``tied_head`` (for an inference engine that reloads it only from there). A value
+        head on the policy (``models.value_head``) stays out of the directory: into
+        ``value_head_file`` when given (a checkpoint), else nowhere (an engine's weights)."""
         par = self.par
         state = par.full_state_dict(self.model)
         if par.rank == 0 and self.peft_model is not None:
             write_adapter_dir(self.peft_model, state, path, self.base_model_dir, fsync=fsync)
         elif par.rank == 0:
             hf_model = par.unwrap(self.model)
+            value_head = {k: v for k, v in state.items() if is_value_head_name(k)}
+            state = without_value_head(state)
             state = with_tied_entries(state, hf_model) if tied_head else without_tied_entries(state, hf_model)
             # a durable copy is a checkpoint's: its weight files' digests go into COMPLETE
             write_hf_model_dir(
                 state, self.base_model_dir, path, self.max_shard_bytes, fsync=fsync, sidecars=fsync
             )
+            if value_head and value_head_file is not None:
+                hexdigest, size = save_state_file(value_head, value_head_file)
+                write_sidecar(value_head_file, hexdigest, size)
+                fsync_path(value_head_file)
         par.barrier()
 
     def save(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         par = self.par
-        self.write_model(os.path.join(local_path, "model"), fsync=True)
+        value_head_file = os.path.join(local_path, VALUE_HEAD_FILE)
+        self.write_model(os.path.join(local_path, "model"), fsync=True, value_head_file=value_head_file)
         if save_weight_only:
             return
         assert self.optimizer is not None and self.scheduler is not None
@@ -271,6 +283,12 @@ class TrainerCheckpointIO:
             return exc
         hf_model = par.unwrap(self.model)
         expected = par.full_shapes(self.model)
+        value_head = {k: shape for k, shape in expected.items() if is_value_head_name(k)}
+        if value_head:
+            error = _value_head_file_problem(_value_head_file(model_dir), value_head)
+            if error is not None:
+                return error
+            expected = {k: shape for k, shape in expected.items() if k not in value_head}
         tied = {"lm_head.weight"} if getattr(hf_model.config, "tie_word_embeddings", False) else set()
         missing, unexpected = set(expected) - set(entries) - tied, set(entries) - set(expected)
         if missing or unexpected:
@@ -324,6 +342,8 @@ class TrainerCheckpointIO:
                     state = read_adapter_dir(model_dir, self._adapter_keys())
                 else:
                     state = read_safetensors_dir(model_dir, into=par.full_weights_in_place(self.model))
+                    if any(is_value_head_name(k) for k in par.full_shapes(self.model)):
+                        state.update(load_state_file(_value_head_file(model_dir)))
             except (OSError, ValueError) as exc:
                 error = exc
         par.agree(error)
@@ -331,6 +351,28 @@ class TrainerCheckpointIO:
 
     def _adapter_keys(self) -> dict[str, str]:
         return adapter_key_map(self.peft_model, list(self.par.full_shapes(self.model)))
+
+
+def _value_head_file(model_dir: str) -> str:
+    """The value head's file of the checkpoint whose model directory is ``model_dir``."""
+    return os.path.join(os.path.dirname(os.path.abspath(model_dir)), VALUE_HEAD_FILE)
+
+
+def _value_head_file_problem(path: str, shapes: dict[str, tuple[int, ...]]) -> Exception | None:
+    """Why the checkpoint's value head file cannot replace the live value head; None when it can."""
+    if not os.path.exists(path):
+        return FileNotFoundError(
+            f"{path}: no value head in this checkpoint (saved by a run without "
+            "service.train_service.critic.head_on_policy?)"
+        )
+    try:
+        saved = peek_state_file(path)
+    except (OSError, ValueError) as exc:
+        return exc
+    got = {k: tuple(v.shape) for k, v in saved.items()} if isinstance(saved, dict) else {}
+    if got != shapes:
+        return ValueError(f"{path}: holds {got}, the value head is {shapes}")
+    return None
 
 
 def tied_weight_names(model: torch.nn.Module) -> dict[str, str]:

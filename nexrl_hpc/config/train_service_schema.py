@@ -66,6 +66,8 @@ class CriticConfig(TypedDict):
     grad_clip: Annotated[float, Gt(0.0)]
     warmup_steps: Annotated[int, Ge(0)]  # updates that train only the critic (verl's trainer.critic_warmup)
     optim: OptimConfig
+    head_on_policy: bool  # true: a value head on the policy model (one trunk, the actor's optimizer)
+    vf_coef: Annotated[float, Gt(0.0)]  # head_on_policy: the value loss's weight in the actor's loss
 
 
 class FSDPConfig(TypedDict):

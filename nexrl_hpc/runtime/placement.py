@@ -193,9 +193,10 @@ def teacher_rank_count(config: Mapping[str, Any]) -> int:
 
 def critic_rank_count(config: Mapping[str, Any]) -> int:
     """Ranks of the job's critic group (PPO: ``algorithm.adv_estimator=gae``)."""
-    if config["algorithm"]["adv_estimator"] != "gae":
-        return 0
-    return int(config["service"]["train_service"]["critic"]["world_size"])
+    critic = config["service"]["train_service"]["critic"]
+    if config["algorithm"]["adv_estimator"] != "gae" or critic["head_on_policy"]:
+        return 0  # head_on_policy: the value head trains on the actor's ranks
+    return int(critic["world_size"])
 
 
 def service_rank_count(config: Mapping[str, Any]) -> int:

@@ -67,6 +67,7 @@ def critic_service_config(train_config: dict[str, Any], critic: dict[str, Any]) 
     return {
         **train_config,
         "engine": critic["engine"],
+        "value_head": None,  # the value model's own head (AutoModelForTokenClassification)
         "sequence_parallel_size": 1,
         "algorithm": dict(train_config["algorithm"], kl_loss_coef=0.0),
         "actor": {

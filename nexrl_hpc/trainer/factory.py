@@ -45,8 +45,10 @@ def create_train_service_client(
         from nexrl_hpc.trainer.ppo_backend import PPOBackend
 
         model_dir = ts["critic"]["model_path"] or base_model_dir
-        critic: TrainBackend
-        if critic_address is None:  # in this process
+        critic: TrainBackend | None
+        if ts["critic"]["head_on_policy"]:  # the value head on the policy: no critic of its own
+            critic = None
+        elif critic_address is None:  # in this process
             critic = ValueTrainer(model_dir)
         else:  # the MPI job's critic ranks
             assert job_key is not None

@@ -15,21 +15,25 @@ passes (a rank short of rows runs a zero-weighted pass: the collectives must lin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nexrl_hpc.algorithm.gae import value_loss
 from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO, tied_weight_names
 from nexrl_hpc.models.tiny import load_model
+from nexrl_hpc.models.value_head import VALUE_HEAD, attach_value_head, is_value_head_name
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
-from nexrl_hpc.trainer.logprobs import padded_response_scores
+from nexrl_hpc.trainer.logprobs import output_head, padded_response_scores
 from nexrl_hpc.trainer.lora import learning_rate, lora_enabled, reference_log_probs, wrap_with_lora
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
@@ -99,6 +103,28 @@ def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> flo
     return float(cfg["logit_temperature"])
 
 
+VALUE_QUERY = "value_query"  # a compute_log_prob batch holding this column asks for the value head's V
+
+
+@contextlib.contextmanager
+def captured_values(model: Any, value_head: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Each forward of ``model`` in the block appends V at its response positions, ``[B, R]`` fp32:
+    the value head over the hidden states the LM head receives (the padded layout's last R + 1
+    positions; V of response token t at the position before it, where its log-prob is read). It
+    runs inside the model's forward, where a sharded engine has the head's weights gathered."""
+    values: list[torch.Tensor] = []
+
+    def value_of_head_input(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        hidden = args[0]
+        values.append(value_head(hidden[:, :-1, :]).squeeze(-1).float())
+
+    handle = output_head(model).register_forward_pre_hook(value_of_head_input)
+    try:
+        yield values
+    finally:
+        handle.remove()
+
+
 def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
     """-sum_v p log p over the last (vocabulary) axis."""
     return -(log_p.exp() * log_p).sum(-1)
@@ -166,6 +192,7 @@ class PolicyTrainer(TrainBackend):
         self._incomplete_load: str | None = None  # why the last load left the state half replaced
         self._role = "actor"
         self._lora = False  # actor.lora.rank > 0: the model is a PeftModel
+        self._value_head: dict[str, Any] | None = None  # PPO's value head on the policy: its loss settings
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_worker(
@@ -205,6 +232,9 @@ class PolicyTrainer(TrainBackend):
             self.ref_model = copy.deepcopy(self.model).to(compute_dtype).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        self._value_head = cfg.get("value_head") if self._role == "actor" else None
+        if self._value_head is not None:  # before the engine wraps the model: it shards the head too
+            attach_value_head(self.model)
         self.parallel = create_parallel_strategy(cfg["engine"], cfg, self.device, self._world_size)
         if self.parallel.world_size != self._world_size:
             raise ValueError(
@@ -333,6 +363,20 @@ class PolicyTrainer(TrainBackend):
                 return response_log_probs(self.model, part, chunk, temperature), None
             return response_log_probs_and_entropy(self.model, part, entropy_grad, chunk, temperature)
 
+    def _values_captured(self, micro: MicroBatch) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """``captured_values`` around the policy's forward (the padded layout only)."""
+        if self._value_head is None:
+            raise ValueError(
+                "this trainer has no value head (service.train_service.critic.head_on_policy=false)"
+            )
+        if self._require_cfg()["actor"]["packing"] or micro.shared_prompts:
+            raise ValueError(
+                "a value head on the policy reads the padded layout: set service.train_service.actor."
+                "packing=false and share_prompt=false"
+            )
+        model = self._require_parallel().unwrap(self.model)
+        return captured_values(self.model, getattr(model, VALUE_HEAD))
+
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
         par = self._require_parallel()
@@ -348,16 +392,22 @@ class PolicyTrainer(TrainBackend):
     # --- compute on this rank's shard -----------------------------------------------------------
     @torch.no_grad()
     def compute_log_prob_shard(self, shard: dict[str, Any], plan: dict[str, Any]) -> torch.Tensor:
-        """Log-probs of this rank's real rows, [rows, R]."""
+        """Log-probs of this rank's real rows, [rows, R]; with a ``VALUE_QUERY`` column, the value
+        head's V instead (PPO's values from a head on the policy)."""
         par = self._require_parallel()
         was_training = self.model.training
         self.model.eval()
         out = torch.zeros((plan["counts"][0][par.rank], shard["responses"].shape[1]))
         for i in range(plan["passes"][0]):
             micro = self._micro(shard, 0, plan["micro"][0][par.rank], i, plan["shared_prompts"])
-            logp = self._log_probs(micro, with_entropy=False)[0].cpu()
+            if VALUE_QUERY in shard:
+                with self._values_captured(micro) as values:
+                    self._log_probs(micro, with_entropy=False)
+                score = values[-1].cpu()
+            else:
+                score = self._log_probs(micro, with_entropy=False)[0].cpu()
             if micro.real:
-                out[micro.rows] = logp  # packed micro-batches hold their rows in bin order
+                out[micro.rows] = score  # packed micro-batches hold their rows in bin order
         self.model.train(was_training)
         return out
 
@@ -373,6 +423,7 @@ class PolicyTrainer(TrainBackend):
         loss_fn = ActorLoss.from_config(actor, cfg["algorithm"])
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
+        value_sums = [0.0, 0.0, 0.0, 0.0] if "returns" in shard else None  # a value head's loss terms
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
@@ -385,7 +436,13 @@ class PolicyTrainer(TrainBackend):
                 for i in range(passes):
                     micro = self._micro(shard, lo, ranges[par.rank], i, plan["shared_prompts"])
                     mismatch = self._train_micro_batch(
-                        micro, loss_fn, normalizer, sums, i == passes - 1, first_step=not grad_norms
+                        micro,
+                        loss_fn,
+                        normalizer,
+                        sums,
+                        i == passes - 1,
+                        first_step=not grad_norms,
+                        value_sums=value_sums,
                     )
                     mismatch_max = max(mismatch_max, mismatch)
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
@@ -412,6 +469,11 @@ class PolicyTrainer(TrainBackend):
         }
         if "behaviour_log_probs" in shard:
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
+        if value_sums is not None:  # as the separate critic's metrics (trainer/critic.py)
+            loss_sum, clipped, vpred, tokens = par.all_reduce_sum(value_sums)
+            metrics["critic/vf_loss"] = loss_sum / max(steps_done, 1)
+            metrics["critic/vf_clipfrac"] = clipped / max(tokens, 1.0)
+            metrics["critic/vpred_mean"] = vpred / max(tokens, 1.0)
         for key, value in peak_memory_metrics(self.device).items():  # the largest rank's
             metrics[key] = par.all_reduce_max(value)
         return metrics
@@ -424,12 +486,19 @@ class PolicyTrainer(TrainBackend):
         sums: LossSums,
         last_in_step: bool,
         first_step: bool,
+        value_sums: list[float] | None = None,
     ) -> float:
         """Forward, the loss, backward of one micro-batch (its sums added when it is real); returns
-        the largest |log-prob - behaviour log-prob| of its tokens in the first optimizer step (0 else)."""
+        the largest |log-prob - behaviour log-prob| of its tokens in the first optimizer step (0 else).
+        ``value_sums`` (the batch has ``values`` and ``returns``): a value head on the policy trains
+        in the same backward, the loss adding ``vf_coef`` x the clipped value loss."""
         par = self._require_parallel()
         part = micro.tensors
-        log_prob, entropy = self._log_probs(micro, with_entropy=True, entropy_grad=loss_fn.entropy_needs_grad)
+        capture = self._values_captured(micro) if value_sums is not None else contextlib.nullcontext([])
+        with capture as values:
+            log_prob, entropy = self._log_probs(
+                micro, with_entropy=True, entropy_grad=loss_fn.entropy_needs_grad
+            )
         assert entropy is not None
         mismatch = 0.0
         if first_step and micro.real and "behaviour_log_probs" in part:
@@ -445,6 +514,22 @@ class PolicyTrainer(TrainBackend):
             with self._compute():
                 ref_log_prob = reference_log_probs(self.model, response_log_probs, part, chunk, temperature)
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
+        if value_sums is not None:
+            head = self._value_head
+            assert head is not None
+            v_loss, stats = value_loss(
+                values[-1],
+                part["values"],
+                part["returns"],
+                part["response_mask"],
+                head["cliprange_value"],
+                cfg["actor"]["loss_agg_mode"],
+                normalizer,
+            )
+            loss = loss + head["vf_coef"] * v_loss
+            if micro.real:
+                terms_v = (v_loss.detach(), stats["vf_clipfrac_sum"], stats["vpred_sum"], stats["tokens"])
+                value_sums[:] = [a + float(b) for a, b in zip(value_sums, terms_v)]
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
         # a non-finite loss shows up in the grad norm of the step
         par.backward(self.model, loss * weight, last_in_step=last_in_step)
@@ -473,7 +558,8 @@ class PolicyTrainer(TrainBackend):
     def broadcast_weights(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The weights to the engines of one sync (weight.transport=broadcast), a tied weight once."""
         par = self._require_parallel()
-        skip = set(tied_weight_names(par.unwrap(self.model)))
+        model = par.unwrap(self.model)
+        skip = set(tied_weight_names(model)) | {k for k in model.state_dict() if is_value_head_name(k)}
         return broadcast_weights(par, self.model, spec, skip)
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:

@@ -6,6 +6,10 @@ Each update: the critic's values of the batch -> GAE advantages and returns per 
 critic's clipped value update -> the actor's PPO update on those advantages. For the first
 ``critic.warmup_steps`` updates only the critic trains (verl's ``trainer.critic_warmup``): the
 actor's weights are exported unchanged. Checkpoints hold the critic under ``<checkpoint>/critic``.
+
+With ``critic.head_on_policy`` there is no critic backend: the values come from the value head on the
+actor's own model (``compute_log_prob`` with a ``VALUE_QUERY`` column), and the actor's update trains
+the head on the batch's ``values`` and ``returns`` in the same backward; the checkpoint is the actor's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from nexrl_hpc.algorithm.gae import gae_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight, _DoneUpdate
 from nexrl_hpc.trainer.critic import VALUE_INPUTS, critic_batch, critic_service_config
+from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY
 
 CRITIC_DIR = "critic"
 UPDATES_FILE = "updates.json"  # the critic's update count (its warm-up's progress)
@@ -42,12 +47,13 @@ class _WithCriticMetrics(UpdateInFlight):
 
 
 class PPOBackend(TrainBackend):
-    """``actor`` and ``critic``: any backends (this process, a trainer group, a service)."""
+    """``actor`` and ``critic``: any backends (this process, a trainer group, a service); ``critic``
+    None: the value head on the actor's model (``critic.head_on_policy``)."""
 
     def __init__(
         self,
         actor: TrainBackend,
-        critic: TrainBackend,
+        critic: TrainBackend | None,
         critic_cfg: dict[str, Any],
         gamma: float,
         lam: float,
@@ -61,7 +67,9 @@ class PPOBackend(TrainBackend):
         self.queues_updates = actor.queues_updates
 
     @classmethod
-    def from_config(cls, config: RLTrainConfig, actor: TrainBackend, critic: TrainBackend) -> PPOBackend:
+    def from_config(
+        cls, config: RLTrainConfig, actor: TrainBackend, critic: TrainBackend | None
+    ) -> PPOBackend:
         algo = config["algorithm"]
         critic_cfg = dict(config["service"]["train_service"]["critic"])
         return cls(actor, critic, critic_cfg, algo["gamma"], algo["lam"])
@@ -71,37 +79,47 @@ class PPOBackend(TrainBackend):
         self, config_dict: dict[str, Any], role: str = "actor", world_size: int = 1
     ) -> None:
         self.actor.initialize_worker(config_dict, role, world_size)
-        critic_config = critic_service_config(config_dict, self.critic_cfg)
-        self.critic.initialize_worker(critic_config, role="critic", world_size=self.critic_cfg["world_size"])
+        if self.critic is not None:
+            critic_config = critic_service_config(config_dict, self.critic_cfg)
+            world = self.critic_cfg["world_size"]
+            self.critic.initialize_worker(critic_config, role="critic", world_size=world)
 
     def init_model(self) -> None:
         self.actor.init_model()
-        self.critic.init_model()
+        if self.critic is not None:
+            self.critic.init_model()
 
     # --- the update: critic first, then the actor on GAE's advantages ---------------------------
     def critic_step(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         """Values, GAE, the critic's update: (the actor's batch with its advantages, the metrics)."""
         mask = tensors["response_mask"]
         inputs = {k: tensors[k] for k in VALUE_INPUTS}
-        answer = self.critic.compute_log_prob({"batch": inputs, "meta_info": {}})
+        if self.critic is None:  # the actor's value head answers
+            inputs[VALUE_QUERY] = torch.ones(mask.shape[0])
+        answer = (self.critic or self.actor).compute_log_prob({"batch": inputs, "meta_info": {}})
         values = answer["batch"]["old_log_probs"].float() * mask
         advantages, returns = gae_advantages(
             tensors["token_level_rewards"], values, mask, self.gamma, self.lam
         )
-        update = self.critic.update_actor({"batch": critic_batch(tensors, values, returns), "meta_info": {}})
-        self.critic_updates += 1
-        metrics = dict(update["meta_info"]["metrics"])
+        metrics: dict[str, Any] = {}
+        if self.critic is not None:
+            batch = critic_batch(tensors, values, returns)
+            update = self.critic.update_actor({"batch": batch, "meta_info": {}})
+            self.critic_updates += 1
+            metrics.update(update["meta_info"]["metrics"])
         tokens = mask.sum().clamp(min=1.0)
         metrics["critic/values_mean"] = float((values * mask).sum() / tokens)
         metrics["critic/returns_mean"] = float((returns * mask).sum() / tokens)
         metrics["critic/advantages_abs_mean"] = float((advantages.abs() * mask).sum() / tokens)
         actor_batch = {k: v for k, v in tensors.items() if k not in CRITIC_ONLY_KEYS}
         actor_batch["advantages"] = advantages.to(torch.float32)
+        if self.critic is None:  # the actor's update trains its value head on these
+            actor_batch["values"], actor_batch["returns"] = values, returns.to(torch.float32)
         return actor_batch, metrics
 
     def _warming_up(self) -> bool:
         """The critic's updates so far are still warm-up (``critic.warmup_steps``)."""
-        return self.critic_updates < self.warmup_steps
+        return self.critic is not None and self.critic_updates < self.warmup_steps
 
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         warming_up = self._warming_up()
@@ -132,7 +150,7 @@ class PPOBackend(TrainBackend):
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self.actor.save_checkpoint(local_path, global_step, save_weight_only)
-        if save_weight_only:
+        if save_weight_only or self.critic is None:  # a value head on the policy: the actor's files
             return
         critic_dir = os.path.join(local_path, CRITIC_DIR)
         self.critic.save_checkpoint(critic_dir, global_step)
@@ -140,6 +158,9 @@ class PPOBackend(TrainBackend):
             json.dump({"critic_updates": self.critic_updates}, f)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        if self.critic is None:  # the actor's load checks for the value head's file
+            self.actor.load_checkpoint(local_path, load_optimizer)
+            return
         critic_dir = os.path.join(local_path, CRITIC_DIR)
         if not os.path.isfile(os.path.join(critic_dir, UPDATES_FILE)):
             raise FileNotFoundError(
@@ -158,11 +179,12 @@ class PPOBackend(TrainBackend):
         return self.actor.broadcast_weights(spec)
 
     def health(self) -> bool:
-        return self.actor.health() and self.critic.health()
+        return self.actor.health() and (self.critic is None or self.critic.health())
 
     def close(self) -> None:
         self.actor.close()
-        self.critic.close()
+        if self.critic is not None:
+            self.critic.close()
 
 
 def _idle_actor_metrics() -> dict[str, Any]:

@@ -124,6 +124,7 @@ class TrainWorker(NexRLModule):
         config = self.train_service_config()
         config["engine"] = teacher["engine"]
         config["sequence_parallel_size"] = 1  # the student's setting: the teacher's ranks score whole rows
+        config["value_head"] = None  # a frozen scorer
         config["algorithm"] = dict(config["algorithm"], kl_loss_coef=0.0)
         return config
 
@@ -419,8 +420,13 @@ class _StartedStep:
 def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
     """What the train service workers need (the training service's ``initialize_worker`` payload)."""
     ts, backend = config["service"]["train_service"], config["service"]["inference_service"]["backend"]
+    actor = resolved_actor(ts["actor"], config["model"], backend)  # lora.modules_to_save: auto
+    value_head = value_head_config(config)
+    if value_head is not None and actor["share_prompt"] == "auto":  # the value head reads padded rows
+        actor = {**actor, "share_prompt": False}
     return {
-        "actor": resolved_actor(ts["actor"], config["model"], backend),  # lora.modules_to_save: auto
+        "actor": actor,
+        "value_head": value_head,
         "algorithm": {k: config["algorithm"][k] for k in ("kl_loss_coef", "kl_loss_type")},
         "engine": ts["engine"],
         "sequence_parallel_size": ts["sequence_parallel_size"],
@@ -438,6 +444,14 @@ def train_service_config(config: RLTrainConfig) -> dict[str, Any]:
         "gradient_checkpointing": config["model"]["gradient_checkpointing"],
         "total_training_steps": config["train_worker"]["total_train_steps"],
     }
+
+
+def value_head_config(config: RLTrainConfig) -> dict[str, Any] | None:
+    """PPO's value head on the policy (``critic.head_on_policy``): its loss settings; else None."""
+    critic = config["service"]["train_service"]["critic"]
+    if config["algorithm"]["adv_estimator"] != "gae" or not critic["head_on_policy"]:
+        return None
+    return {"vf_coef": critic["vf_coef"], "cliprange_value": critic["cliprange_value"]}
 
 
 def throughput(metrics: dict[str, Any], batch: Batch) -> dict[str, float]:
