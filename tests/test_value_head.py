@@ -109,25 +109,52 @@ def test_a_trainer_without_a_value_head_refuses_the_values_query(
         values_of(plain, ppo_batch(1))
 
 
+def test_warm_up_trains_the_head_alone_then_head_and_policy_together(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    backend, actor = head_backend(tiny_model_dir, ["service.train_service.critic.warmup_steps=1"])
+    before = weights(actor)
+    lr_before = actor.scheduler.last_epoch  # type: ignore[union-attr]
+    answer = backend.start_update_actor({"batch": ppo_batch(1), "meta_info": {}}, str(tmp_path / "v1"))
+    metrics = answer.result()["meta_info"]["metrics"]
+    after = weights(actor)
+    assert metrics["critic/warmup"] == 1.0 and metrics["critic/vf_loss"] > 0
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == {"value_head.weight", "value_head.bias"}  # the trunk and the LM head: untouched
+    assert actor.scheduler.last_epoch == lr_before  # type: ignore[union-attr]  # the policy's LR schedule waits
+    with safe_open(str(tmp_path / "v1" / "model.safetensors"), "pt") as f:  # the engines' version
+        assert all(torch.equal(f.get_tensor(k), before[k]) for k in f.keys())  # noqa: SIM118
+    metrics = backend.update_actor({"batch": ppo_batch(2), "meta_info": {}})["meta_info"]["metrics"]
+    assert "critic/warmup" not in metrics and metrics["actor/optimizer_steps"] == 1
+    assert not torch.equal(weights(actor)["model.norm.weight"], after["model.norm.weight"])
+
+
 def test_a_checkpoint_keeps_the_head_beside_a_plain_model_dir_and_resumes_exactly(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    first, actor = head_backend(tiny_model_dir)
+    warm = ["service.train_service.critic.warmup_steps=2"]
+    first, actor = head_backend(tiny_model_dir, warm)
     first.update_actor({"batch": ppo_batch(1), "meta_info": {}})
     ckpt = tmp_path / "ckpt"
     first.save_checkpoint(str(ckpt), 1)
-    want = first.update_actor({"batch": ppo_batch(2), "meta_info": {}})["meta_info"]["metrics"]
+    want = [
+        first.update_actor({"batch": ppo_batch(s), "meta_info": {}})["meta_info"]["metrics"] for s in (2, 3)
+    ]
     want_state = weights(actor)
     assert (ckpt / VALUE_HEAD_FILE).exists()
     with safe_open(str(ckpt / "model" / "model.safetensors"), "pt") as f:
         saved = list(f.keys())
     assert saved and not any(k.startswith("value_head") for k in saved)
 
-    resumed, resumed_actor = head_backend(tiny_model_dir)
+    resumed, resumed_actor = head_backend(tiny_model_dir, warm)
     resumed.load_checkpoint(str(ckpt))
-    got = resumed.update_actor({"batch": ppo_batch(2), "meta_info": {}})["meta_info"]["metrics"]
-    for key in ("critic/vf_loss", "critic/values_mean", "actor/grad_norm", "actor/pg_loss"):
-        assert got[key] == want[key], key
+    got = [
+        resumed.update_actor({"batch": ppo_batch(s), "meta_info": {}})["meta_info"]["metrics"] for s in (2, 3)
+    ]
+    assert got[0]["critic/warmup"] == 1.0 and "critic/warmup" not in got[1]  # the second warm-up update
+    for step in range(2):
+        for key in ("critic/vf_loss", "critic/values_mean", "actor/grad_norm", "actor/pg_loss"):
+            assert got[step][key] == want[step][key], (step, key)
     state = weights(resumed_actor)
     assert all(torch.equal(state[k], v) for k, v in want_state.items())
 
@@ -146,7 +173,6 @@ def test_preflight_refuses_what_a_value_head_on_the_policy_cannot_run(tiny_model
     assert _problems(["algorithm=ppo", HEAD]) == {}
     cases = {
         f"{key}.model_path={tiny_model_dir}": f"{key}.model_path",
-        f"{key}.warmup_steps=2": f"{key}.warmup_steps",
         f"{actor}.lora.rank=8": f"{actor}.lora.rank",
         f"{actor}.packing=true": f"{actor}.packing",
         f"{actor}.share_prompt=true": f"{actor}.share_prompt",
@@ -157,6 +183,11 @@ def test_preflight_refuses_what_a_value_head_on_the_policy_cannot_run(tiny_model
         assert "head_on_policy" in problems[path] or "value head" in problems[path], problems
     problems = _problems(["algorithm=ppo", HEAD, "launch_mode=mpi", f"{key}.world_size=2"])
     assert "must be 1" in problems[f"{key}.world_size"]
+    # ZeRO-3 keeps gradients in its partitions: a warm-up cannot leave the trunk's out
+    ds = ["launch_mode=mpi", "service.train_service.engine=deepspeed", "service.train_service.world_size=2"]
+    assert _problems(["algorithm=ppo", HEAD, *ds]) == {}
+    problems = _problems(["algorithm=ppo", HEAD, *ds, f"{key}.warmup_steps=3"])
+    assert list(problems) == [f"{key}.warmup_steps"] and "engine=deepspeed" in problems[f"{key}.warmup_steps"]
 
 
 def test_mpi_mode_runs_no_critic_group_for_a_head_on_the_policy() -> None:
@@ -175,7 +206,8 @@ def test_the_head_on_two_fsdp2_or_zero3_ranks_equals_the_head_in_one_process(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
     """torchrun, two gloo ranks: FSDP2's and ZeRO-3's values, value loss, gradient norm and values
-    after one update (micro-batches of 2, mini-batches of 4: three optimizer steps) are one process's."""
+    after a warm-up update (the head alone) and an update (micro-batches of 2, mini-batches of 4:
+    three optimizer steps) are one process's."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

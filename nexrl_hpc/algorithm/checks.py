@@ -126,9 +126,11 @@ def _value_head_problems(cfg: Mapping) -> list[ConfigProblem]:
         (f"{key}.world_size", g_safe(cfg, f"{key}.world_size") == 1, f"must be 1: {why}"),
         (
             f"{key}.warmup_steps",
-            g_safe(cfg, f"{key}.warmup_steps") == 0,
-            "must be 0: a critic warm-up trains the critic alone, and a value head on the policy shares "
-            "its trunk (use head_on_policy=false for a warm-up)",
+            g_safe(cfg, f"{key}.warmup_steps") == 0
+            or g_safe(cfg, "service.train_service.engine") != "deepspeed",
+            "a warm-up of the value head on the policy is not supported with engine=deepspeed (ZeRO-3 "
+            "holds the gradients in its partitions: the trunk's cannot be left out): set it to 0, use "
+            "engine=fsdp, or critic.head_on_policy=false",
         ),
         (
             f"{actor}.lora.rank",

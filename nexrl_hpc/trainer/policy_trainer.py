@@ -104,6 +104,14 @@ def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> flo
 
 
 VALUE_QUERY = "value_query"  # a compute_log_prob batch holding this column asks for the value head's V
+# an update_actor batch holding this column trains the value head alone (PPO's critic warm-up): the
+# value loss over the trunk's hidden states detached, no policy loss, the LR schedule not advanced
+VALUE_WARMUP = "value_warmup"
+ZERO3_HEAD_WARMUP = (
+    "service.train_service.critic.warmup_steps > 0 with head_on_policy=true is not supported with "
+    "engine=deepspeed (ZeRO-3 holds the gradients in its partitions: the trunk's cannot be left out): "
+    "set critic.warmup_steps=0, or use engine=fsdp, or a value model of its own (head_on_policy=false)"
+)
 
 
 @contextlib.contextmanager
@@ -115,8 +123,7 @@ def captured_values(model: Any, value_head: torch.nn.Module) -> Iterator[list[to
     values: list[torch.Tensor] = []
 
     def value_of_head_input(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        hidden = args[0]
-        values.append(value_head(hidden[:, :-1, :]).squeeze(-1).float())
+        values.append(value_head(args[0][:, :-1, :]).squeeze(-1).float())
 
     handle = output_head(model).register_forward_pre_hook(value_of_head_input)
     try:
@@ -377,6 +384,14 @@ class PolicyTrainer(TrainBackend):
         model = self._require_parallel().unwrap(self.model)
         return captured_values(self.model, getattr(model, VALUE_HEAD))
 
+    def _drop_all_but_the_value_heads_gradients(self) -> None:
+        """A warm-up update trains the value head alone: every other gradient is dropped before the
+        step (AdamW skips a parameter without one). After the backward, not by detaching the trunk:
+        FSDP2 then reduces the head's gradient as in any update."""
+        for name, p in self._require_parallel().unwrap(self.model).named_parameters():
+            if not is_value_head_name(name):
+                p.grad = None
+
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
         par = self._require_parallel()
@@ -424,6 +439,9 @@ class PolicyTrainer(TrainBackend):
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
         value_sums = [0.0, 0.0, 0.0, 0.0] if "returns" in shard else None  # a value head's loss terms
+        value_warmup = VALUE_WARMUP in shard
+        if value_warmup and cfg["engine"] == "deepspeed":
+            raise ValueError(ZERO3_HEAD_WARMUP)
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
@@ -443,8 +461,11 @@ class PolicyTrainer(TrainBackend):
                         i == passes - 1,
                         first_step=not grad_norms,
                         value_sums=value_sums,
+                        value_warmup=value_warmup,
                     )
                     mismatch_max = max(mismatch_max, mismatch)
+                if value_warmup:
+                    self._drop_all_but_the_value_heads_gradients()
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
                 if not stepped:
                     nan_skipped += 1
@@ -456,7 +477,8 @@ class PolicyTrainer(TrainBackend):
             warnings.catch_warnings()
         ):  # a step whose optimizer steps were all skipped still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()
+            if not value_warmup:  # the policy's schedule counts the policy's updates
+                self.scheduler.step()
         steps_done = len(grad_norms)
         metrics: dict[str, Any] = {
             **sums.all_reduced(par).metrics(
@@ -487,14 +509,18 @@ class PolicyTrainer(TrainBackend):
         last_in_step: bool,
         first_step: bool,
         value_sums: list[float] | None = None,
+        value_warmup: bool = False,
     ) -> float:
         """Forward, the loss, backward of one micro-batch (its sums added when it is real); returns
         the largest |log-prob - behaviour log-prob| of its tokens in the first optimizer step (0 else).
         ``value_sums`` (the batch has ``values`` and ``returns``): a value head on the policy trains
-        in the same backward, the loss adding ``vf_coef`` x the clipped value loss."""
+        in the same backward, the loss adding ``vf_coef`` x the clipped value loss; ``value_warmup``:
+        the value loss alone (``update_actor_shard`` keeps only the head's gradients)."""
         par = self._require_parallel()
         part = micro.tensors
-        capture = self._values_captured(micro) if value_sums is not None else contextlib.nullcontext([])
+        capture: contextlib.AbstractContextManager[list[torch.Tensor]] = contextlib.nullcontext([])
+        if value_sums is not None:
+            capture = self._values_captured(micro)
         with capture as values:
             log_prob, entropy = self._log_probs(
                 micro, with_entropy=True, entropy_grad=loss_fn.entropy_needs_grad
@@ -526,14 +552,14 @@ class PolicyTrainer(TrainBackend):
                 cfg["actor"]["loss_agg_mode"],
                 normalizer,
             )
-            loss = loss + head["vf_coef"] * v_loss
+            loss = head["vf_coef"] * v_loss if value_warmup else loss + head["vf_coef"] * v_loss
             if micro.real:
                 terms_v = (v_loss.detach(), stats["vf_clipfrac_sum"], stats["vpred_sum"], stats["tokens"])
                 value_sums[:] = [a + float(b) for a, b in zip(value_sums, terms_v)]
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
         # a non-finite loss shows up in the grad norm of the step
         par.backward(self.model, loss * weight, last_in_step=last_in_step)
-        if micro.real:
+        if micro.real and not value_warmup:
             sums.add(LossSums(**{name: float(value) for name, value in terms.items()}))
         return mismatch
 

@@ -9,7 +9,9 @@ actor's weights are exported unchanged. Checkpoints hold the critic under ``<che
 
 With ``critic.head_on_policy`` there is no critic backend: the values come from the value head on the
 actor's own model (``compute_log_prob`` with a ``VALUE_QUERY`` column), and the actor's update trains
-the head on the batch's ``values`` and ``returns`` in the same backward; the checkpoint is the actor's.
+the head on the batch's ``values`` and ``returns`` in the same backward; a warm-up update
+(``VALUE_WARMUP`` column) trains the head alone. The checkpoint is the actor's (the head's file
+included) and the warm-up's progress.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from nexrl_hpc.algorithm.gae import gae_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight, _DoneUpdate
 from nexrl_hpc.trainer.critic import VALUE_INPUTS, critic_batch, critic_service_config
-from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY
+from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY, VALUE_WARMUP
 
 CRITIC_DIR = "critic"
 UPDATES_FILE = "updates.json"  # the critic's update count (its warm-up's progress)
@@ -105,8 +107,8 @@ class PPOBackend(TrainBackend):
         if self.critic is not None:
             batch = critic_batch(tensors, values, returns)
             update = self.critic.update_actor({"batch": batch, "meta_info": {}})
-            self.critic_updates += 1
             metrics.update(update["meta_info"]["metrics"])
+        self.critic_updates += 1  # a value head's update: in the actor's, after this
         tokens = mask.sum().clamp(min=1.0)
         metrics["critic/values_mean"] = float((values * mask).sum() / tokens)
         metrics["critic/returns_mean"] = float((returns * mask).sum() / tokens)
@@ -119,13 +121,16 @@ class PPOBackend(TrainBackend):
 
     def _warming_up(self) -> bool:
         """The critic's updates so far are still warm-up (``critic.warmup_steps``)."""
-        return self.critic is not None and self.critic_updates < self.warmup_steps
+        return self.critic_updates < self.warmup_steps
 
     def update_actor(self, batch: dict[str, Any]) -> dict[str, Any]:
         warming_up = self._warming_up()
         actor_batch, metrics = self.critic_step(batch["batch"])
-        if warming_up:
+        if warming_up and self.critic is not None:
             return {"meta_info": {"metrics": {**_idle_actor_metrics(), **metrics}}}
+        if warming_up:  # the value head on the policy trains alone
+            actor_batch[VALUE_WARMUP] = torch.ones(actor_batch["responses"].shape[0])
+            metrics = {**_idle_actor_metrics(), **metrics}
         answer = self.actor.update_actor({"batch": actor_batch, "meta_info": batch.get("meta_info", {})})
         answer.setdefault("meta_info", {}).setdefault("metrics", {}).update(metrics)
         return answer
@@ -133,12 +138,16 @@ class PPOBackend(TrainBackend):
     def start_update_actor(self, batch: dict[str, Any], export_path: str) -> UpdateInFlight:
         warming_up = self._warming_up()
         actor_batch, metrics = self.critic_step(batch["batch"])
-        if warming_up:  # the actor is not trained: the engines get its weights again as this version
+        if warming_up and self.critic is not None:
+            # the actor is not trained: the engines get its weights again as this version
             if export_path:
                 self.actor.export_weights(export_path)
             return _DoneUpdate(
                 {"meta_info": {"metrics": {**_idle_actor_metrics(), **metrics}, "export_s": 0.0}}
             )
+        if warming_up:  # the value head on the policy trains alone; the export is the policy's
+            actor_batch[VALUE_WARMUP] = torch.ones(actor_batch["responses"].shape[0])
+            metrics = {**_idle_actor_metrics(), **metrics}
         update = self.actor.start_update_actor(
             {"batch": actor_batch, "meta_info": batch.get("meta_info", {})}, export_path
         )
@@ -150,25 +159,31 @@ class PPOBackend(TrainBackend):
 
     def save_checkpoint(self, local_path: str, global_step: int, save_weight_only: bool = False) -> None:
         self.actor.save_checkpoint(local_path, global_step, save_weight_only)
-        if save_weight_only or self.critic is None:  # a value head on the policy: the actor's files
+        if save_weight_only:
             return
         critic_dir = os.path.join(local_path, CRITIC_DIR)
-        self.critic.save_checkpoint(critic_dir, global_step)
+        if self.critic is not None:
+            self.critic.save_checkpoint(critic_dir, global_step)
+        else:  # a value head on the policy: its weights are in the actor's files, its progress here
+            os.makedirs(critic_dir, exist_ok=True)
         with open(os.path.join(critic_dir, UPDATES_FILE), "w") as f:
             json.dump({"critic_updates": self.critic_updates}, f)
 
     def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
-        if self.critic is None:  # the actor's load checks for the value head's file
-            self.actor.load_checkpoint(local_path, load_optimizer)
-            return
         critic_dir = os.path.join(local_path, CRITIC_DIR)
         if not os.path.isfile(os.path.join(critic_dir, UPDATES_FILE)):
             raise FileNotFoundError(
                 f"{critic_dir}: no critic in this checkpoint (saved by a run without "
                 "algorithm.adv_estimator=gae?); a PPO run resumes only from a PPO run's checkpoint"
             )
-        self.actor.load_checkpoint(local_path, load_optimizer)
-        self.critic.load_checkpoint(critic_dir, load_optimizer)
+        if self.critic is not None and not os.path.isdir(os.path.join(critic_dir, "model")):
+            raise FileNotFoundError(
+                f"{critic_dir}: no critic model in this checkpoint (saved by a run with "
+                "service.train_service.critic.head_on_policy=true: resume with it)"
+            )
+        self.actor.load_checkpoint(local_path, load_optimizer)  # a value head: checked there
+        if self.critic is not None:
+            self.critic.load_checkpoint(critic_dir, load_optimizer)
         with open(os.path.join(critic_dir, UPDATES_FILE)) as f:
             self.critic_updates = int(json.load(f)["critic_updates"])
 
