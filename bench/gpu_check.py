@@ -347,7 +347,7 @@ def training_stages(args: argparse.Namespace, model_dir: str, work: str) -> list
             + ["service.train_service.engine=deepspeed"],
         ),
         ("local_lora", [*lora, "service.train_service.actor.lora.rank=16"]),
-        ("local_ppo", [*ppo, "algorithm=ppo"]),
+        ("local_ppo", [*ppo, "algorithm=ppo", "service.train_service.critic.warmup_steps=0"]),
     ]
 
 

@@ -114,6 +114,7 @@ def test_the_ppo_preset_picks_gae_and_needs_no_groups() -> None:
     assert cfg["algorithm"]["adv_estimator"] == "gae"
     assert (cfg["algorithm"]["gamma"], cfg["algorithm"]["lam"]) == (1.0, 1.0)
     assert cfg["service"]["train_service"]["critic"]["cliprange_value"] == 0.5
+    assert cfg["service"]["train_service"]["critic"]["warmup_steps"] == 5  # the preset's (verl's default: 0)
 
 
 def test_a_critic_model_path_that_does_not_load_is_refused_naming_the_key(

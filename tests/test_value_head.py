@@ -28,7 +28,11 @@ HEAD = "service.train_service.critic.head_on_policy=true"
 
 
 def head_backend(model_dir: str, overrides: list[str] | None = None) -> tuple[PPOBackend, PolicyTrainer]:
-    backend = ppo_backend(model_dir, [HEAD, *(overrides or [])])
+    """The preset with the head; no critic warm-up unless ``overrides`` set one (the preset's 5)."""
+    overrides = overrides or []
+    if not any(o.startswith("service.train_service.critic.warmup_steps=") for o in overrides):
+        overrides = [*overrides, "service.train_service.critic.warmup_steps=0"]
+    backend = ppo_backend(model_dir, [HEAD, *overrides])
     assert backend.critic is None and isinstance(backend.actor, PolicyTrainer)
     return backend, backend.actor
 
@@ -185,8 +189,8 @@ def test_preflight_refuses_what_a_value_head_on_the_policy_cannot_run(tiny_model
     assert "must be 1" in problems[f"{key}.world_size"]
     # ZeRO-3 keeps gradients in its partitions: a warm-up cannot leave the trunk's out
     ds = ["launch_mode=mpi", "service.train_service.engine=deepspeed", "service.train_service.world_size=2"]
-    assert _problems(["algorithm=ppo", HEAD, *ds]) == {}
-    problems = _problems(["algorithm=ppo", HEAD, *ds, f"{key}.warmup_steps=3"])
+    assert _problems(["algorithm=ppo", HEAD, *ds, f"{key}.warmup_steps=0"]) == {}
+    problems = _problems(["algorithm=ppo", HEAD, *ds])  # the preset's warm-up of 5
     assert list(problems) == [f"{key}.warmup_steps"] and "engine=deepspeed" in problems[f"{key}.warmup_steps"]
 
 

@@ -32,6 +32,7 @@ def run(
         [
             "algorithm=ppo",
             "service.train_service.critic.head_on_policy=true",
+            "service.train_service.critic.warmup_steps=0",  # the warm-up update is asked for by its column
             f"service.train_service.engine={engine}",
             "service.train_service.deepspeed.zero_stage=3",
             "service.train_service.actor.ppo_micro_batch_size=2",
