@@ -237,8 +237,9 @@ def test_the_head_on_two_fsdp2_or_zero3_ranks_equals_the_head_in_one_process(
 
 @pytest.mark.e2e
 def test_ppo_with_the_head_on_two_fsdp2_ranks_learns_under_mpirun_and_resumes(tmp_path: Path) -> None:
-    """mpirun: the actor and its value head on 2 FSDP2 trainer ranks, no critic group; stopped at
-    step 30, resumed to 50 from its checkpoint (the head's file included); held-out accuracy by the
+    """mpirun: the actor and its value head on 2 FSDP2 trainer ranks, no critic group, the preset's
+    5 warm-up updates training the head alone; stopped at step 30, resumed to 50 from its checkpoint
+    (the head's file included); held-out accuracy by the
     independent evaluation of the last checkpoint from 0.14 to >= 0.6 (an mpirun run is not
     reproducible token for token; bench/ppo_learning.py measures the accuracy over seeds)."""
     import shutil
@@ -275,6 +276,7 @@ def test_ppo_with_the_head_on_two_fsdp2_ranks_learns_under_mpirun_and_resumes(tm
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
     assert all(r["critic/vf_loss"] >= 0.0 and "critic/grad_norm" not in r for r in steps)
+    assert [r["step"] for r in steps if r.get("critic/warmup") == 1.0] == [1, 2, 3, 4, 5]
     assert (run_dir / "checkpoints" / "global_step_50" / VALUE_HEAD_FILE).exists()
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     assert val[0][1] < 0.2, val

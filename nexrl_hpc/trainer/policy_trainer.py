@@ -105,7 +105,8 @@ def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> flo
 
 VALUE_QUERY = "value_query"  # a compute_log_prob batch holding this column asks for the value head's V
 # an update_actor batch holding this column trains the value head alone (PPO's critic warm-up): the
-# value loss over the trunk's hidden states detached, no policy loss, the LR schedule not advanced
+# value loss, no policy loss, every gradient but the head's dropped before each step, the LR schedule
+# not advanced
 VALUE_WARMUP = "value_warmup"
 ZERO3_HEAD_WARMUP = (
     "service.train_service.critic.warmup_steps > 0 with head_on_policy=true is not supported with "
