@@ -15,7 +15,6 @@ held-out prompts): the "independent" column.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_runs import REPO, timed_train_run  # noqa: E402
+from launch_runs import REPO, independent_accuracy, timed_train_run  # noqa: E402
 
 PRESETS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo", "opd"]
 TARGET = 0.9
@@ -62,14 +61,7 @@ def measure(preset: str, seed: int, max_steps: int, teacher: str | None) -> dict
     independent: dict[str, float] = {}
 
     def evaluate_last_checkpoint(run_dir: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, os.path.join(REPO, "scripts", "independent_eval.py"), run_dir],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"independent evaluation of {preset} seed {seed} failed:\n{proc.stderr[-3000:]}")
-        independent["accuracy"] = json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]
+        independent["accuracy"] = independent_accuracy(run_dir, f"{preset} seed {seed}")
 
     rows, _, wall = timed_train_run(
         overrides, f"{preset}_seed{seed}", inspect_run_dir=evaluate_last_checkpoint

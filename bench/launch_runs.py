@@ -46,3 +46,20 @@ def timed_train_run(
         inspect_run_dir(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     return rows, t0, wall
+
+
+def independent_accuracy(run_dir: str, name: str, steps: int | None = None) -> float:
+    """``scripts/independent_eval.py``'s held-out accuracy of the run's last checkpoint (plain
+    transformers, greedy); a failed evaluation, or a last checkpoint that is not ``steps``'s, ends the
+    bench naming ``name``."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "independent_eval.py"), run_dir],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"independent evaluation of {name} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if steps is not None and not result["checkpoint"].endswith(f"global_step_{steps}"):
+        raise SystemExit(f"{name}: the last checkpoint is {result['checkpoint']}, not step {steps}")
+    return float(result["accuracy"])

@@ -16,15 +16,13 @@ The run's own validation at the last step is printed beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_runs import REPO, timed_train_run  # noqa: E402
+from launch_runs import independent_accuracy, timed_train_run  # noqa: E402
 
 GOAL = 0.9
 CRITIC = "service.train_service.critic"
@@ -48,17 +46,7 @@ def run(overrides: list[str], name: str, ranks: int, steps: int) -> tuple[float,
     independent: dict[str, float] = {}
 
     def evaluate_last_checkpoint(run_dir: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, os.path.join(REPO, "scripts", "independent_eval.py"), run_dir],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"independent evaluation of {name} failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        if not result["checkpoint"].endswith(f"global_step_{steps}"):
-            raise SystemExit(f"{name}: the last checkpoint is {result['checkpoint']}, not step {steps}")
-        independent["accuracy"] = result["accuracy"]
+        independent["accuracy"] = independent_accuracy(run_dir, name, steps)
 
     launcher = ["mpirun", "-n", str(ranks)]
     rows, _, wall = timed_train_run(overrides, name, launcher, inspect_run_dir=evaluate_last_checkpoint)

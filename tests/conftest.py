@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import getpass
+import json
 import os
 import shutil
 import subprocess
@@ -116,6 +117,20 @@ def run_train(
         timeout=timeout,
         env=full_env,
     )
+
+
+def independent_eval(run_dir: Path) -> dict[str, Any]:
+    """``scripts/independent_eval.py RUN_DIR``: the run's last checkpoint scored by plain transformers
+    (greedy, the held-out prompts) — ``{"checkpoint", "accuracy", "n"}``; a failure fails the test."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from launch import status as status_cli
 from nexrl_hpc.data.loader import DatasetLoader
 from nexrl_hpc.tracking.timing import TIMING_PARTS
-from tests.conftest import REPO, compose_config, run_train
+from tests.conftest import REPO, compose_config, independent_eval, run_train
 
 pytestmark = pytest.mark.e2e
 
@@ -119,14 +119,7 @@ def test_default_run_learns_and_matches_an_independent_evaluation(
     val_rows = [json.loads(line) for line in open(run_dir / "data" / "validation.jsonl")]
     assert set(val_rows[0]) == {"prompt", "answer"} and len(val_rows) == 140
 
-    independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert independent.returncode == 0, independent.stderr
-    result = json.loads(independent.stdout.strip().splitlines()[-1])
+    result = independent_eval(run_dir)
     assert result["checkpoint"].endswith("global_step_50")
     assert abs(result["accuracy"] - val[-1][1]) <= 0.1
 

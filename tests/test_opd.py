@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, independent_eval, run_train
 from tests.test_mpi import mpirun
 from tests.test_train_service import api_server, env, start_workers, stop_group, workers_log_tail
 
@@ -59,14 +59,7 @@ def check_distilled(run_dir: Path, teacher: str) -> None:
     assert val[0] <= 0.3 and val[-1] >= bar, (val, bar)
     kl = [r["train/opd_reverse_kl"] for r in rows if "train/opd_reverse_kl" in r]
     assert len(kl) == STEPS and kl[-1] < 0.5 * kl[0], kl
-    independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert independent.returncode == 0, independent.stderr
-    result = json.loads(independent.stdout.strip().splitlines()[-1])
+    result = independent_eval(run_dir)
     assert result["checkpoint"].endswith(f"global_step_{STEPS}") and result["accuracy"] >= bar, (result, bar)
 
 

@@ -17,7 +17,7 @@ from nexrl_hpc.algorithm.gae import gae_advantages, last_token_rewards, masked_w
 from nexrl_hpc.trainer.factory import create_train_service_client
 from nexrl_hpc.trainer.ppo_backend import PPOBackend
 from nexrl_hpc.trainer.worker import TrainWorker
-from tests.conftest import REPO, compose_config, run_train
+from tests.conftest import REPO, compose_config, independent_eval, run_train
 from tests.test_policy_trainer import make_batch
 
 
@@ -233,14 +233,7 @@ def test_ppo_learns_the_default_task_and_resumes(tmp_path: Path) -> None:
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 51))
     assert all(r["critic/vf_loss"] >= 0.0 for r in steps)
-    independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert independent.returncode == 0, independent.stderr
-    result = json.loads(independent.stdout.strip().splitlines()[-1])
+    result = independent_eval(run_dir)
     assert result["checkpoint"].endswith("global_step_50") and result["accuracy"] >= 0.9, result
 
 

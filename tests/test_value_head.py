@@ -21,7 +21,7 @@ from nexrl_hpc.algorithm.gae import gae_advantages, value_loss
 from nexrl_hpc.models.value_head import VALUE_HEAD_FILE
 from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY, PolicyTrainer
 from nexrl_hpc.trainer.ppo_backend import PPOBackend
-from tests.conftest import REPO
+from tests.conftest import REPO, independent_eval
 from tests.test_ppo_critic import ppo_backend, ppo_batch
 
 HEAD = "service.train_service.critic.head_on_policy=true"
@@ -280,12 +280,5 @@ def test_ppo_with_the_head_on_two_fsdp2_ranks_learns_under_mpirun_and_resumes(tm
     assert (run_dir / "checkpoints" / "global_step_50" / VALUE_HEAD_FILE).exists()
     val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     assert val[0][1] < 0.2, val
-    independent = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "independent_eval.py"), str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert independent.returncode == 0, independent.stderr
-    result = json.loads(independent.stdout.strip().splitlines()[-1])
+    result = independent_eval(run_dir)
     assert result["checkpoint"].endswith("global_step_50") and result["accuracy"] >= 0.6, result
