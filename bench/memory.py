@@ -46,10 +46,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs  # noqa: E402
-from nexrl_hpc.trainer.policy_trainer import (  # noqa: E402
-    enable_activation_checkpointing,
-    response_log_probs_and_entropy,
-)
+from nexrl_hpc.trainer.logprobs import response_log_probs_and_entropy  # noqa: E402
+from nexrl_hpc.trainer.policy_trainer import enable_activation_checkpointing  # noqa: E402
 
 VOCAB = 151_936
 VARIANTS = {"bounded": None, "materialised": 0}  # None: --chunk

@@ -129,7 +129,7 @@ def test_log_ratio_clamp_keeps_an_extreme_ratio_finite() -> None:
 
 def test_entropy_bonus_gradient_matches_the_closed_form() -> None:
     """d(-coeff * token-mean H)/dz = coeff / n * p (log p + H) per masked position, H = -sum p log p."""
-    from nexrl_hpc.trainer.policy_trainer import entropy_from_log_probs
+    from nexrl_hpc.trainer.logprobs import entropy_from_log_probs
 
     logits = torch.tensor([[[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0]])

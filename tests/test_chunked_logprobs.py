@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from nexrl_hpc.trainer.logprobs import output_head, token_log_probs_and_entropy
-from nexrl_hpc.trainer.policy_trainer import (
-    PolicyTrainer,
+from nexrl_hpc.trainer.logprobs import (
+    output_head,
     response_log_probs,
     response_log_probs_and_entropy,
+    token_log_probs_and_entropy,
 )
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from tests.conftest import REPO
 from tests.test_policy_trainer import make_batch, trainer
 

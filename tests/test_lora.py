@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from nexrl_hpc.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from nexrl_hpc.models.tiny import materialize_base_model
-from nexrl_hpc.trainer.policy_trainer import PolicyTrainer, response_log_probs
+from nexrl_hpc.trainer.logprobs import response_log_probs
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.trainer.worker import TrainWorker
 from nexrl_hpc.weight_sync.verify import FP32_TOLERANCE
 from tests.conftest import REPO, compose_config, run_train

@@ -15,6 +15,7 @@ import torch
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.trainer import packing
+from nexrl_hpc.trainer.logprobs import response_log_probs_and_entropy
 from nexrl_hpc.trainer.packing import (
     micro_batch_ranges,
     pack_sequences,
@@ -24,7 +25,6 @@ from nexrl_hpc.trainer.packing import (
     plan_shared_prompt_micro_batches,
     prompt_keys_and_lengths,
 )
-from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
 from nexrl_hpc.types import Batch
 from tests.test_policy_trainer import trainer
 

@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nexrl_hpc.algorithm.batching import pack_trajectories
 from nexrl_hpc.checkpoint.state_file import load_state_file
+from nexrl_hpc.trainer.logprobs import response_log_probs
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.parallel import SingleProcess
-from nexrl_hpc.trainer.policy_trainer import PolicyTrainer, lr_factor, response_log_probs
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer, lr_factor
 from nexrl_hpc.trainer.worker import TrainWorker
 from nexrl_hpc.types import Batch
 from tests.conftest import compose_config
@@ -335,7 +336,7 @@ def test_loss_sums_give_the_losses_per_optimizer_step_and_the_ratios_per_token()
 def test_entropy_carries_gradient_only_for_the_bonus(tiny_model_dir: str) -> None:
     """With zero advantages the pg loss has no gradient: an update with entropy_coeff > 0 is pure
     entropy ascent (the batch's entropy rises); with 0 the entropy is built without a graph."""
-    from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
+    from nexrl_hpc.trainer.logprobs import response_log_probs_and_entropy
 
     batch = make_batch(8, seed=5)
     batch["advantages"] = torch.zeros_like(batch["advantages"])
@@ -362,7 +363,7 @@ def test_entropy_carries_gradient_only_for_the_bonus(tiny_model_dir: str) -> Non
 def test_entropy_metric_is_the_policys_mean_entropy_over_response_tokens(tiny_model_dir: str) -> None:
     """actor/entropy equals -sum p log p of the model before the update, averaged over the
     batch's response tokens (one epoch, one optimizer step: the forward is the pre-update model)."""
-    from nexrl_hpc.trainer.policy_trainer import response_log_probs_and_entropy
+    from nexrl_hpc.trainer.logprobs import response_log_probs_and_entropy
 
     eng = trainer(tiny_model_dir, ["service.train_service.actor.ppo_mini_batch_size=16"])
     batch = make_batch(16, seed=4)

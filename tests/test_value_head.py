@@ -19,8 +19,9 @@ from safetensors import safe_open
 
 from nexrl_hpc.algorithm.gae import gae_advantages, value_loss
 from nexrl_hpc.models.value_head import VALUE_HEAD_FILE
-from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY, PolicyTrainer
+from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
 from nexrl_hpc.trainer.ppo_backend import PPOBackend
+from nexrl_hpc.trainer.value_head import VALUE_QUERY
 from tests.conftest import REPO, independent_eval
 from tests.test_ppo_critic import ppo_backend, ppo_batch
 

@@ -28,7 +28,7 @@ from nexrl_hpc.inference.service import InferenceService
 from nexrl_hpc.inference.vllm_server import VLLMServer
 from nexrl_hpc.models.tiny import build_tiny_model, load_model, load_tokenizer, materialize_base_model
 from nexrl_hpc.tasks.max_digit import generate_splits
-from nexrl_hpc.trainer.policy_trainer import response_log_probs
+from nexrl_hpc.trainer.logprobs import response_log_probs
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.transport import VLLMReloadTransport, WeightSyncError
 from nexrl_hpc.weight_sync.verify import (

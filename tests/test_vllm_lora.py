@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from nexrl_hpc.config.validate import ConfigError
 from nexrl_hpc.inference.vllm_server import VLLMServer
 from nexrl_hpc.models.tiny import materialize_base_model
-from nexrl_hpc.trainer.policy_trainer import response_log_probs
+from nexrl_hpc.trainer.logprobs import response_log_probs
 from nexrl_hpc.weight_sync.transport import VLLMReloadTransport, WeightSyncError
 from nexrl_hpc.weight_sync.verify import (
     CanaryReference,

@@ -22,8 +22,8 @@ from nexrl_hpc.checkpoint.trainer_io import tied_weight_names
 from nexrl_hpc.inference.client import LLMServiceClient
 from nexrl_hpc.inference.service import InferenceService
 from nexrl_hpc.models.tiny import build_tiny_model, materialize_base_model
+from nexrl_hpc.trainer.logprobs import response_log_probs
 from nexrl_hpc.trainer.parallel import SingleProcess
-from nexrl_hpc.trainer.policy_trainer import response_log_probs
 from nexrl_hpc.trainer.weight_broadcast import broadcast_weights
 from nexrl_hpc.types import Batch
 from nexrl_hpc.weight_sync.publisher import WeightPublisher

@@ -26,7 +26,7 @@ from nexrl_hpc.inference.engine import HFEngine
 from nexrl_hpc.inference.openai_api import RequestLimits
 from nexrl_hpc.inference.server import create_app
 from nexrl_hpc.models.tiny import load_model, load_tokenizer
-from nexrl_hpc.trainer.policy_trainer import response_log_probs
+from nexrl_hpc.trainer.logprobs import response_log_probs
 from nexrl_hpc.weight_sync.verify import (
     FP32_TOLERANCE,
     HALF_TOLERANCE,

@@ -256,3 +256,65 @@ def padded_response_scores(
         model, kwargs, select, chunk_tokens, with_entropy, entropy_grad, temperature
     )
     return logp.reshape(b, r), (entropy.reshape(b, r) if entropy is not None else None)
+
+
+def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """log pi(. | prefix) over the vocabulary at every response position, [B, R, V], in fp32; pi is
+    the softmax of logits / ``temperature`` (the rollouts' sampling temperature, as verl and TRL)."""
+    r = micro["responses"].shape[1]
+    out = model(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        use_cache=False,
+        logits_to_keep=r + 1,
+    )
+    logits = out.logits[:, :-1, :].float()
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
+def response_log_probs(
+    model: Any, micro: dict[str, torch.Tensor], chunk_tokens: int = 0, temperature: float = 1.0
+) -> torch.Tensor:
+    """log pi(response token | prefix) for every response position, [B, R], in fp32;
+    ``chunk_tokens`` > 0: that many positions at a time through the LM head (``trainer.logprobs``),
+    0: the whole vocabulary materialised at once."""
+    if chunk_tokens:
+        return padded_response_scores(model, micro, chunk_tokens, False, False, temperature)[0]
+    log_p = _response_log_softmax(model, micro, temperature)
+    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def response_log_probs_and_entropy(
+    model: Any,
+    micro: dict[str, torch.Tensor],
+    entropy_grad: bool = False,
+    chunk_tokens: int = 0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_log_probs`` and the policy's entropy at each response position, both [B, R].
+    The entropy carries gradient only with ``entropy_grad`` (an entropy bonus trains on it;
+    otherwise it is only logged and its graph would cost memory for nothing)."""
+    if chunk_tokens:
+        logp, chunked_entropy = padded_response_scores(
+            model, micro, chunk_tokens, True, entropy_grad, temperature
+        )
+        assert chunked_entropy is not None
+        return logp, chunked_entropy
+    log_p = _response_log_softmax(model, micro, temperature)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_log_probs(log_p)
+    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
+
+
+def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p over the last (vocabulary) axis."""
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> float:
+    """The temperature the logits are divided by: the batch's own ``logit_temperature`` column (the
+    weight-sync canary asks for 1, as engines score prompts) or the rollouts' sampling temperature."""
+    if "logit_temperature" in part:
+        return float(part["logit_temperature"][0])
+    return float(cfg["logit_temperature"])

@@ -20,20 +20,18 @@ import copy
 import logging
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nexrl_hpc.algorithm.gae import value_loss
 from nexrl_hpc.algorithm.loss import ActorLoss, LossInputs
 from nexrl_hpc.checkpoint.trainer_io import TrainerCheckpointIO, tied_weight_names
 from nexrl_hpc.models.tiny import load_model
 from nexrl_hpc.models.value_head import VALUE_HEAD, attach_value_head, is_value_head_name
 from nexrl_hpc.trainer.backend import TrainBackend
 from nexrl_hpc.trainer.batch_plan import plan_batch
-from nexrl_hpc.trainer.logprobs import output_head, padded_response_scores
+from nexrl_hpc.trainer.logprobs import logit_temperature, response_log_probs, response_log_probs_and_entropy
 from nexrl_hpc.trainer.lora import learning_rate, lora_enabled, reference_log_probs, wrap_with_lora
 from nexrl_hpc.trainer.loss_sums import LossSums
 from nexrl_hpc.trainer.memory_metrics import peak_memory_metrics
@@ -41,101 +39,17 @@ from nexrl_hpc.trainer.packing import packed_response_log_probs_and_entropy
 from nexrl_hpc.trainer.parallel import ParallelStrategy
 from nexrl_hpc.trainer.sequence_parallel import enable_sequence_parallel, new_sequence_parallel_group
 from nexrl_hpc.trainer.strategy_factory import create_parallel_strategy
+from nexrl_hpc.trainer.value_head import (
+    NO_VALUE_HEAD,
+    VALUE_QUERY,
+    ValueHeadLoss,
+    captured_values,
+    drop_all_but_the_value_heads_gradients,
+    value_head_of_update,
+)
 from nexrl_hpc.trainer.weight_broadcast import broadcast_weights
 
 logger = logging.getLogger(__name__)
-
-
-def _response_log_softmax(model: Any, micro: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """log pi(. | prefix) over the vocabulary at every response position, [B, R, V], in fp32; pi is
-    the softmax of logits / ``temperature`` (the rollouts' sampling temperature, as verl and TRL)."""
-    r = micro["responses"].shape[1]
-    out = model(
-        input_ids=micro["input_ids"],
-        attention_mask=micro["attention_mask"],
-        position_ids=micro["position_ids"],
-        use_cache=False,
-        logits_to_keep=r + 1,
-    )
-    logits = out.logits[:, :-1, :].float()
-    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-
-
-def response_log_probs(
-    model: Any, micro: dict[str, torch.Tensor], chunk_tokens: int = 0, temperature: float = 1.0
-) -> torch.Tensor:
-    """log pi(response token | prefix) for every response position, [B, R], in fp32;
-    ``chunk_tokens`` > 0: that many positions at a time through the LM head (``trainer.logprobs``),
-    0: the whole vocabulary materialised at once."""
-    if chunk_tokens:
-        return padded_response_scores(model, micro, chunk_tokens, False, False, temperature)[0]
-    log_p = _response_log_softmax(model, micro, temperature)
-    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
-
-
-def response_log_probs_and_entropy(
-    model: Any,
-    micro: dict[str, torch.Tensor],
-    entropy_grad: bool = False,
-    chunk_tokens: int = 0,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``response_log_probs`` and the policy's entropy at each response position, both [B, R].
-    The entropy carries gradient only with ``entropy_grad`` (an entropy bonus trains on it;
-    otherwise it is only logged and its graph would cost memory for nothing)."""
-    if chunk_tokens:
-        logp, chunked_entropy = padded_response_scores(
-            model, micro, chunk_tokens, True, entropy_grad, temperature
-        )
-        assert chunked_entropy is not None
-        return logp, chunked_entropy
-    log_p = _response_log_softmax(model, micro, temperature)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_log_probs(log_p)
-    return log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1), entropy
-
-
-def logit_temperature(cfg: dict[str, Any], part: dict[str, torch.Tensor]) -> float:
-    """The temperature the logits are divided by: the batch's own ``logit_temperature`` column (the
-    weight-sync canary asks for 1, as engines score prompts) or the rollouts' sampling temperature."""
-    if "logit_temperature" in part:
-        return float(part["logit_temperature"][0])
-    return float(cfg["logit_temperature"])
-
-
-VALUE_QUERY = "value_query"  # a compute_log_prob batch holding this column asks for the value head's V
-# an update_actor batch holding this column trains the value head alone (PPO's critic warm-up): the
-# value loss, no policy loss, every gradient but the head's dropped before each step, the LR schedule
-# not advanced
-VALUE_WARMUP = "value_warmup"
-ZERO3_HEAD_WARMUP = (
-    "service.train_service.critic.warmup_steps > 0 with head_on_policy=true is not supported with "
-    "engine=deepspeed (ZeRO-3 holds the gradients in its partitions: the trunk's cannot be left out): "
-    "set critic.warmup_steps=0, or use engine=fsdp, or a value model of its own (head_on_policy=false)"
-)
-
-
-@contextlib.contextmanager
-def captured_values(model: Any, value_head: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Each forward of ``model`` in the block appends V at its response positions, ``[B, R]`` fp32:
-    the value head over the hidden states the LM head receives (the padded layout's last R + 1
-    positions; V of response token t at the position before it, where its log-prob is read). It
-    runs inside the model's forward, where a sharded engine has the head's weights gathered."""
-    values: list[torch.Tensor] = []
-
-    def value_of_head_input(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        values.append(value_head(args[0][:, :-1, :]).squeeze(-1).float())
-
-    handle = output_head(model).register_forward_pre_hook(value_of_head_input)
-    try:
-        yield values
-    finally:
-        handle.remove()
-
-
-def entropy_from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
-    """-sum_v p log p over the last (vocabulary) axis."""
-    return -(log_p.exp() * log_p).sum(-1)
 
 
 def enable_activation_checkpointing(model: Any) -> None:
@@ -374,9 +288,7 @@ class PolicyTrainer(TrainBackend):
     def _values_captured(self, micro: MicroBatch) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
         """``captured_values`` around the policy's forward (the padded layout only)."""
         if self._value_head is None:
-            raise ValueError(
-                "this trainer has no value head (service.train_service.critic.head_on_policy=false)"
-            )
+            raise ValueError(NO_VALUE_HEAD)
         if self._require_cfg()["actor"]["packing"] or micro.shared_prompts:
             raise ValueError(
                 "a value head on the policy reads the padded layout: set service.train_service.actor."
@@ -384,14 +296,6 @@ class PolicyTrainer(TrainBackend):
             )
         model = self._require_parallel().unwrap(self.model)
         return captured_values(self.model, getattr(model, VALUE_HEAD))
-
-    def _drop_all_but_the_value_heads_gradients(self) -> None:
-        """A warm-up update trains the value head alone: every other gradient is dropped before the
-        step (AdamW skips a parameter without one). After the backward, not by detaching the trunk:
-        FSDP2 then reduces the head's gradient as in any update."""
-        for name, p in self._require_parallel().unwrap(self.model).named_parameters():
-            if not is_value_head_name(name):
-                p.grad = None
 
     # --- compute (whole batch: single process, or every rank holding the whole batch) -----------
     def compute_log_prob(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -439,10 +343,7 @@ class PolicyTrainer(TrainBackend):
         loss_fn = ActorLoss.from_config(actor, cfg["algorithm"])
         assert self.optimizer is not None and self.scheduler is not None
         sums = LossSums()  # this rank's
-        value_sums = [0.0, 0.0, 0.0, 0.0] if "returns" in shard else None  # a value head's loss terms
-        value_warmup = VALUE_WARMUP in shard
-        if value_warmup and cfg["engine"] == "deepspeed":
-            raise ValueError(ZERO3_HEAD_WARMUP)
+        value_head, value_warmup = value_head_of_update(shard, self._value_head, actor, cfg["engine"])
         grad_norms: list[float] = []
         nan_skipped = 0
         mismatch_max = 0.0
@@ -461,12 +362,12 @@ class PolicyTrainer(TrainBackend):
                         sums,
                         i == passes - 1,
                         first_step=not grad_norms,
-                        value_sums=value_sums,
+                        value_head=value_head,
                         value_warmup=value_warmup,
                     )
                     mismatch_max = max(mismatch_max, mismatch)
                 if value_warmup:
-                    self._drop_all_but_the_value_heads_gradients()
+                    drop_all_but_the_value_heads_gradients(par.unwrap(self.model))
                 grad_norm, stepped = par.step(self.model, self.optimizer, actor["grad_clip"])  # global norm
                 if not stepped:
                     nan_skipped += 1
@@ -492,11 +393,8 @@ class PolicyTrainer(TrainBackend):
         }
         if "behaviour_log_probs" in shard:
             metrics["actor/logprob_mismatch_max"] = par.all_reduce_max(mismatch_max)
-        if value_sums is not None:  # as the separate critic's metrics (trainer/critic.py)
-            loss_sum, clipped, vpred, tokens = par.all_reduce_sum(value_sums)
-            metrics["critic/vf_loss"] = loss_sum / max(steps_done, 1)
-            metrics["critic/vf_clipfrac"] = clipped / max(tokens, 1.0)
-            metrics["critic/vpred_mean"] = vpred / max(tokens, 1.0)
+        if value_head is not None:  # as the separate critic's metrics (trainer/critic.py)
+            metrics.update(value_head.metrics(par, steps_done))
         for key, value in peak_memory_metrics(self.device).items():  # the largest rank's
             metrics[key] = par.all_reduce_max(value)
         return metrics
@@ -509,18 +407,18 @@ class PolicyTrainer(TrainBackend):
         sums: LossSums,
         last_in_step: bool,
         first_step: bool,
-        value_sums: list[float] | None = None,
+        value_head: ValueHeadLoss | None = None,
         value_warmup: bool = False,
     ) -> float:
         """Forward, the loss, backward of one micro-batch (its sums added when it is real); returns
         the largest |log-prob - behaviour log-prob| of its tokens in the first optimizer step (0 else).
-        ``value_sums`` (the batch has ``values`` and ``returns``): a value head on the policy trains
-        in the same backward, the loss adding ``vf_coef`` x the clipped value loss; ``value_warmup``:
-        the value loss alone (``update_actor_shard`` keeps only the head's gradients)."""
+        ``value_head`` (the batch has ``values`` and ``returns``): a value head on the policy trains
+        in the same backward, the loss adding its term; ``value_warmup``: that term alone
+        (``update_actor_shard`` keeps only the head's gradients)."""
         par = self._require_parallel()
         part = micro.tensors
         capture: contextlib.AbstractContextManager[list[torch.Tensor]] = contextlib.nullcontext([])
-        if value_sums is not None:
+        if value_head is not None:
             capture = self._values_captured(micro)
         with capture as values:
             log_prob, entropy = self._log_probs(
@@ -541,22 +439,9 @@ class PolicyTrainer(TrainBackend):
             with self._compute():
                 ref_log_prob = reference_log_probs(self.model, response_log_probs, part, chunk, temperature)
         loss, terms = loss_fn(LossInputs(log_prob, entropy, part, normalizer, ref_log_prob))
-        if value_sums is not None:
-            head = self._value_head
-            assert head is not None
-            v_loss, stats = value_loss(
-                values[-1],
-                part["values"],
-                part["returns"],
-                part["response_mask"],
-                head["cliprange_value"],
-                cfg["actor"]["loss_agg_mode"],
-                normalizer,
-            )
-            loss = head["vf_coef"] * v_loss if value_warmup else loss + head["vf_coef"] * v_loss
-            if micro.real:
-                terms_v = (v_loss.detach(), stats["vf_clipfrac_sum"], stats["vpred_sum"], stats["tokens"])
-                value_sums[:] = [a + float(b) for a, b in zip(value_sums, terms_v)]
+        if value_head is not None:
+            value_term = value_head(values[-1], part, normalizer, micro.real)
+            loss = value_term if value_warmup else loss + value_term
         weight = par.loss_scale() if micro.real else 0.0  # a stand-in pass adds nothing
         # a non-finite loss shows up in the grad norm of the step
         par.backward(self.model, loss * weight, last_in_step=last_in_step)

@@ -26,7 +26,7 @@ from nexrl_hpc.algorithm.gae import gae_advantages
 from nexrl_hpc.config.schema import RLTrainConfig
 from nexrl_hpc.trainer.backend import TrainBackend, UpdateInFlight, _DoneUpdate
 from nexrl_hpc.trainer.critic import VALUE_INPUTS, critic_batch, critic_service_config
-from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY, VALUE_WARMUP
+from nexrl_hpc.trainer.value_head import VALUE_QUERY, VALUE_WARMUP
 
 CRITIC_DIR = "critic"
 UPDATES_FILE = "updates.json"  # the critic's update count (its warm-up's progress)

@@ -23,7 +23,8 @@ def run(
     model_dir: str, engine: str, world_size: int, warm_up: bool
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
     from nexrl_hpc.algorithm.gae import gae_advantages, last_token_rewards
-    from nexrl_hpc.trainer.policy_trainer import VALUE_QUERY, VALUE_WARMUP, PolicyTrainer
+    from nexrl_hpc.trainer.policy_trainer import PolicyTrainer
+    from nexrl_hpc.trainer.value_head import VALUE_QUERY, VALUE_WARMUP
     from nexrl_hpc.trainer.worker import train_service_config
     from tests.conftest import compose_config
     from tests.test_policy_trainer import make_batch
