@@ -70,6 +70,34 @@ def test_values_are_the_head_over_the_last_hidden_state_before_each_response_tok
     assert not torch.allclose(logp, got)
 
 
+def test_a_tied_bpe_model_with_a_padded_vocabulary_takes_the_head_and_exports_the_policy_alone(
+    chatml_padded_model_dir: str, tmp_path: Path
+) -> None:
+    """What users bring: a Qwen2 directory with tied embeddings, GQA, a byte-level BPE tokenizer and
+    more embedding rows than tokens."""
+    backend, actor = head_backend(chatml_padded_model_dir)
+    assert actor.model.config.tie_word_embeddings
+    batch = ppo_batch(4)
+    r = batch["responses"].shape[1]
+    with torch.no_grad():
+        hidden = actor.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            output_hidden_states=True,
+        ).hidden_states[-1]
+        want = actor.model.value_head(hidden[:, -r - 1 : -1, :]).squeeze(-1)
+    assert torch.allclose(values_of(actor, batch), want, atol=1e-6)
+    backend.update_actor({"batch": batch, "meta_info": {}})
+    actor.export_weights(str(tmp_path / "export"))
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"] and loaded.config.tie_word_embeddings
+    live = actor.model.model.embed_tokens.weight
+    assert torch.equal(loaded.model.embed_tokens.weight, live) and torch.equal(loaded.lm_head.weight, live)
+
+
 def test_the_actors_update_trains_the_head_on_the_clipped_value_loss_and_engines_never_get_it(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
