@@ -43,6 +43,20 @@ def values_of(actor: PolicyTrainer, batch: dict[str, torch.Tensor]) -> torch.Ten
     return actor.compute_log_prob({"batch": query})["batch"]["old_log_probs"]
 
 
+@torch.no_grad()
+def head_over_the_last_hidden_state(actor: PolicyTrainer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The expected V, computed apart from the trainer: the head over transformers' last hidden
+    state (after the final norm) at the position before each response token."""
+    r = batch["responses"].shape[1]
+    out = actor.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        output_hidden_states=True,
+    )
+    return actor.model.value_head(out.hidden_states[-1][:, -r - 1 : -1, :]).squeeze(-1)
+
+
 def weights(actor: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
 
@@ -54,15 +68,7 @@ def test_values_are_the_head_over_the_last_hidden_state_before_each_response_tok
     _, actor = head_backend(tiny_model_dir, [f"service.train_service.logprob_chunk_tokens={chunk_tokens}"])
     batch = ppo_batch(3)
     got = values_of(actor, batch)
-    r = batch["responses"].shape[1]
-    with torch.no_grad():
-        out = actor.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            output_hidden_states=True,
-        )
-        want = actor.model.value_head(out.hidden_states[-1][:, -r - 1 : -1, :]).squeeze(-1)
+    want = head_over_the_last_hidden_state(actor, batch)
     assert got.shape == batch["responses"].shape
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     # log-probs are unchanged by the head: no value column, no values
@@ -78,15 +84,7 @@ def test_a_tied_bpe_model_with_a_padded_vocabulary_takes_the_head_and_exports_th
     backend, actor = head_backend(chatml_padded_model_dir)
     assert actor.model.config.tie_word_embeddings
     batch = ppo_batch(4)
-    r = batch["responses"].shape[1]
-    with torch.no_grad():
-        hidden = actor.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            output_hidden_states=True,
-        ).hidden_states[-1]
-        want = actor.model.value_head(hidden[:, -r - 1 : -1, :]).squeeze(-1)
+    want = head_over_the_last_hidden_state(actor, batch)
     assert torch.allclose(values_of(actor, batch), want, atol=1e-6)
     backend.update_actor({"batch": batch, "meta_info": {}})
     actor.export_weights(str(tmp_path / "export"))
