@@ -48,9 +48,17 @@ def test_the_preset_runs_the_default_task(preset: str, tmp_path: Path) -> None:
     steps = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert [r["step"] for r in rows if "val/accuracy" in r] == [0, STEPS]
-    for r in steps:
+    # PPO's preset trains the critic alone for its first `critic.warmup_steps` steps
+    warmup = expected["service"]["train_service"]["critic"]["warmup_steps"] if preset == "ppo" else 0
+    assert warmup < STEPS
+    assert [r["step"] for r in steps if r.get("critic/warmup") == 1.0] == list(range(1, warmup + 1))
+    for r in steps[:warmup]:
+        assert r["actor/optimizer_steps"] == 0 and math.isfinite(r["critic/vf_loss"]), r
+    for r in steps[warmup:]:
         assert r["actor/nan_skipped"] == 0 and r["actor/optimizer_steps"] >= 1, r
         assert math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]), r
+    if preset == "ppo":
+        assert all(math.isfinite(r["critic/vf_loss"]) for r in steps), steps
     if preset == "dapo":  # dynamic sampling dropped dull groups and still filled every batch
         assert sum(r["train/filtered_groups"] for r in steps) > 0
         assert all(
