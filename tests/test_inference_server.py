@@ -135,6 +135,61 @@ def test_prompt_as_token_ids(server: LocalInferenceServer) -> None:
     assert (resp.choices[0].model_extra or {})["prompt_token_ids"] == [1, 5, 6, 7]
 
 
+def generate(server: LocalInferenceServer, body: dict[str, Any]) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    return httpx.post(f"{server.base_url}/inference/v1/generate", json=body, headers=headers, timeout=60)
+
+
+def test_token_in_token_out_generate_answers_in_vllms_shape_with_the_engines_logprobs(
+    server: LocalInferenceServer, chat_model_dir: str
+) -> None:
+    """vLLM's ``/inference/v1/generate``, which verifiers' training client (``renderers``) calls:
+    token ids in; each sample's token ids and log-probs out, the log-probs the model's own."""
+    prompt = [1, 5, 6, 7, 8]
+    sampling = {"max_tokens": 6, "temperature": 1.0, "logprobs": 1, "n": 2, "seed": 11}
+    sampling |= {"stop_token_ids": [2], "skip_special_tokens": False}
+    body = {"model": "policy", "token_ids": prompt, "sampling_params": sampling, "return_token_ids": True}
+    r = generate(server, body | {"request_id": "req-1"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["request_id"] == "req-1" and out["prompt_token_ids"] == prompt
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice in out["choices"]:
+        ids, content = choice["token_ids"], choice["logprobs"]["content"]
+        assert 1 <= len(ids) <= 6 and choice["finish_reason"] in ("stop", "length")
+        assert [e["token_id"] for e in content] == ids  # vLLM's key
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]  # renderers' key
+        expected = hf_logprobs(chat_model_dir, prompt, ids)
+        assert max(abs(e["logprob"] - x) for e, x in zip(content, expected)) < 1e-4
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    again = generate(server, body).json()  # the same seed: the same samples
+    assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in out["choices"]]
+    assert again["request_id"] != "req-1" and again["choices"][0]["token_ids"]
+    plain = generate(server, {"token_ids": prompt, "sampling_params": {"max_tokens": 3}}).json()
+    assert plain["choices"][0]["logprobs"] is None and "prompt_token_ids" not in plain
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"sampling_params": {"repetition_penalty": 1.1}}, "sampling_params.repetition_penalty"),
+        ({"sampling_params": {"logprobs": 5}}, "sampling_params.logprobs"),
+        ({"sampling_params": {"top_k": 20}}, "sampling_params.top_k"),
+        ({"output_mode": "text"}, "output_mode"),
+        ({"stream": True}, "stream"),
+        ({"features": {}}, "features"),
+        ({"token_ids": []}, "token_ids"),
+        ({"token_ids": [1, 10**6]}, "outside the model's vocabulary"),
+        ({"sampling_params": {"n": 10**4}}, "max_n"),
+    ],
+)
+def test_generate_refuses_what_it_does_not_do_by_name(
+    server: LocalInferenceServer, body: dict[str, Any], named: str
+) -> None:
+    r = generate(server, {"token_ids": [1, 5, 6]} | body)
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+
+
 def test_chat_completion_applies_template_and_returns_ids(server: LocalInferenceServer) -> None:
     resp = oai(server).chat.completions.create(
         model="policy",
@@ -154,6 +209,8 @@ def test_requests_without_the_key_are_refused(server: LocalInferenceServer) -> N
     with pytest.raises(openai.AuthenticationError):
         oai(server, key="wrong").completions.create(model="policy", prompt="a", max_tokens=1)
     r = httpx.post(f"{server.base_url}/update_weights_from_disk", json={"model_path": "/tmp"})
+    assert r.status_code == 401
+    r = httpx.post(f"{server.base_url}/inference/v1/generate", json={"token_ids": [1]})
     assert r.status_code == 401
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +64,41 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None  # the request's own sampling stream (reproducible, as vLLM's)
 
 
+class TokenSamplingParams(BaseModel):
+    """``sampling_params`` of vLLM's token-in/token-out ``/inference/v1/generate``: what this
+    server samples with, plus vLLM's fields that only shape text (accepted, no effect on tokens).
+    Any other vLLM sampling field is refused by name, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int | None = Field(default=16, ge=1)  # vLLM's default; None: up to the context
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=0)  # 0 or -1: every token (vLLM's "off")
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's; no top candidates
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class GenerateRequest(BaseModel):
+    """vLLM's ``/inference/v1/generate`` (token ids in, token ids out), as far as this server goes:
+    one prompt of token ids, ``output_mode`` "tokens", no streaming, no multimodal features."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str | None = None
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: TokenSamplingParams = Field(default_factory=TokenSamplingParams)
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens"] = "tokens"
+    stream: Literal[False] | None = False
+    cache_salt: str | None = None  # a prefix-cache salt: this server has no prefix cache
+    priority: Literal[0] = 0
+
+
 class UpdateWeightsRequest(BaseModel):
     model_path: str
     load_format: str | None = None
@@ -84,6 +119,15 @@ def error_response(status: int, message: str, err_type: str = "BadRequestError")
 
 def _json(payload: dict[str, Any]) -> Response:
     return Response(content=json.dumps(payload, separators=(",", ":")), media_type="application/json")
+
+
+def _token_id_logprobs(out: GenerationOutput) -> list[dict[str, Any]]:
+    """Each sampled token's log-prob, named by id as vLLM's generate route (``token_id``) and as
+    ``renderers`` reads it (``token``: "token_id:N"); no top candidates."""
+    return [
+        {"token_id": t, "token": f"token_id:{t}", "logprob": lp, "rank": None, "top_logprobs": []}
+        for t, lp in zip(out.token_ids, out.logprobs)
+    ]
 
 
 class OpenAIApi:
@@ -298,6 +342,39 @@ class OpenAIApi:
         payload = self.envelope("chatcmpl", "chat.completion", choices, len(prompt), outputs)
         if req.return_token_ids:
             payload["prompt_token_ids"] = list(prompt)
+        return _json(payload)
+
+    async def generate(self, req: GenerateRequest) -> Response:
+        """One prompt's token ids in, each sample's token ids (and their log-probs) out, in vLLM's
+        ``GenerateResponse`` shape. Each log-prob entry names its token both as vLLM does
+        (``token_id``) and as ``renderers`` (verifiers' training client) reads it (``token``:
+        "token_id:N"), so either client parses the answer."""
+        sp = req.sampling_params
+        if problem := self.over_limits(sp.n, 1):
+            return error_response(400, problem)
+        prompt = list(req.token_ids)
+        params = SamplingParams(
+            max_tokens=sp.max_tokens or max(self.engine.max_model_len - len(prompt), 1),
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            n=sp.n,
+            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            seed=sp.seed,
+        )
+        try:
+            outputs = await self.run([prompt], params)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        choices: list[dict[str, Any]] = []
+        for index, out in enumerate(outputs):
+            logprobs = None if sp.logprobs is None else {"content": _token_id_logprobs(out)}
+            choice = {"index": index, "finish_reason": out.finish_reason, "stop_reason": None}
+            choices.append({**choice, "token_ids": out.token_ids, "logprobs": logprobs})
+        payload = self.envelope("gen", "generate", choices, len(prompt), outputs)
+        payload["request_id"] = req.request_id or payload.pop("id")
+        payload["output_mode"] = "tokens"
+        if req.return_token_ids:
+            payload["prompt_token_ids"] = prompt
         return _json(payload)
 
     async def update_weights_from_broadcast(self, req: BroadcastWeightsRequest) -> Response:

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server around ``HFEngine`` (FastAPI + uvicorn).
 
 Request and response fields follow vLLM's so one client talks to both: ``return_token_ids`` adds
-``prompt_token_ids``/``token_ids`` per choice, ``logprobs`` gives ``token_logprobs``. Weights reload
-through SGLang's ``/update_weights_from_disk``. Every endpoint but ``/health`` requires the bearer
-key from ``NEXRL_INFERENCE_API_KEY`` when it is set. Binds to the given host (loopback by default).
+``prompt_token_ids``/``token_ids`` per choice, ``logprobs`` gives ``token_logprobs``; vLLM's
+token-in/token-out ``/inference/v1/generate`` is served too (``OpenAIApi.generate``). Weights
+reload through SGLang's ``/update_weights_from_disk``. Every endpoint but ``/health`` requires the
+bearer key from ``NEXRL_INFERENCE_API_KEY`` when it is set. Binds to the given host (loopback by
+default).
 
 What one request may cost is bounded (``RequestLimits``, from ``service.inference_service.local``):
 its body size (checked after the key, before a byte of the body is buffered past the cap), ``n``,
@@ -49,6 +51,7 @@ from nexrl_hpc.inference.openai_api import (
     BroadcastWeightsRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateRequest,
     OpenAIApi,
     RequestLimits,
     UpdateWeightsRequest,
@@ -162,6 +165,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         return await api.chat_completions(req)
+
+    @app.post("/inference/v1/generate")
+    async def generate(req: GenerateRequest) -> Response:
+        return await api.generate(req)
 
     @app.post("/update_weights_from_broadcast")
     async def update_weights_from_broadcast(req: BroadcastWeightsRequest) -> Response:
