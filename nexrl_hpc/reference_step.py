@@ -86,6 +86,7 @@ def reference_step(config: RLTrainConfig, model_dir: str | None = None) -> Refer
     rows = rows[: data["batch_size"]]
 
     # 3. Sample a group of rollout_repeat_n responses per prompt and score each with the task's reward.
+    assert rollout["reward_fn"] is not None, "the reference step scores with the task's reward"
     reward = load_rewards(
         rollout["reward_fn"],
         rollout["reward_weights"],

@@ -36,6 +36,7 @@ LAYERS = [
     "data",
     "rewards",
     "agents",
+    "hub",
     "tasks",
     "weight_sync",
     "scheduler",

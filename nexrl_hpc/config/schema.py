@@ -64,7 +64,7 @@ class ReasoningGymConfig(TypedDict):
 
 
 class DataConfig(TypedDict):
-    type: Literal["task", "jsonl", "parquet", "hf", "reasoning_gym"]
+    type: Literal["task", "jsonl", "parquet", "hf", "reasoning_gym", "verifiers"]
     split: str  # the split of an HF DatasetDict folder (type=hf)
     data_files: list[str]
     hf_builder: str | None  # type=hf data files: the datasets builder; null: from the file extension
@@ -120,8 +120,21 @@ class SandboxConfig(TypedDict):
     python_executable: str | None  # null: the run's interpreter
 
 
+class VerifiersRolloutConfig(TypedDict):
+    """rollout_worker.type=verifiers: a verifiers environment's episodes (nexrl_hpc.hub)."""
+
+    python: str | None  # the verifiers venv's python; null: scripts/install_verifiers.sh's
+    taskset: dict  # {id: the taskset's package id, ...its TasksetConfig fields}
+    harness: dict  # {id: nexrl_chat | a verifiers harness id, ...its HarnessConfig fields}
+    renderer: dict | None  # renderers' RendererConfig ({name: default, ...}); null: verifiers' auto
+    python_path: list[str]
+    max_concurrent: Annotated[int, Ge(1)]
+    start_timeout_s: Annotated[float, Gt(0.0)]
+    val_size: Annotated[int, Ge(0)]
+
+
 class RolloutWorkerConfig(TypedDict):
-    type: Literal["simple", "single_turn", "agent"]
+    type: Literal["simple", "single_turn", "agent", "verifiers"]
     num_workers: Annotated[int, Ge(1)]
     max_concurrency: Annotated[int, Ge(1)]
     fetch_size: Annotated[int, Ge(1)]  # tasks taken from the loader per call (spreads a batch over workers)
@@ -131,7 +144,8 @@ class RolloutWorkerConfig(TypedDict):
     max_response_length: Annotated[int, Ge(1)]
     # "module:function" or "file.py:function" (nexrl_hpc.rewards.loader: accepted signatures), or a list
     # of them (TRL's reward_funcs; type=single_turn), summed with reward_weights; null: an error naming it
-    reward_fn: str | list[str]
+    # null: only with type=verifiers (the environment's rubric scores); any other rollout needs one
+    reward_fn: str | list[str] | None
     reward_weights: list[float] | None  # one per reward_fn entry (TRL's reward_weights); null: 1 each
     reward_timeout_s: Annotated[float, Gt(0.0)]  # a longer reward call scores 0 (reward/timeouts)
     reward_threads: Annotated[int, Ge(1)]  # threads scoring responses off the worker's event loop
@@ -140,6 +154,7 @@ class RolloutWorkerConfig(TypedDict):
     max_reward_error_frac: Annotated[float, Ge(0.0), Le(1.0)]
     val_kwargs: ValKwargs
     agent: AgentRolloutConfig
+    verifiers: VerifiersRolloutConfig
     sandbox: SandboxConfig
     long_poll_s: Annotated[
         float, Gt(0.0)

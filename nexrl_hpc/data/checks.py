@@ -154,17 +154,18 @@ class _PromptMeasure:
         return prompt_length(self.tokenizer, prompt, self.apply_template, self.add_generation), ""
 
 
+GENERATED = ("task", "reasoning_gym", "verifiers")  # data.type values whose rows the run writes
+
+
 def data_files_problems(cfg: Mapping) -> list[ConfigProblem]:
     """Data read from files names at least one file (task and reasoning-gym data are generated)."""
     g = lambda p: config_value(cfg, p)  # noqa: E731
     return rule_problems(
-        lambda: g("data.type") in ("task", "reasoning_gym") or len(g("data.data_files")) > 0,
+        lambda: g("data.type") in GENERATED or len(g("data.data_files")) > 0,
         "data.data_files",
         f"data.type={g_safe(cfg, 'data.type')} needs at least one file",
     ) + rule_problems(
-        lambda: (
-            g("validate.data.type") in ("task", "reasoning_gym") or len(g("validate.data.data_files")) > 0
-        ),
+        lambda: g("validate.data.type") in GENERATED or len(g("validate.data.data_files")) > 0,
         "validate.data.data_files",
         f"validate.data.type={g_safe(cfg, 'validate.data.type')} needs at least one file",
     )

@@ -94,8 +94,9 @@ class LoadedRows:
 
 def prompt_length_filter(config: RLTrainConfig) -> tuple[Any, int | None]:
     """(tokenizer, max_prompt_length) the loaders filter prompts with, or (None, None): an agent
-    workflow builds its own turn prompts and ends an episode whose prompt grows too long itself."""
-    if config["rollout_worker"]["type"] == "agent":
+    workflow (or a verifiers environment) builds its own turn prompts and ends an episode whose
+    prompt grows too long itself."""
+    if config["rollout_worker"]["type"] in ("agent", "verifiers"):
         return None, None
     from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 

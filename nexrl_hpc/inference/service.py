@@ -35,6 +35,8 @@ class InferenceService(NexRLModule):
         self._train = config["service"]["train_service"]
         self._attn = config["model"]["attn_implementation"]
         self._runtime = config["runtime"]
+        # a verifiers environment's training client calls vLLM's token-in/token-out route
+        self._token_route = config["rollout_worker"]["type"] == "verifiers"
         self._model_dir = model_dir
         self._run_dir = run_dir
         self._server: VLLMServer | LocalInferenceServer | None = None
@@ -78,6 +80,7 @@ class InferenceService(NexRLModule):
                 keep_alive_s=self._runtime["rpc"]["preauth_timeout_s"],
                 weight_broadcast=self._broadcast,
                 lora_max_rank=self._lora_max_rank,
+                token_route=self._token_route,
             )
             self._server.launch()
             return

@@ -96,6 +96,7 @@ class VLLMServer:
         keep_alive_s: float = 5.0,
         weight_broadcast: bool = False,
         lora_max_rank: int = 0,
+        token_route: bool = False,
     ):
         self.model_dir = model_dir
         self.config = config
@@ -112,6 +113,9 @@ class VLLMServer:
             weight_broadcast  # weight.transport=broadcast: the run's weight-transfer engine
         )
         self.lora_max_rank = lora_max_rank  # > 0: adapters up to this rank, one at a time
+        # /inference/v1/generate (token ids in and out; verifiers' training client): vLLM serves it
+        # only with --enable-scale-out, behind the guard's key like every other route
+        self.token_route = token_route
         self.listed_name = base_model_name(served_model_name, lora_max_rank > 0)  # up when it lists this
 
     def command(self, port: int, host: str | None = None) -> list[str]:
@@ -155,6 +159,8 @@ class VLLMServer:
             cmd += ["--tensor-parallel-size", str(cfg["tensor_parallel_size"])]
         if cfg["gpu_memory_utilization"] is not None:  # the config check allows it only with device=cuda
             cmd += ["--gpu-memory-utilization", str(cfg["gpu_memory_utilization"])]
+        if self.token_route:
+            cmd += ["--enable-scale-out"]
         return cmd + [str(a) for a in cfg["extra_args"]]
 
     def environment(self, base: dict[str, str], guard_dir: str) -> dict[str, str]:

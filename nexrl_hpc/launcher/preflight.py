@@ -87,7 +87,7 @@ def task_reward_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
     with an explicit ``task=<name>``), so it is refused naming the key (each such entry of a list)."""
     data_type = config["data"]["type"]
     configured = config["rollout_worker"]["reward_fn"]
-    if data_type == "task":
+    if data_type == "task" or config["rollout_worker"].get("type") == "verifiers":  # verifiers: its rubric
         return []
     several = isinstance(configured, list)
     problems = []

@@ -1,12 +1,13 @@
 """The reward functions' config checks: each configured reward function imports and has a known
 calling convention (``rewards.loader.reward_problems``); a list of them (with ``reward_weights`` of
-its length) is for the single-turn worker."""
+its length) is for the single-turn worker; none (null) only for a verifiers environment, whose rubric
+scores."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nexrl_hpc.config.validate import ConfigError, ConfigProblem, g_safe
+from nexrl_hpc.config.validate import REQUIRED_VALUE_HINTS, ConfigError, ConfigProblem, g_safe
 from nexrl_hpc.rewards.loader import reward_problems
 
 KEY = "rollout_worker.reward_fn"
@@ -16,6 +17,12 @@ WEIGHTS_KEY = "rollout_worker.reward_weights"
 def reward_config_problems(cfg: Mapping) -> list[ConfigProblem]:
     """The rollout's reward function(s), and the task's when it names another one."""
     spec = g_safe(cfg, KEY)
+    if spec is None and g_safe(cfg, "rollout_worker.type") != "verifiers":
+        return [
+            ConfigProblem(
+                KEY, f"not set (null), expected string or list of string: {REQUIRED_VALUE_HINTS[KEY]}"
+            )
+        ]
     if isinstance(spec, str) or spec is None:
         problems = reward_problems(cfg, KEY)
         weights = g_safe(cfg, WEIGHTS_KEY)

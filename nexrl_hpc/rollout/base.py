@@ -51,7 +51,8 @@ def runs_model_code(rw: RolloutWorkerConfig) -> bool:
     python tool): such a run checks the sandbox's isolation at start-up."""
     agent = rw["agent"]
     specs = rw["reward_fn"]
-    rewards = [*([specs] if isinstance(specs, str) else specs), str(agent["env_args"].get("reward_fn") or "")]
+    configured = [specs] if isinstance(specs, str) else (specs or [])
+    rewards = [*configured, str(agent["env_args"].get("reward_fn") or "")]
     tools = [*agent["tools"], *(str(v) for v in agent["tool_map"].values())]
     return any("nexrl_hpc.agents.rewards.code" in r for r in rewards) or (
         rw["type"] == "agent" and any(t == "python" or t.endswith(":PythonTool") for t in tools)

@@ -20,4 +20,8 @@ def rollout_worker_class(config: RLTrainConfig) -> type[BaseRolloutWorker]:
         from nexrl_hpc.rollout.agent import AgentRolloutWorker
 
         return AgentRolloutWorker
+    if kind == "verifiers":
+        from nexrl_hpc.rollout.verifiers import VerifiersRolloutWorker
+
+        return VerifiersRolloutWorker
     raise ValueError(f"rollout_worker.type={kind!r} is not a known worker")

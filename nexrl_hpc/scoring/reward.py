@@ -73,6 +73,7 @@ def run_reward(config: RLTrainConfig) -> tuple[Reward | RewardSet, ModelReward |
     """The single-turn worker's reward (``rollout_worker.reward_fn``, with the model reward as
     ``reward_model.combine`` says) and the model reward itself (None when ``reward_model.type`` is null)."""
     rw, rm = config["rollout_worker"], config["reward_model"]
+    assert rw["reward_fn"] is not None  # rewards.checks: null only for a verifiers rollout
     functions = load_rewards(rw["reward_fn"], rw["reward_weights"], KEY, WEIGHTS_KEY)
     if rm["type"] is None:
         return functions, None

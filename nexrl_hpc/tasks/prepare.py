@@ -2,7 +2,8 @@
 
 ``data.type=task`` writes the task generator's splits (``train.jsonl``, ``validation.jsonl``);
 ``data.type=reasoning_gym`` writes the rows the reasoning-gym package generates (validation rows
-repeating a training prompt left out); ``data.type=jsonl|parquet|hf`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
+repeating a training prompt left out); ``data.type=verifiers`` the tasks of the verifiers taskset
+(its last ``rollout_worker.verifiers.val_size`` for validation); ``data.type=jsonl|parquet|hf`` uses the configured files. Either way ``<run_dir>/data/validation.jsonl``
 ends up holding the validation set the run uses (after the loader's long-prompt filter), with
 ``prompt`` (a string or chat messages) and ``answer`` (the ground truth of ``answer_key``) fields.
 """
@@ -48,6 +49,14 @@ def prepare_datasets(config: RLTrainConfig, run_dir: str) -> tuple[list[str], li
         _write_jsonl(train_path, train_rows)
         val_rows = reasoning_gym_rows(config["validate"]["data"]["reasoning_gym"])
         _write_jsonl(val_copy, without_overlap(val_rows, train_rows))
+        return [train_path], [val_copy]
+    if config["data"]["type"] == "verifiers":
+        from nexrl_hpc.hub.verifiers_env import taskset_rows
+
+        train_rows, val_rows = taskset_rows(config, os.path.join(run_dir, "logs", "verifiers_tasks.log"))
+        train_path = os.path.join(data_dir, "train.jsonl")
+        _write_jsonl(train_path, train_rows)
+        _write_jsonl(val_copy, val_rows)
         return [train_path], [val_copy]
     train_files = list(config["data"]["data_files"])
     val_files = list(config["validate"]["data"]["data_files"])
