@@ -179,16 +179,12 @@ def test_a_verifiers_run_needs_no_reward_function() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", ["local", "vllm"])
-def test_a_verifiers_taskset_trains_through_the_adapter(backend: str, tmp_path: Path) -> None:
-    """vLLM serves the token route with --enable-scale-out (the run adds it), its log-prob entries
-    named by ``token_id`` (the worker gives them renderers' ``token`` name)."""
+def test_a_single_turn_taskset_trains_through_the_adapter(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     steps = 3
     proc = run_train(
         [
             *VERIFIERS,
-            f"service.inference_service.backend={backend}",
             "rollout_worker.verifiers.val_size=16",
             "data.batch_size=8",
             "data.rollout_repeat_n=4",
@@ -215,3 +211,102 @@ def test_a_verifiers_taskset_trains_through_the_adapter(backend: str, tmp_path: 
     validations = [r for r in rows if "val/num_samples" in r]
     assert [(r["step"], r["val/num_samples"]) for r in validations] == [(0, 16), (steps, 16)]
     assert (run_dir / "logs" / "verifiers_rollout_worker.log").exists()
+
+
+LOOKUP = {"a": "3", "b": "7", "c": "1", "d": "5", "e": "0", "f": "6", "g": "2", "h": "4"}  # nexrl_lookup's
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.helpers.tool_call_model import build_tool_call_model
+
+    return str(build_tool_call_model(tmp_path_factory.mktemp("tool_model") / "model", LOOKUP))
+
+
+def lookup_overrides(model_dir: str, run_dir: Path) -> list[str]:
+    return [
+        "task=max_digit",
+        "rollout_worker.type=verifiers",
+        "data.type=verifiers",
+        "rollout_worker.verifiers.taskset.id=nexrl_lookup",
+        f"rollout_worker.verifiers.python_path=[{ENVS}]",
+        "rollout_worker.verifiers.renderer.tool_parser=qwen3",  # <tool_call>{json}</tool_call>
+        f"model.path={model_dir}",
+        "rollout_worker.max_response_length=64",  # per turn: the call is 45 tokens
+        "rollout_worker.max_prompt_length=64",
+        f"run_dir={run_dir}",
+    ]
+
+
+def test_a_multi_turn_episode_calls_the_environments_tool_and_trains_only_the_models_tokens(
+    tool_model: str, tmp_path: Path
+) -> None:
+    """Turn 1 calls the taskset's MCP tool, turn 2 answers with its result; one sequence: the
+    model's tokens trained with the engine's log-probs, the tool's result masked."""
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = compose_config(lookup_overrides(tool_model, tmp_path))
+    local = cfg["service"]["inference_service"]["local"]
+    server = LocalInferenceServer(
+        tool_model, local, str(tmp_path / "logs"), cfg["service"]["inference_service"]["model"]
+    )
+    server.start()
+    try:
+        env = start_env(cfg, server, tmp_path / "worker.log")
+        try:
+            greedy = {"temperature": 0.0, "max_tokens": 64}
+            record = env.request("episode", task_index=0, sampling=greedy).result(timeout=120)["episode"]
+        finally:
+            env.close()
+    finally:
+        server.stop()
+    (trace,) = record["traces"]
+    assert trace["finish_reasons"] == ["tool_calls", "stop"] and len(trace["branches"]) == 1
+    assert trace["metrics"]["tool_calls"] == 1.0 and trace["reward"] == 1.0  # task 0: key "a" -> "3"
+    trajectory = episode_trajectory(record)
+    assert trajectory is not None and trajectory["scores"]["context_mismatch"] == 0.0
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tool_model)
+    text = tokenizer.decode(trajectory["prompt_ids"] + trajectory["response_ids"])
+    assert text == 'a<tool_call>{"name":"lookup","arguments":{"key":"a"}}</tool_call></s>=33</s>'
+    mask = trajectory["loss_mask"]
+    result = len(tokenizer.encode("=3", add_special_tokens=False))
+    assert mask == [1] * (len(mask) - result - 2) + [0] * result + [1, 1]  # call+EOS, "=3", "3"+EOS
+    ids = trajectory["prompt_ids"] + trajectory["response_ids"]
+    model = load_model(tool_model).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    start = len(trajectory["prompt_ids"])
+    for i, (m, got) in enumerate(zip(mask, trajectory["behaviour_log_probs"])):
+        if m:  # each sampled token: the engine's log-prob of it, at greedy the model's own
+            assert abs(got - lp[start + i - 1, ids[start + i]].item()) < 1e-4
+
+
+@pytest.mark.e2e
+def test_a_multi_turn_taskset_with_a_tool_trains_through_the_adapter_on_vllm(
+    tool_model: str, tmp_path: Path
+) -> None:
+    """vLLM serves the token route with --enable-scale-out (the run adds it), its log-prob entries
+    named by ``token_id`` (the worker gives them renderers' ``token`` name)."""
+    run_dir = tmp_path / "run"
+    steps = 2
+    proc = run_train(
+        [
+            *lookup_overrides(tool_model, run_dir),
+            "service.inference_service.backend=vllm",
+            "rollout_worker.verifiers.val_size=8",
+            "data.batch_size=4",
+            "data.rollout_repeat_n=4",
+            f"train_worker.total_train_steps={steps}",
+            f"validate.eval.validate_freq={steps}",
+            "logger.backend=[]",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert trained[0]["train/verifiers/metric/tool_calls"] > 0.5  # the warmed-up model calls the tool
+    for r in trained:
+        assert r["train/reward_mean"] == r["train/verifiers/reward/answered_the_value"], r
+        assert r["train/logprob_mismatch_max"] <= 1e-4, r  # every sampled id, every turn: vLLM's
+    assert [r["val/num_samples"] for r in rows if "val/num_samples" in r] == [8, 8]

@@ -240,7 +240,10 @@ def worker_init(config: RLTrainConfig, base_url: str | None) -> dict[str, Any]:
     return {
         "taskset": dict(cfg["taskset"]),
         "harness": dict(cfg["harness"]),
-        "renderer": None if cfg["renderer"] is None else dict(cfg["renderer"]),
+        # a null field is left out: renderers' config of another family may not have it
+        "renderer": None
+        if cfg["renderer"] is None
+        else {k: v for k, v in cfg["renderer"].items() if v is not None},
         "python_path": [os.path.abspath(p) for p in cfg["python_path"]],
         "max_concurrent": cfg["max_concurrent"],
         "model": config["service"]["inference_service"]["model"],

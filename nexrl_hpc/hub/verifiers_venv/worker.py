@@ -133,8 +133,13 @@ def _is_number(value: Any) -> bool:
 
 
 async def serve(init: dict[str, Any], answers: Answers) -> None:
-    for path in reversed(init.get("python_path") or []):
+    paths = list(init.get("python_path") or [])
+    for path in reversed(paths):
         sys.path.insert(0, path)
+    if paths:  # the environment's tool servers run as `python -m <module>` in child processes
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
     import verifiers
     import verifiers.v1 as vf
     from pydantic import TypeAdapter
