@@ -1,5 +1,9 @@
 """A verifiers (v1) environment trained through the adapter (``rollout_worker.type=verifiers``).
 
+Each taskset trains on both engines: the local server answers the token route itself; vLLM serves
+it with --enable-scale-out (the run adds it) and names each log-prob's token ``token_id``, which the
+worker gives renderers' ``token`` name.
+
 The environment is written as a user writes one for the hub (tests/helpers/verifiers_envs/), runs in
 verifiers' own venv (``scripts/install_verifiers.sh``, installed by the README's test command) and
 calls the run's engine through verifiers' own training client, which renders each conversation and
@@ -163,6 +167,7 @@ def test_a_broken_environment_or_a_dead_worker_is_an_error_naming_it(
             "rollout_worker.verifiers.python_path[0]",
             "not a directory",
         ),
+        ([*VERIFIERS, "rollout_worker.verifiers.val_size=0"], "rollout_worker.verifiers.val_size", ">= 1"),
         (["rollout_worker.reward_fn=null"], "rollout_worker.reward_fn", "set it to your reward function"),
     ],
 )
@@ -179,14 +184,16 @@ def test_a_verifiers_run_needs_no_reward_function() -> None:
 
 
 @pytest.mark.e2e
-def test_a_single_turn_taskset_trains_through_the_adapter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["local", "vllm"])
+def test_a_single_turn_taskset_trains_through_the_adapter(backend: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    steps = 3
+    steps = 2
     proc = run_train(
         [
             *VERIFIERS,
+            f"service.inference_service.backend={backend}",
             "rollout_worker.verifiers.val_size=16",
-            "data.batch_size=8",
+            "data.batch_size=4",
             "data.rollout_repeat_n=4",
             f"train_worker.total_train_steps={steps}",
             f"validate.eval.validate_freq={steps}",
@@ -211,6 +218,26 @@ def test_a_single_turn_taskset_trains_through_the_adapter(tmp_path: Path) -> Non
     validations = [r for r in rows if "val/num_samples" in r]
     assert [(r["step"], r["val/num_samples"]) for r in validations] == [(0, 16), (steps, 16)]
     assert (run_dir / "logs" / "verifiers_rollout_worker.log").exists()
+
+
+@pytest.mark.e2e
+def test_a_run_whose_rubric_fails_stops_with_its_error(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [
+            *VERIFIERS,
+            "rollout_worker.verifiers.taskset.id=nexrl_broken_rubric",  # 64 tasks, the last 32 validate
+            "data.batch_size=4",
+            "data.rollout_repeat_n=4",
+            "train_worker.total_train_steps=2",
+            "validate.eval.validate_freq=0",
+            f"run_dir={run_dir}",
+            "logger.backend=[]",
+        ]
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the reward function failed for 16 of the 16 samples" in proc.stderr, proc.stderr[-3000:]
+    assert "the verifiers episode failed" in proc.stderr and "answer_v2" in proc.stderr, proc.stderr[-3000:]
 
 
 LOOKUP = {"a": "3", "b": "7", "c": "1", "d": "5", "e": "0", "f": "6", "g": "2", "h": "4"}  # nexrl_lookup's
@@ -282,17 +309,16 @@ def test_a_multi_turn_episode_calls_the_environments_tool_and_trains_only_the_mo
 
 
 @pytest.mark.e2e
-def test_a_multi_turn_taskset_with_a_tool_trains_through_the_adapter_on_vllm(
-    tool_model: str, tmp_path: Path
+@pytest.mark.parametrize("backend", ["local", "vllm"])
+def test_a_multi_turn_taskset_with_a_tool_trains_through_the_adapter(
+    backend: str, tool_model: str, tmp_path: Path
 ) -> None:
-    """vLLM serves the token route with --enable-scale-out (the run adds it), its log-prob entries
-    named by ``token_id`` (the worker gives them renderers' ``token`` name)."""
     run_dir = tmp_path / "run"
     steps = 2
     proc = run_train(
         [
             *lookup_overrides(tool_model, run_dir),
-            "service.inference_service.backend=vllm",
+            f"service.inference_service.backend={backend}",
             "rollout_worker.verifiers.val_size=8",
             "data.batch_size=4",
             "data.rollout_repeat_n=4",

@@ -130,7 +130,7 @@ class VerifiersRolloutConfig(TypedDict):
     python_path: list[str]
     max_concurrent: Annotated[int, Ge(1)]
     start_timeout_s: Annotated[float, Gt(0.0)]
-    val_size: Annotated[int, Ge(0)]
+    val_size: Annotated[int, Ge(1)]  # the taskset's last N tasks: the validation set
 
 
 class RolloutWorkerConfig(TypedDict):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nexrl_hpc.config.schema import RLTrainConfig, VerifiersRolloutConfig
+from nexrl_hpc.rewards.runner import ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ class VerifiersEnvError(RuntimeError):
 
 
 class VerifiersEnvProcess:
-    """One worker process serving one environment; ``episode`` and ``tasks`` may be called from any
-    thread (``aepisode`` from an event loop). Answers are matched to requests by id."""
+    """One worker process serving one environment. ``request`` and ``tasks`` may be called from any
+    thread, ``aepisode`` from an event loop; answers are matched to requests by id. The worker ends
+    when its stdin closes (``close``, or this process's death): it finishes what it was asked and
+    exits."""
 
     def __init__(
         self, cfg: VerifiersRolloutConfig, init: dict[str, Any], log_path: str, api_key: str | None = None
@@ -74,7 +77,6 @@ class VerifiersEnvProcess:
             stderr=self._log,
             text=True,
             env=env,
-            start_new_session=False,
         )
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(self.init) + "\n")
@@ -142,8 +144,13 @@ class VerifiersEnvProcess:
             request_id = self._next_id
             raw: Future[dict[str, Any]] = Future()
             self._pending[request_id] = raw
-            self._proc.stdin.write(json.dumps({"id": request_id, "op": op, **fields}) + "\n")
-            self._proc.stdin.flush()
+            try:
+                self._proc.stdin.write(json.dumps({"id": request_id, "op": op, **fields}) + "\n")
+                self._proc.stdin.flush()
+            except OSError as exc:  # the worker is gone (its reader reports how it ended)
+                self._pending.pop(request_id, None)
+                answer.set_exception(VerifiersEnvError(f"the verifiers worker is not reading: {exc}"))
+                return answer
 
         def done(f: Future[dict[str, Any]]) -> None:
             exc = f.exception()
@@ -186,9 +193,12 @@ class VerifiersEnvProcess:
 
 def episode_trajectory(record: dict[str, Any]) -> dict[str, Any] | None:
     """An episode record as trajectory fields (prompt/response ids, loss mask, behaviour log-probs,
-    reward, scores), or None when there is nothing to train on: a failed episode (its errors are
-    logged by the caller), or one in which the model sampled nothing."""
-    if not record.get("ok") or not record.get("traces"):
+    reward, scores), or None when there is nothing to train on (no trace, or the model sampled
+    nothing: the caller logs the episode's errors). An episode that failed after the model sampled
+    (its rubric raised, a tool server died) counts as a failed reward (``reward/errors``, scored
+    by the trace: 0), with its first error as ``reward_error``: a run whose episodes fail stops at
+    ``rollout_worker.max_reward_error_frac`` with that error, as one whose reward function fails."""
+    if not record.get("traces"):
         return None
     if len(record["traces"]) != 1:
         raise VerifiersEnvError(
@@ -210,8 +220,12 @@ def episode_trajectory(record: dict[str, Any]) -> dict[str, Any] | None:
     scores = {"reward": reward, "context_mismatch": float(len(branches) > 1)}
     scores.update({f"verifiers/reward/{k}": float(v) for k, v in trace["rewards"].items()})
     scores.update({f"verifiers/metric/{k}": float(v) for k, v in trace["metrics"].items()})
+    errors = episode_errors(record)
+    scores[ERRORS] = float(bool(errors) or not record.get("ok", False) or not trace["ok"])
     finish = trace["finish_reasons"][-1] if trace["finish_reasons"] else None
+    failed = {"reward_error": f"the verifiers episode failed: {errors[0] if errors else 'not ok'}"}
     return {
+        **(failed if scores[ERRORS] else {}),
         "prompt_ids": list(ids[:start]),
         "response_ids": list(ids[start:]),
         "loss_mask": [int(m) for m in sampled[start:]],
@@ -221,6 +235,11 @@ def episode_trajectory(record: dict[str, Any]) -> dict[str, Any] | None:
         "scores": scores,
         "termination_reason": trace["stop_condition"],
     }
+
+
+def episode_errors(record: dict[str, Any]) -> list[str]:
+    """The episode's errors and each trace's."""
+    return [*record.get("errors", []), *(e for t in record.get("traces", []) for e in t.get("errors", []))]
 
 
 def verifiers_python(configured: str | None) -> str:
@@ -273,4 +292,4 @@ def taskset_rows(config: RLTrainConfig, log_path: str) -> tuple[list[dict[str, A
         raise VerifiersEnvError(
             f"{KEY}.val_size={val_size} leaves no training task: the taskset has {len(rows)} tasks"
         )
-    return (rows[: len(rows) - val_size], rows[len(rows) - val_size :]) if val_size else (rows, [])
+    return rows[: len(rows) - val_size], rows[len(rows) - val_size :]

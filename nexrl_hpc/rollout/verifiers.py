@@ -5,9 +5,10 @@ its process with the engine's endpoint and key, sends each task's index with the
 of the moment (training or greedy validation), and puts the episode into the pool as one training
 sequence: the tokens the engine sampled trained, the rest masked, the environment's rubric as the
 reward. Its rows come from the taskset itself (``data.type=verifiers``: ``verifiers_task`` holds the
-index). An episode that failed (its errors in the worker's log and the run's) is dropped and
-reported, like any step that returns nothing; the rubric's parts and metrics ride in the
-trajectory's scores (``verifiers/reward/<name>``, ``verifiers/metric/<name>``).
+index). An episode in which the model sampled nothing (its errors in the worker's log and the
+run's) is dropped and reported, like any step that returns nothing; one that failed after it
+sampled counts as a failed reward (``episode_trajectory``). The rubric's parts and metrics ride in
+the trajectory's scores (``verifiers/reward/<name>``, ``verifiers/metric/<name>``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from nexrl_hpc.hub.verifiers_env import (
     TASK_INDEX,
     VerifiersEnvError,
     VerifiersEnvProcess,
+    episode_errors,
     episode_trajectory,
     worker_init,
 )
@@ -87,7 +89,7 @@ class VerifiersRolloutWorker(BaseRolloutWorker):
                 "%s: the episode of task %d gave nothing to train on: %s",
                 self._module_name,
                 index,
-                "; ".join(record.get("errors") or []) or "the model sampled no token",
+                "; ".join(episode_errors(record)) or "the model sampled no token",
             )
             return None
         if self._tokenizer is None:

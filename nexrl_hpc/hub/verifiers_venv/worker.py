@@ -78,13 +78,12 @@ def task_prompt(task: Any) -> str:
 def episode_record(episode: Any) -> dict[str, Any]:
     """What the run needs of an episode: per branch the token ids, which of them were sampled and
     their log-probs (exact: never rounded), and the trace's reward, its parts, metrics and errors."""
-    errors = [f"{e.type}: {e.message}" for e in episode.errors]
     traces = []
     for trace in episode.traces:
-        errors += [f"{e.type}: {e.message}" for e in trace.errors]
         traces.append(
             {
                 "ok": bool(trace.ok),
+                "errors": [f"{e.type}: {e.message}" for e in trace.errors],
                 "reward": float(trace.reward or 0.0),
                 "rewards": {k: float(v.score) for k, v in trace.rewards.items() if v is not None},
                 "metrics": {k: float(v) for k, v in (trace.metrics or {}).items() if _is_number(v)},
@@ -101,6 +100,7 @@ def episode_record(episode: Any) -> dict[str, Any]:
                 ],
             }
         )
+    errors = [f"{e.type}: {e.message}" for e in episode.errors]
     return {"ok": bool(episode.ok), "errors": errors, "traces": traces}
 
 
