@@ -121,6 +121,20 @@ def _json(payload: dict[str, Any]) -> Response:
     return Response(content=json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
+def sampling_params(
+    max_tokens: int, req: CompletionRequest | ChatCompletionRequest | TokenSamplingParams
+) -> SamplingParams:
+    """The engine's sampling settings from a request's fields (every route names them alike)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        n=req.n,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        seed=req.seed,
+    )
+
+
 def _token_id_logprobs(out: GenerationOutput) -> list[dict[str, Any]]:
     """Each sampled token's log-prob, named by id as vLLM's generate route (``token_id``) and as
     ``renderers`` reads it (``token``: "token_id:N"); no top candidates."""
@@ -256,14 +270,7 @@ class OpenAIApi:
         prompt_ids = self._completion_prompt_ids(prompt)
         if not prompt_ids:
             return error_response(400, "prompt is empty")
-        params = SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            n=req.n,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            seed=req.seed,
-        )
+        params = sampling_params(req.max_tokens, req)
         try:
             outputs = await self.run(prompt_ids, params)
         except ValueError as exc:
@@ -326,14 +333,7 @@ class OpenAIApi:
         except Exception as exc:
             return error_response(400, f"could not apply the chat template: {exc}")
         max_tokens = req.max_completion_tokens or req.max_tokens or (self.engine.max_model_len - len(prompt))
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            n=req.n,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            seed=req.seed,
-        )
+        params = sampling_params(max_tokens, req)
         try:
             outputs = await self.run([list(prompt)], params)
         except ValueError as exc:
@@ -353,14 +353,7 @@ class OpenAIApi:
         if problem := self.over_limits(sp.n, 1):
             return error_response(400, problem)
         prompt = list(req.token_ids)
-        params = SamplingParams(
-            max_tokens=sp.max_tokens or max(self.engine.max_model_len - len(prompt), 1),
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            n=sp.n,
-            stop_token_ids=tuple(sp.stop_token_ids or ()),
-            seed=sp.seed,
-        )
+        params = sampling_params(sp.max_tokens or max(self.engine.max_model_len - len(prompt), 1), sp)
         try:
             outputs = await self.run([prompt], params)
         except ValueError as exc:
