@@ -127,6 +127,46 @@ def model_logprobs(cfg: dict, prompt: list[int], response: list[int]) -> list[fl
     return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)]
 
 
+def test_an_episode_on_a_users_model_dir_keeps_the_ids_the_tokenizer_has_no_token_for(
+    chatml_padded_model_dir: str, tmp_path: Path
+) -> None:
+    """What users bring: a Qwen2 model directory (tied embeddings, GQA, a byte-level BPE tokenizer
+    with its ChatML template) whose embedding is padded past its tokenizer, as every Qwen's is. The
+    random model samples ids without a token; the episode keeps them and the engine's log-probs."""
+    cfg = compose_config([*VERIFIERS, f"model.path={chatml_padded_model_dir}", f"run_dir={tmp_path}"])
+    local = cfg["service"]["inference_service"]["local"]
+    name = cfg["service"]["inference_service"]["model"]
+    server = LocalInferenceServer(chatml_padded_model_dir, local, str(tmp_path / "logs"), name)
+    server.start()
+    try:
+        env = start_env(cfg, server, tmp_path / "worker.log")
+        try:
+            sampling = {"temperature": 1.0, "max_tokens": 24, "seed": 3}
+            record = env.request("episode", task_index=0, sampling=sampling).result(timeout=120)["episode"]
+        finally:
+            env.close()
+    finally:
+        server.stop()
+    trajectory = episode_trajectory(record)
+    assert trajectory is not None, record
+    tokenizer = load_model_tokenizer(cfg)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": max_digit_tasks()[0][0]}], add_generation_prompt=True
+    )
+    assert trajectory["prompt_ids"] == list(
+        getattr(rendered, "input_ids", rendered)
+    )  # ChatML, as the run renders
+    response = trajectory["response_ids"]
+    assert any(t >= len(tokenizer) for t in response), response  # ids past the tokenizer, kept as sampled
+    model = load_model(chatml_padded_model_dir).eval()
+    ids = trajectory["prompt_ids"] + response
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    start = len(trajectory["prompt_ids"])
+    expected = [lp[start + i - 1, t].item() for i, t in enumerate(response)]
+    assert max(abs(a - b) for a, b in zip(trajectory["behaviour_log_probs"], expected)) < 1e-4
+
+
 def test_a_broken_environment_or_a_dead_worker_is_an_error_naming_it(
     served: tuple[LocalInferenceServer, dict], tmp_path: Path
 ) -> None:
