@@ -3,7 +3,8 @@
 #   bash scripts/install.sh          # runtime dependencies
 #   bash scripts/install.sh --dev    # + test tools, DeepSpeed (engine=deepspeed), vLLM's own venv
 #                                    #   (scripts/install_vllm.sh, cached; backend=vllm, tests/test_vllm.py)
-#                                    #   and verifiers' (scripts/install_verifiers.sh; rollout_worker.type=verifiers)
+#                                    #   verifiers' (scripts/install_verifiers.sh; rollout_worker.type=verifiers)
+#                                    #   and OpenEnv's (scripts/install_openenv.sh; rollout_worker.type=openenv)
 #   (DeepSpeed alone: DS_BUILD_OPS=0 pip install -e ".[deepspeed]" with torch already installed)
 # torch goes in first: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
 # On a GPU cluster set NEXRL_TORCH_SPEC to the build you want (e.g. "torch==2.13.0" from the
@@ -24,5 +25,8 @@ torch_version=$("$PY" -c "import torch; print(torch.__version__)")
 DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".${extras}" -c <(echo "torch==${torch_version}")
 # vLLM (CPU build) in its own venv: it pins a torch and transformers of its own
 if [[ -n "$extras" ]]; then bash scripts/install_vllm.sh >/dev/null; fi
-# verifiers in its own venv: it pins openai<3
-if [[ -n "$extras" ]]; then bash scripts/install_verifiers.sh >/dev/null; fi
+# verifiers and OpenEnv in venvs of their own: verifiers pins openai<3 and mcp 2, OpenEnv needs mcp 1
+if [[ -n "$extras" ]]; then
+  bash scripts/install_verifiers.sh >/dev/null
+  bash scripts/install_openenv.sh >/dev/null
+fi

@@ -186,6 +186,8 @@ class ToolAgent(BaseAgent):
         super().__init__(system_prompt)
 
     def format_observation(self, observation: Any, first: bool) -> list[dict[str, Any]]:
+        if first and isinstance(observation, list):  # the prompt as chat messages
+            return [dict(m) for m in observation]
         if first:
             return [{"role": "user", "content": question_text(observation)}]
         if isinstance(observation, dict) and "tool_outputs" in observation:

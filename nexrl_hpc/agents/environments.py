@@ -191,6 +191,15 @@ class ToolEnvironment(BaseEnv):
                 reward, info = _score(self.reward_fn, self.task, answer)
                 info.update(self._counts(), answer=answer)
                 return {}, reward, True, info
+        return self.tool_turn(calls)
+
+    def execute_tool(self, call: ToolCall) -> ToolOutput:
+        """Run one call (an environment whose tools run elsewhere overrides this)."""
+        return self.tools.execute(call)
+
+    def tool_turn(self, calls: list[ToolCall]) -> tuple[Any, float, bool, dict[str, Any]]:
+        """A turn of tool calls: their outputs (calls that did not parse answered with their error),
+        or the end of the episode, reward 0, when they would exceed ``max_tool_calls``."""
         real = [c for c in calls if c.name != TOOL_CALL_ERROR]
         if self.num_tool_calls + len(real) > self.max_tool_calls:
             info = self._counts()
@@ -204,7 +213,7 @@ class ToolEnvironment(BaseEnv):
                 )
             else:
                 self.num_tool_calls += 1
-                out = self.tools.execute(call)
+                out = self.execute_tool(call)
             if not out.ok:
                 self.num_tool_errors += 1
             outputs.append(out)

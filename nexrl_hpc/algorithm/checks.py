@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nexrl_hpc.config.rollout_schema import AGENT_ROLLOUTS
 from nexrl_hpc.config.validate import ConfigProblem, config_value, g_safe
 
 
@@ -31,9 +32,9 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
         "set algorithm.recompute_old_log_prob=true",
     )
     check(
-        lambda: g("algorithm.advantage_granularity") != "step" or g("rollout_worker.type") == "agent",
+        lambda: g("algorithm.advantage_granularity") != "step" or g("rollout_worker.type") in AGENT_ROLLOUTS,
         "algorithm.advantage_granularity",
-        "step needs per-turn returns, which only rollout_worker.type=agent produces "
+        "step needs per-turn returns, which only rollout_worker.type=agent or openenv produces "
         f"(rollout_worker.type={g_safe(cfg, 'rollout_worker.type')})",
     )
     check(
@@ -74,7 +75,7 @@ def algorithm_problems(cfg: Mapping) -> list[ConfigProblem]:
         "(the penalty zone is the end of the response budget)",
     )
     check(
-        lambda: g("algorithm.overlong.buffer_len") == 0 or g("rollout_worker.type") != "agent",
+        lambda: g("algorithm.overlong.buffer_len") == 0 or g("rollout_worker.type") not in AGENT_ROLLOUTS,
         "algorithm.overlong.buffer_len",
         "the soft overlong penalty compares a response's length with rollout_worker.max_response_length, "
         "which is per turn for rollout_worker.type=agent: set it to 0 (algorithm.overlong.filter works per turn)",

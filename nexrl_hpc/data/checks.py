@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nexrl_hpc.config.rollout_schema import AGENT_ROLLOUTS
 from nexrl_hpc.config.validate import ConfigProblem, config_value, g_safe, rule_problems
 from nexrl_hpc.data.prompts import (
     CharacterBound,
@@ -98,7 +99,7 @@ def _prompt_fit_problems(
     rows: list[dict[str, Any]],
 ) -> list[ConfigProblem]:
     """Chat prompts need a chat template; some prompt must fit rollout_worker.max_prompt_length."""
-    if cfg["rollout_worker"]["type"] == "agent":
+    if cfg["rollout_worker"]["type"] in AGENT_ROLLOUTS:
         return []  # an agent workflow builds its own turn prompts
     from nexrl_hpc.models.run_tokenizer import load_run_tokenizer
 

@@ -1,2 +1,3 @@
-"""Environments from the hubs people publish to: ``verifiers`` (and, later, OpenEnv), run in their own
-venv and driven by a rollout worker of this run (``rollout_worker.type=verifiers``)."""
+"""Environments from the hubs people publish to, each run in its own venv by a worker process
+(``venv_process``): ``verifiers`` tasksets (``rollout_worker.type=verifiers``) and OpenEnv
+environments behind TRL's ``environment_factory`` class (``rollout_worker.type=openenv``)."""

@@ -1,7 +1,7 @@
 """The reward functions' config checks: each configured reward function imports and has a known
 calling convention (``rewards.loader.reward_problems``); a list of them (with ``reward_weights`` of
-its length) is for the single-turn worker; none (null) only for a verifiers environment, whose rubric
-scores."""
+its length) is for the single-turn worker; none (null) only for a verifiers or OpenEnv environment,
+which scores its own episodes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ WEIGHTS_KEY = "rollout_worker.reward_weights"
 def reward_config_problems(cfg: Mapping) -> list[ConfigProblem]:
     """The rollout's reward function(s), and the task's when it names another one."""
     spec = g_safe(cfg, KEY)
-    if spec is None and g_safe(cfg, "rollout_worker.type") != "verifiers":
+    if spec is None and g_safe(cfg, "rollout_worker.type") not in ("verifiers", "openenv"):
         return [
             ConfigProblem(
                 KEY, f"not set (null), expected string or list of string: {REQUIRED_VALUE_HINTS[KEY]}"

@@ -55,6 +55,20 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def episode_limits(config: RLTrainConfig) -> dict[str, Any]:
+    """A multi-turn workflow's turn, length and time limits and its reward shaping (``rollout_worker.agent``)."""
+    rw = config["rollout_worker"]
+    agent_cfg = rw["agent"]
+    return {
+        "max_steps": agent_cfg["max_turns"],
+        "max_response_length": agent_cfg["max_episode_length"],
+        "max_prompt_length": rw["max_prompt_length"],
+        "gamma": agent_cfg["gamma"],
+        "reward_bonus_coeff": agent_cfg["reward_bonus_coeff"],
+        "timeout": agent_cfg["timeout_s"],
+    }
+
+
 def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str, Any]]:
     """(workflow class, its kwargs) from ``rollout_worker.agent``; raises ConfigError naming the key."""
     rw = config["rollout_worker"]
@@ -94,12 +108,7 @@ def build_workflow_args(config: RLTrainConfig) -> tuple[type[Workflow], dict[str
         "env_cls": env_cls,
         "agent_args": agent_args,
         "env_args": env_args,
-        "max_steps": agent_cfg["max_turns"],
-        "max_response_length": agent_cfg["max_episode_length"],
-        "max_prompt_length": rw["max_prompt_length"],
-        "gamma": agent_cfg["gamma"],
-        "reward_bonus_coeff": agent_cfg["reward_bonus_coeff"],
-        "timeout": agent_cfg["timeout_s"],
+        **episode_limits(config),
     }
     workflow_args.update(agent_cfg["workflow_args"] or {})
     return workflow_cls, workflow_args
@@ -170,9 +179,13 @@ class AgentRolloutWorker(BaseRolloutWorker):
 
     def __init__(self, config: RLTrainConfig):
         super().__init__(config)
-        self._workflow_cls, self._workflow_args = build_workflow_args(config)
+        self._workflow_cls, self._workflow_args = self._workflow(config)
         self._retry_limit = config["rollout_worker"]["agent"]["retry_limit"]
         self._runner: WorkflowRunner | None = None
+
+    def _workflow(self, config: RLTrainConfig) -> tuple[type[Workflow], dict[str, Any]]:
+        """The workflow class and its kwargs (``rollout_worker.agent``)."""
+        return build_workflow_args(config)
 
     def _workflow_runner(self) -> WorkflowRunner:
         """Made on first use: the LLM client exists only once ``run`` started."""
@@ -229,6 +242,9 @@ class AgentRolloutWorker(BaseRolloutWorker):
         sequence = trajectory_to_sequence(agent_trajectory)
         trajectory: dict[str, Any] = dict(task)  # the task's own fields ride along
         trajectory.update(sequence.to_trajectory_fields())
+        reward_errors = [s.info["reward_error"] for s in agent_trajectory.steps if s.info.get("reward_error")]
+        if reward_errors:  # the run stops at max_reward_error_frac with this message
+            trajectory["reward_error"] = reward_errors[0]
         trajectory.update(
             model_tag=model_tag,
             response="".join(s.model_response for s in agent_trajectory.steps),

@@ -24,4 +24,8 @@ def rollout_worker_class(config: RLTrainConfig) -> type[BaseRolloutWorker]:
         from nexrl_hpc.rollout.verifiers import VerifiersRolloutWorker
 
         return VerifiersRolloutWorker
+    if kind == "openenv":
+        from nexrl_hpc.rollout.openenv import OpenEnvRolloutWorker
+
+        return OpenEnvRolloutWorker
     raise ValueError(f"rollout_worker.type={kind!r} is not a known worker")

@@ -7,10 +7,8 @@ and runs episodes concurrently. Each model call goes through verifiers' training
 (``TrainClientConfig``: the conversation rendered to token ids here, the run's engine called at
 ``/inference/v1/generate``), so the token ids and log-probs of a trace are the engine's own.
 
-Protocol: JSON lines. The run writes the init message and then requests on stdin; answers go to the
-process's original stdout, which nothing else can write to: fd 1 and ``sys.stdout`` are pointed at
-stderr (the run's log file) before the environment's code is imported, so a ``print`` in a taskset
-cannot corrupt the stream. A request is answered by its ``id``; answers come in completion order.
+Protocol: JSON lines (``../venv_shared/jsonl_protocol.py``: a ``print`` in a taskset goes to the log,
+not into the stream). A request is answered by its ``id``; answers come in completion order.
 
     init     {taskset, harness, model, base_url, api_key_env, tokenizer, renderer, python_path, max_concurrent}
     -> ready {num_tasks, verifiers_version, env_class}
@@ -24,33 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
-import threading
 import traceback
-from typing import Any, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-
-def _protocol_stream() -> TextIO:
-    """The original stdout, for the protocol alone; fd 1 and ``sys.stdout`` now write to stderr."""
-    protocol_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(protocol_fd, "w", buffering=1)
-
-
-class Answers:
-    """One writer for the protocol stream (episodes finish on the loop, tasks on threads)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.lock = threading.Lock()
-
-    def send(self, message: dict[str, Any]) -> None:
-        line = json.dumps(message, separators=(",", ":"), allow_nan=False)
-        with self.lock:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+if TYPE_CHECKING:  # the same module, as the type checker finds it
+    from nexrl_hpc.hub.venv_shared.jsonl_protocol import Answers, add_python_path, read_requests, run_worker
+else:  # the venv has no nexrl_hpc: the module is imported from its directory
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "venv_shared"))
+    from jsonl_protocol import Answers, add_python_path, read_requests, run_worker
 
 
 def env_config(init: dict[str, Any]) -> dict[str, Any]:
@@ -133,13 +114,7 @@ def _is_number(value: Any) -> bool:
 
 
 async def serve(init: dict[str, Any], answers: Answers) -> None:
-    paths = list(init.get("python_path") or [])
-    for path in reversed(paths):
-        sys.path.insert(0, path)
-    if paths:  # the environment's tool servers run as `python -m <module>` in child processes
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        )
+    add_python_path(list(init.get("python_path") or []))
     import verifiers
     import verifiers.v1 as vf
     from pydantic import TypeAdapter
@@ -191,8 +166,6 @@ async def serve(init: dict[str, Any], answers: Answers) -> None:
             result = {"error": f"{type(exc).__name__}: {exc}"}
         answers.send({"id": request.get("id"), **result})
 
-    loop = asyncio.get_running_loop()
-    running: set[asyncio.Task[None]] = set()
     async with env.serving():
         version = getattr(verifiers, "__version__", "unknown")
         answers.send(
@@ -204,26 +177,8 @@ async def serve(init: dict[str, Any], answers: Answers) -> None:
                 }
             }
         )
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            job = asyncio.ensure_future(answer(json.loads(line)))
-            running.add(job)
-            job.add_done_callback(running.discard)
-        for job in list(running):  # stdin closed: the run let go; finish what was asked
-            await job
-
-
-def main() -> int:
-    answers = Answers(_protocol_stream())
-    try:
-        init = json.loads(sys.stdin.readline())
-        asyncio.run(serve(init, answers))
-    except Exception:
-        trace = traceback.format_exc()
-        print(trace, file=sys.stderr)
-        answers.send({"fatal": trace})
-        return 1
-    return 0
+        await read_requests(answer)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_worker(serve))
