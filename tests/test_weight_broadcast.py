@@ -536,6 +536,7 @@ def test_a_member_dead_after_publishing_its_address_fails_the_group_within_the_f
     the group (the sync then fails at its call-off, mid-stream), so the death is replayed until
     one attempt meets the wait (one attempt in two or three)."""
     import multiprocessing
+    import multiprocessing.connection
 
     import torch.distributed as dist
 
@@ -564,7 +565,9 @@ def test_a_member_dead_after_publishing_its_address_fails_the_group_within_the_f
         if called_off:
 
             def call_off_when_it_died(member: Any = member, spec: Any = spec) -> None:
-                member.join(timeout=60)
+                # its sentinel, not join: two threads joining one process race to reap it, and the
+                # loser reads exitcode None for a process that exited 0
+                multiprocessing.connection.wait([member.sentinel], timeout=60)
                 rendezvous.abort(spec, "server 'rollout-1' failed: connection refused")
 
             threading.Thread(target=call_off_when_it_died, daemon=True).start()
