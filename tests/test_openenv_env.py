@@ -61,6 +61,16 @@ def process(tmp_path_factory: pytest.TempPathFactory) -> Any:
     proc.close()
 
 
+@pytest.fixture(scope="module")
+def briefed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A class whose reset returns an observation (the table's keys)."""
+    log = tmp_path_factory.mktemp("openenv") / "worker.log"
+    proc = OpenEnvProcess(openenv_cfg(env_factory=f"{PACKAGE}.trl_env:BriefedLookupEnv"), str(log))  # type: ignore[arg-type]
+    proc.start()
+    yield proc
+    proc.close()
+
+
 def test_the_worker_serves_the_class_tools_and_reward(process: OpenEnvProcess) -> None:
     ready = process.ready
     assert ready["env_class"] == f"{PACKAGE}.trl_env:LookupToolEnv"
@@ -136,6 +146,33 @@ def test_an_episode_calls_the_tool_in_the_worker_and_trains_as_one_sequence(proc
     assert mask[: len(call)] == [1] * len(call) and mask[-len(answer) :] == [1] * len(answer)
     assert sum(mask) == len(call) + len(answer)
     assert fields["behaviour_log_probs"][: len(call)] == [logprob(t) for t in call]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "first_messages"),
+    [
+        ("c", [{"role": "user", "content": "c\nKeys: ac."}]),
+        (
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "c"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "c\nKeys: ac."}],
+        ),
+    ],
+)
+def test_what_reset_returns_is_appended_to_the_prompt(
+    briefed: OpenEnvProcess, prompt: Any, first_messages: list[dict[str, str]]
+) -> None:
+    model = ScriptedModel(["<k>c</k>", "3"])
+    workflow = OpenEnvWorkflow(
+        model,
+        agent_cls=ToolAgent,
+        env_cls=OpenEnvEnvironment,
+        agent_args={"tool_map": tool_stubs(briefed.ready["tools"]), "result_tag": "r"},
+        env_args={"process": briefed},
+        max_steps=3,
+    )
+    episode = asyncio.run(workflow.run_with_termination_handling({**ROW, "prompt": prompt}, "r0:0"))
+    assert model.calls[0] == first_messages
+    assert episode.trajectories[0].reward == 1.0
 
 
 def test_the_reward_is_read_when_the_turn_limit_ends_the_episode(process: OpenEnvProcess) -> None:

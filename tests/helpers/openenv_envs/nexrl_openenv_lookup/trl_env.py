@@ -62,3 +62,9 @@ def broken_reward(environments, **kwargs):
 class NoDocEnv(LookupToolEnv):
     def peek(self, key: str) -> str:
         return key
+
+
+class BriefedLookupEnv(LookupToolEnv):
+    def reset(self, **kwargs):
+        super().reset(**kwargs)
+        return f"Keys: {''.join(sorted(kwargs['table']))}."
