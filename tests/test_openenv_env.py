@@ -183,8 +183,14 @@ def test_the_reward_is_read_when_the_turn_limit_ends_the_episode(process: OpenEn
     assert [s.reward for s in trajectory.steps] == [0.0, 0.5]
 
 
-def test_a_reward_function_that_raises_scores_zero_and_is_counted(tmp_path: Path) -> None:
-    cfg = openenv_cfg(reward_fn=f"{PACKAGE}.trl_env:broken_reward")
+@pytest.mark.parametrize(
+    ("reward_fn", "message"),
+    [("broken_reward", "KeyError: 'answer_v2'"), ("nan_reward", "the reward is nan, not a finite number")],
+)
+def test_a_reward_function_that_fails_scores_zero_and_is_counted(
+    tmp_path: Path, reward_fn: str, message: str
+) -> None:
+    cfg = openenv_cfg(reward_fn=f"{PACKAGE}.trl_env:{reward_fn}")
     proc = OpenEnvProcess(cfg, str(tmp_path / "worker.log"))  # type: ignore[arg-type]
     proc.start()
     try:
@@ -195,7 +201,7 @@ def test_a_reward_function_that_raises_scores_zero_and_is_counted(tmp_path: Path
     assert episode.metrics["reward/errors"] == 1.0
     fields = AgentRolloutWorker.episode_to_trajectory(dict(ROW), episode, "policy")
     assert fields is not None and fields["reward"] == 0.0
-    assert "KeyError: 'answer_v2'" in fields["reward_error"]
+    assert message in fields["reward_error"]
 
 
 def test_a_tool_without_a_docstring_stops_the_start_naming_it(tmp_path: Path) -> None:

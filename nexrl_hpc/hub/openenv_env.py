@@ -6,10 +6,10 @@ user passes as ``environment_factory`` (``reset(**row)``, public methods as tool
 the instance by a reward function taking ``environments``); ``openenv_venv/worker.py`` runs it, and
 serves the environment's OpenEnv server app on loopback when ``server_app`` names one.
 
-The model side is the agent stack's: ``OpenEnvEnvironment`` is a ``BaseEnv`` whose tools run in the
-worker, ``OpenEnvWorkflow`` a multi-turn workflow that reads the reward once the episode has ended
-(however it ended, as TRL reads it after the generation), and the agent is a ``ToolAgent`` given the
-class's tools. So the episode trains as every agent episode does: one sequence, the engine's token ids
+The model side is the agent stack's: ``OpenEnvEnvironment`` is a ``ToolEnvironment`` whose tools run
+in the worker, ``OpenEnvWorkflow`` a multi-turn workflow that reads the reward once the episode has
+ended (as TRL reads it after the generation), and the agent is a ``ToolAgent`` given the class's
+tools. So the episode trains as every agent episode does: one sequence, the engine's token ids
 and log-probs, the environment's text masked.
 """
 

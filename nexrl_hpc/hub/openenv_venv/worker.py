@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 import os
 import re
 import socket
@@ -158,6 +159,13 @@ def accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+def finite(value: Any) -> float:
+    """A reward as a float; None, NaN and infinities are errors (JSON carries none of them)."""
+    if value is None or not math.isfinite(float(value)):
+        raise ValueError(f"the reward is {value!r}, not a finite number")
+    return float(value)
+
+
 class Slots:
     """The environment class's instances, one per slot, made on first use and reused."""
 
@@ -200,7 +208,7 @@ class Slots:
                     f"{self.cls.__qualname__} has no `reward` attribute and no "
                     "rollout_worker.openenv.reward_fn is set"
                 )
-            return {"reward": float(value)}
+            return {"reward": finite(value)}
         columns = {k: [v] for k, v in request.get("row", {}).items()}
         kwargs = {
             **columns,
@@ -208,8 +216,10 @@ class Slots:
             "completions": request["completions"],
             "environments": [env],
         }
-        (value,) = self.reward_fn(**accepted(self.reward_fn, kwargs))
-        return {"reward": float(value)}
+        values = list(self.reward_fn(**accepted(self.reward_fn, kwargs)))
+        if len(values) != 1:
+            raise ValueError(f"the reward function returned {len(values)} rewards for 1 environment")
+        return {"reward": finite(values[0])}
 
 
 async def serve(init: dict[str, Any], answers: Answers) -> None:
