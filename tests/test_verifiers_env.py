@@ -371,7 +371,9 @@ def test_a_multi_turn_taskset_with_a_tool_trains_through_the_adapter(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/reward_mean" in r]
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
-    assert trained[0]["train/verifiers/metric/tool_calls"] > 0.5  # the warmed-up model calls the tool
+    # the warmed-up model calls the tool in about half its sampled episodes (one vLLM run: 7 of 16):
+    # at least 4 of 16 make the steps multi-turn without betting on a sampling draw
+    assert trained[0]["train/verifiers/metric/tool_calls"] >= 0.25
     for r in trained:
         assert r["train/reward_mean"] == r["train/verifiers/reward/answered_the_value"], r
         assert r["train/logprob_mismatch_max"] <= 1e-4, r  # every sampled id, every turn: vLLM's
