@@ -289,3 +289,44 @@ def test_the_lookup_environment_trains_through_the_adapter(tmp_path: Path) -> No
     validations = [r for r in rows if "val/reward" in r]
     assert [r["step"] for r in validations] == [0, steps]
     assert (run_dir / "logs" / "openenv_rollout_worker.log").exists()
+
+
+@pytest.mark.e2e
+def test_a_users_qwen2_model_dir_runs_openenv_episodes_with_chat_prompts(
+    chatml_padded_model_dir: str, tmp_path: Path
+) -> None:
+    """What users bring: a Qwen2 directory (tied, GQA, byte-level BPE, ChatML, an embedding padded past
+    its tokenizer) and chat-message prompts. Its random weights rarely call the tool; the episodes
+    still run through the environment and train with the engine's ids and log-probs."""
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for i, key in enumerate("abcdefgh" * 4):
+            table = {k: str((j + i) % 8) for j, k in enumerate("abcdefgh")}
+            prompt = [{"role": "system", "content": "Look it up."}, {"role": "user", "content": key}]
+            f.write(json.dumps({"prompt": prompt, "key": key, "table": table, "answer": table[key]}) + "\n")
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [
+            *OPENENV,
+            f"rollout_worker.openenv.env_factory={PACKAGE}.trl_env:BriefedLookupEnv",
+            f"model.path={chatml_padded_model_dir}",
+            "model.tiny.warmup=null",
+            "data.type=jsonl",
+            f"data.data_files=[{rows}]",
+            f"validate.data.data_files=[{rows}]",
+            "rollout_worker.max_prompt_length=96",
+            "rollout_worker.max_response_length=8",
+            "data.batch_size=4",
+            "data.rollout_repeat_n=2",
+            "train_worker.total_train_steps=1",
+            "validate.eval.validate_freq=0",
+            f"run_dir={run_dir}",
+            "logger.backend=[]",
+        ],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows_out = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [r for r in rows_out if "train/reward_mean" in r]
+    assert step["train/logprob_mismatch_max"] <= 1e-4, step
+    assert step["reward/errors"] == 0 and step["train/termination/error"] == 0.0, step

@@ -87,8 +87,8 @@ def task_reward_problems(config: Mapping[str, Any]) -> list[ConfigProblem]:
     with an explicit ``task=<name>``), so it is refused naming the key (each such entry of a list)."""
     data_type = config["data"]["type"]
     configured = config["rollout_worker"]["reward_fn"]
-    if data_type == "task" or config["rollout_worker"].get("type") == "verifiers":  # verifiers: its rubric
-        return []
+    if data_type == "task" or config["rollout_worker"].get("type") in ("verifiers", "openenv"):
+        return []  # the environment scores (its rubric, or the OpenEnv class's reward function)
     several = isinstance(configured, list)
     problems = []
     for i, spec in enumerate(configured if several else [configured]):
