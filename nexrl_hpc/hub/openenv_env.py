@@ -55,12 +55,8 @@ class OpenEnvProcess(VenvWorkerProcess):
         super().__init__(openenv_python(cfg["python"]), str(WORKER), init, log_path, cfg["start_timeout_s"])
         self.call_timeout_s = cfg["call_timeout_s"]
 
-    def failure(self, detail: str) -> str:
-        last = detail.strip().splitlines()[-1] if detail.strip() else "no message"
-        return (
-            f"the OpenEnv environment {self.init['env_factory']!r} failed in its worker ({self.python}): "
-            f"{last}\n{detail}\n(log: {self.log_path})"
-        )
+    def environment_name(self) -> str:
+        return f"the OpenEnv environment {self.init['env_factory']!r}"
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """One request, waited for (``call_timeout_s``); environment calls run in executor threads."""
@@ -140,6 +136,7 @@ class OpenEnvEnvironment(ToolEnvironment):
         self.process = process
         self.slot = uuid.uuid4().hex
         self.task: dict[str, Any] = {}
+        self.row: dict[str, Any] = {}  # the task's JSON-able columns: reset(**row), the reward's columns
 
     @classmethod
     def from_dict(cls, env_args: dict[str, Any]) -> OpenEnvEnvironment:
@@ -149,9 +146,10 @@ class OpenEnvEnvironment(ToolEnvironment):
         if task is None:
             raise ValueError("OpenEnvEnvironment.reset needs the task (the row)")
         self.task = dict(task)
+        self.row = _jsonable(self.task)
         self.num_tool_calls = 0
         self.num_tool_errors = 0
-        answer = self.process.call("open", slot=self.slot, row=_jsonable(self.task))
+        answer = self.process.call("open", slot=self.slot, row=self.row)
         return with_observation(self.task, answer.get("observation")), {}
 
     def step(self, action: Any) -> tuple[Any, float, bool, dict[str, Any]]:
@@ -175,7 +173,7 @@ class OpenEnvEnvironment(ToolEnvironment):
     def reward(self, prompts: list[Any], completions: list[Any]) -> float:
         """The episode's reward: the reward function on the instance (or its ``reward`` attribute)."""
         answer = self.process.call(
-            "reward", slot=self.slot, row=_jsonable(self.task), prompts=prompts, completions=completions
+            "reward", slot=self.slot, row=self.row, prompts=prompts, completions=completions
         )
         return float(answer["reward"])
 

@@ -92,10 +92,17 @@ class VenvWorkerProcess:
         self.ready = message["ready"]
         return self.ready
 
+    def environment_name(self) -> str:
+        """The user's environment, as messages name it (a subclass names it from its init)."""
+        return f"the {self.what} environment"
+
     def failure(self, detail: str) -> str:
         """The message of a worker that could not load its environment (``detail``: its traceback)."""
         last = detail.strip().splitlines()[-1] if detail.strip() else "no message"
-        return f"the {self.what} environment failed in its worker ({self.python}): {last}\n{detail}\n(log: {self.log_path})"
+        return (
+            f"{self.environment_name()} failed in its worker ({self.python}): {last}\n{detail}\n"
+            f"(log: {self.log_path})"
+        )
 
     def _read(self, proc: subprocess.Popen[str], first: Future[dict[str, Any]]) -> None:
         """Answers from the worker's stdout, each to the future of its request id."""

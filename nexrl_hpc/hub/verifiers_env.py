@@ -3,9 +3,10 @@
 verifiers pins ``openai<3`` and brings ~95 packages, so it lives in a venv of its own
 (``scripts/install_verifiers.sh``), as vLLM does. ``VerifiersEnvProcess`` starts
 ``verifiers_venv/worker.py`` with that venv's python and speaks JSON lines to it over pipes
-(``nexrl_hpc.hub.venv_process``: nothing listens on a port). The worker's episodes call the run's engine through
-verifiers' own training client, which renders each conversation to token ids and calls the engine's
-token-in/token-out route, so a trace's token ids and log-probs are what the engine sampled.
+(``nexrl_hpc.hub.venv_process``: nothing listens on a port). The worker's episodes call the run's
+engine through verifiers' own training client, which renders each conversation to token ids and
+calls the engine's token-in/token-out route, so a trace's token ids and log-probs are what the
+engine sampled.
 
 ``episode_trajectory`` turns an episode into one training sequence, as the agent worker does: the
 first trainable branch (prompt, then every token the model sampled trained, the environment's tokens
@@ -56,12 +57,8 @@ class VerifiersEnvProcess(VenvWorkerProcess):
             env={API_KEY_ENV: api_key or "unused"},
         )
 
-    def failure(self, detail: str) -> str:
-        last = detail.strip().splitlines()[-1] if detail.strip() else "no message"
-        return (
-            f"the verifiers environment {self.init['taskset'].get('id')!r} failed in its worker "
-            f"({self.python}): {last}\n{detail}\n(log: {self.log_path})"
-        )
+    def environment_name(self) -> str:
+        return f"the verifiers environment {self.init['taskset'].get('id')!r}"
 
     async def aepisode(self, task_index: int, sampling: dict[str, Any]) -> dict[str, Any]:
         """One episode of task ``task_index`` (the worker's ``episode_record``)."""
